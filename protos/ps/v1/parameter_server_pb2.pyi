@@ -1,0 +1,292 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+
+class ConsistencyMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[ConsistencyMode]
+    MODE_SYNC: _ClassVar[ConsistencyMode]
+    MODE_SSP: _ClassVar[ConsistencyMode]
+    MODE_ASYNC: _ClassVar[ConsistencyMode]
+
+class PushOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_OUTCOME_UNSPECIFIED: _ClassVar[PushOutcome]
+    PUSH_ACCEPTED: _ClassVar[PushOutcome]
+    PUSH_DROPPED: _ClassVar[PushOutcome]
+
+class DropReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DROP_REASON_UNSPECIFIED: _ClassVar[DropReason]
+    DROP_STALE: _ClassVar[DropReason]
+    DROP_ALREADY_CONTRIBUTED: _ClassVar[DropReason]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT64: DType
+DTYPE_FLOAT16: DType
+DTYPE_INT32: DType
+DTYPE_INT64: DType
+DTYPE_UINT8: DType
+DTYPE_BFLOAT16: DType
+MODE_UNSPECIFIED: ConsistencyMode
+MODE_SYNC: ConsistencyMode
+MODE_SSP: ConsistencyMode
+MODE_ASYNC: ConsistencyMode
+PUSH_OUTCOME_UNSPECIFIED: PushOutcome
+PUSH_ACCEPTED: PushOutcome
+PUSH_DROPPED: PushOutcome
+DROP_REASON_UNSPECIFIED: DropReason
+DROP_STALE: DropReason
+DROP_ALREADY_CONTRIBUTED: DropReason
+
+class ParameterSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "row_start", "byte_offset", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    row_start: int
+    byte_offset: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., row_start: _Optional[int] = ..., byte_offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class InitRequest(_message.Message):
+    __slots__ = ("header", "chunks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    header: InitHeader
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class InitHeader(_message.Message):
+    __slots__ = ("parameters", "worker_id")
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    worker_id: str
+    def __init__(self, parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class InitResponse(_message.Message):
+    __slots__ = ("already_initialized", "step", "num_parts")
+    ALREADY_INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARTS_FIELD_NUMBER: _ClassVar[int]
+    already_initialized: bool
+    step: int
+    num_parts: int
+    def __init__(self, already_initialized: _Optional[bool] = ..., step: _Optional[int] = ..., num_parts: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("header", "chunks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("worker_id", "clock", "read_step")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    READ_STEP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    clock: int
+    read_step: int
+    def __init__(self, worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., read_step: _Optional[int] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("outcome", "drop_reason", "message", "step", "clock", "duplicate", "aggregated")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DROP_REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    outcome: PushOutcome
+    drop_reason: DropReason
+    message: str
+    step: int
+    clock: int
+    duplicate: bool
+    aggregated: int
+    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., drop_reason: _Optional[_Union[DropReason, str]] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., clock: _Optional[int] = ..., duplicate: _Optional[bool] = ..., aggregated: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("names", "min_step", "worker_id", "clock", "wait_timeout_ms")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    min_step: int
+    worker_id: str
+    clock: int
+    wait_timeout_ms: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., min_step: _Optional[int] = ..., worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("step", "chunks")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class BarrierRequest(_message.Message):
+    __slots__ = ("name", "participant_id", "participants", "timeout_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    participant_id: str
+    participants: int
+    timeout_ms: int
+    def __init__(self, name: _Optional[str] = ..., participant_id: _Optional[str] = ..., participants: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class BarrierResponse(_message.Message):
+    __slots__ = ("generation", "arrived")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    arrived: int
+    def __init__(self, generation: _Optional[int] = ..., arrived: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("clock", "step", "lease_ms")
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    clock: int
+    step: int
+    lease_ms: int
+    def __init__(self, clock: _Optional[int] = ..., step: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_ms", "step")
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    lease_ms: int
+    step: int
+    def __init__(self, lease_ms: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class DeregisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterWorkerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "clock", "live", "lease_remaining_ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    clock: int
+    live: bool
+    lease_remaining_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ..., lease_remaining_ms: _Optional[int] = ...) -> None: ...
+
+class PartAssignment(_message.Message):
+    __slots__ = ("name", "row_start", "row_end", "shard")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    row_start: int
+    row_end: int
+    shard: int
+    def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class ClusterInfo(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "mode", "replicas_to_aggregate", "total_replicas", "staleness", "max_staleness", "step", "initialized", "parameters", "parts", "workers", "optimizer", "partition_min_bytes", "chunk_bytes", "effective_replicas", "dropped_stale")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    mode: ConsistencyMode
+    replicas_to_aggregate: int
+    total_replicas: int
+    staleness: int
+    max_staleness: int
+    step: int
+    initialized: bool
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    parts: _containers.RepeatedCompositeFieldContainer[PartAssignment]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    optimizer: str
+    partition_min_bytes: int
+    chunk_bytes: int
+    effective_replicas: int
+    dropped_stale: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[_Union[ConsistencyMode, str]] = ..., replicas_to_aggregate: _Optional[int] = ..., total_replicas: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., step: _Optional[int] = ..., initialized: _Optional[bool] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[PartAssignment, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., optimizer: _Optional[str] = ..., partition_min_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., effective_replicas: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...

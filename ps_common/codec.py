@@ -1,0 +1,212 @@
+"""Numpy arrays to and from ps.v1 TensorChunk messages: the one place that touches tensor bytes.
+
+A part (a whole tensor, or a row range of one) travels as raw C-order little-endian bytes
+cut into chunks of at most ``CHUNK_BYTES``. Encoding copies each chunk once out of the
+array (protobuf needs ``bytes``); decoding a part that arrived in one chunk is a zero-copy
+read-only view of the received bytes, and a part that arrived in several chunks is copied
+once into a fresh array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_common.errors import InvalidTensorError
+
+#: Largest ``data`` field in one chunk, and the most bytes of chunks packed in one message.
+CHUNK_BYTES = 4 << 20
+
+#: gRPC's per-message limit, set on every channel and server: a chunk plus generous headroom
+#: for the message's other fields (names, shapes, many small chunks' headers).
+MAX_MESSAGE_BYTES = CHUNK_BYTES + (4 << 20)
+
+_TO_WIRE: dict[np.dtype, int] = {
+    np.dtype("<f4"): pb.DTYPE_FLOAT32,
+    np.dtype("<f8"): pb.DTYPE_FLOAT64,
+    np.dtype("<f2"): pb.DTYPE_FLOAT16,
+    np.dtype("<i4"): pb.DTYPE_INT32,
+    np.dtype("<i8"): pb.DTYPE_INT64,
+    np.dtype("u1"): pb.DTYPE_UINT8,
+}
+_FROM_WIRE: dict[int, np.dtype] = {v: k for k, v in _TO_WIRE.items()}
+
+M = TypeVar("M")
+
+
+def dtype_to_wire(dtype: np.dtype | str) -> int:
+    """The ps.v1.DType of a numpy dtype (byte order ignored: the wire is little-endian)."""
+    dt = np.dtype(dtype)
+    if dt.byteorder == ">":
+        dt = dt.newbyteorder("<")
+    try:
+        return _TO_WIRE[dt]
+    except KeyError:
+        supported = ", ".join(sorted(str(d) for d in _TO_WIRE))
+        raise InvalidTensorError(f"dtype {np.dtype(dtype)} is not supported on the wire; use one of {supported}") from None
+
+
+def dtype_from_wire(value: int, *, name: str = "?") -> np.dtype:
+    """The numpy dtype of a ps.v1.DType value; InvalidTensorError naming the tensor if unknown."""
+    try:
+        return _FROM_WIRE[value]
+    except KeyError:
+        raise InvalidTensorError(f"tensor {name!r}: dtype {pb.DType.Name(value) if value in pb.DType.values() else value} is not accepted") from None
+
+
+def dtype_name(value: int) -> str:
+    """The numpy name (``float32``) of a ps.v1.DType value."""
+    return dtype_from_wire(value).name
+
+
+def as_wire_array(array: np.ndarray) -> np.ndarray:
+    """The array as C-contiguous little-endian, copying only when it is not already."""
+    array = np.asarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return np.asarray(array, order="C")  # not ascontiguousarray: it turns a 0-d array into 1-d
+
+
+def part_chunks(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+    """Cuts one part (a whole tensor or a row range starting at row_start) into chunks."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"Invalid chunk size: {chunk_bytes}")
+    part = as_wire_array(part)
+    wire_dtype = dtype_to_wire(part.dtype)
+    shape = part.shape
+    raw = memoryview(part.reshape(-1)).cast("B") if part.size else memoryview(b"")
+    total = raw.nbytes
+    offset = 0
+    while True:
+        end = min(offset + chunk_bytes, total)
+        yield pb.TensorChunk(
+            name=name, dtype=wire_dtype, shape=shape, row_start=row_start,
+            byte_offset=offset, data=raw[offset:end].tobytes(),
+        )
+        offset = end
+        if offset >= total:
+            return
+
+
+def pack(chunks: Iterable[pb.TensorChunk], make: Callable[[list[pb.TensorChunk]], M], *,
+         chunk_bytes: int = CHUNK_BYTES) -> Iterator[M]:
+    """Groups chunks into messages of at most about chunk_bytes of data each.
+
+    Small tensors share a message (one message for a whole small model); a full-size chunk
+    travels alone. ``make`` builds the message from a list of chunks. Always yields at
+    least one message, so a header can ride on it even when there are no chunks.
+    """
+    batch: list[pb.TensorChunk] = []
+    size = 0
+    yielded = False
+    for chunk in chunks:
+        n = len(chunk.data)
+        if batch and size + n > chunk_bytes:
+            yield make(batch)
+            yielded = True
+            batch, size = [], 0
+        batch.append(chunk)
+        size += n
+    if batch or not yielded:
+        yield make(batch)
+
+
+@dataclass
+class _PartBuffer:
+    """The chunks received so far for one part."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    pieces: list[tuple[int, bytes]] = field(default_factory=list)
+    received: int = 0
+
+
+class PartAssembler:
+    """Collects the chunks of many parts, checks them, and turns them into arrays.
+
+    Checks per chunk: dtype and shape equal the expected ones (when ``expected`` is given),
+    the byte range lies inside the part, and, at ``finish``, the chunks of each part cover
+    it exactly (no gap, no overlap). Every failure is an InvalidTensorError naming the
+    tensor, its row range and the values. Not thread-safe; one per request.
+    """
+
+    def __init__(self, expected: Callable[[str, int], tuple[np.dtype, tuple[int, ...]]] | None = None) -> None:
+        """``expected(name, row_start) -> (dtype, shape)`` looks a part up (raising for unknown ones)."""
+        self._expected = expected
+        self._parts: dict[tuple[str, int], _PartBuffer] = {}
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        """Adds one received chunk (keeps a reference to its bytes, copies nothing)."""
+        key = (chunk.name, chunk.row_start)
+        buf = self._parts.get(key)
+        if buf is None:
+            dtype = dtype_from_wire(chunk.dtype, name=chunk.name)
+            shape = tuple(int(d) for d in chunk.shape)
+            if any(d < 0 for d in shape):
+                raise InvalidTensorError(f"tensor {chunk.name!r}: negative dimension in shape {list(shape)}")
+            if self._expected is not None:
+                want_dtype, want_shape = self._expected(chunk.name, chunk.row_start)
+                if dtype != want_dtype:
+                    raise InvalidTensorError(
+                        f"tensor {chunk.name!r} rows from {chunk.row_start}: dtype {dtype.name} does not match the parameter's {want_dtype.name}")
+                if shape != tuple(want_shape):
+                    raise InvalidTensorError(
+                        f"tensor {chunk.name!r} rows from {chunk.row_start}: shape {list(shape)} does not match the part's shape {list(want_shape)}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            buf = self._parts[key] = _PartBuffer(dtype=dtype, shape=shape, nbytes=nbytes)
+        else:
+            if chunk.dtype != dtype_to_wire(buf.dtype) or tuple(chunk.shape) != buf.shape:
+                raise InvalidTensorError(
+                    f"tensor {chunk.name!r} rows from {chunk.row_start}: chunk says dtype {chunk.dtype} shape {list(chunk.shape)}, "
+                    f"earlier chunks said {buf.dtype.name} {list(buf.shape)}")
+        start, n = chunk.byte_offset, len(chunk.data)
+        if start < 0 or start + n > buf.nbytes:
+            raise InvalidTensorError(
+                f"tensor {chunk.name!r} rows from {chunk.row_start}: chunk bytes [{start}, {start + n}) "
+                f"fall outside the part's {buf.nbytes} bytes (shape {list(buf.shape)}, {buf.dtype.name})")
+        buf.pieces.append((start, chunk.data))
+        buf.received += n
+
+    def keys(self) -> list[tuple[str, int]]:
+        """(name, row_start) of every part seen so far."""
+        return list(self._parts)
+
+    def finish(self) -> dict[tuple[str, int], np.ndarray]:
+        """Checks coverage and returns each part as an array (read-only when zero-copy)."""
+        out: dict[tuple[str, int], np.ndarray] = {}
+        for (name, row_start), buf in self._parts.items():
+            buf.pieces.sort(key=lambda p: p[0])
+            pos = 0
+            for start, data in buf.pieces:
+                if start != pos:
+                    what = "overlap" if start < pos else "gap"
+                    raise InvalidTensorError(
+                        f"tensor {name!r} rows from {row_start}: chunks leave a {what} at byte {min(start, pos)} "
+                        f"of {buf.nbytes} (shape {list(buf.shape)}, {buf.dtype.name})")
+                pos += len(data)
+            if pos != buf.nbytes:
+                raise InvalidTensorError(
+                    f"tensor {name!r} rows from {row_start}: got {pos} bytes, expected {buf.nbytes} "
+                    f"(shape {list(buf.shape)}, {buf.dtype.name})")
+            out[(name, row_start)] = _join(buf)
+        return out
+
+
+def _join(buf: _PartBuffer) -> np.ndarray:
+    if len(buf.pieces) == 1:
+        return np.frombuffer(buf.pieces[0][1], dtype=buf.dtype).reshape(buf.shape)
+    array = np.empty(buf.shape, dtype=buf.dtype)
+    flat = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(bytearray())
+    for start, data in buf.pieces:
+        flat[start:start + len(data)] = data
+    return array
+
+
+def spec_to_wire(name: str, dtype: np.dtype | str, shape: Sequence[int]) -> pb.ParameterSpec:
+    """A ParameterSpec message."""
+    return pb.ParameterSpec(name=name, dtype=dtype_to_wire(dtype), shape=[int(d) for d in shape])

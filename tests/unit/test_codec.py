@@ -1,0 +1,98 @@
+"""Tensors survive the trip through wire chunks; bad chunks are refused with their values named."""
+
+import numpy as np
+import pytest
+
+from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_common import codec
+from ps_common.errors import InvalidTensorError
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64", "uint8"])
+def test_a_part_round_trips_through_chunks_for_every_dtype(dtype: str) -> None:
+    array = (np.arange(1000) % 97).astype(dtype).reshape(250, 4)
+    chunks = list(codec.part_chunks("t", array, chunk_bytes=1000))
+    assert len(chunks) == -(-array.nbytes // 1000)
+    assembler = codec.PartAssembler()
+    for chunk in reversed(chunks):  # order on the wire does not matter
+        assembler.add(chunk)
+    [(key, out)] = assembler.finish().items()
+    assert key == ("t", 0)
+    np.testing.assert_array_equal(out, array)
+    assert out.dtype == array.dtype
+
+
+def test_a_single_chunk_part_decodes_without_a_copy() -> None:
+    array = np.arange(12, dtype=np.float32)
+    [chunk] = codec.part_chunks("t", array)
+    assembler = codec.PartAssembler()
+    assembler.add(chunk)
+    out = assembler.finish()[("t", 0)]
+    assert not out.flags.writeable  # a view over the message's bytes, not a fresh array
+    np.testing.assert_array_equal(out, array)
+
+
+def test_big_endian_and_non_contiguous_arrays_travel_little_endian() -> None:
+    array = np.arange(20, dtype=">f4").reshape(4, 5)[:, ::2]
+    [chunk] = codec.part_chunks("t", array)
+    assert chunk.dtype == pb.DTYPE_FLOAT32
+    assert np.frombuffer(chunk.data, "<f4").tolist() == array.ravel().tolist()
+
+
+def test_zero_size_and_scalar_parts_round_trip() -> None:
+    for array in (np.zeros((0, 3), np.float32), np.float64(2.5).reshape(())):
+        assembler = codec.PartAssembler()
+        for chunk in codec.part_chunks("z", array):
+            assembler.add(chunk)
+        out = assembler.finish()[("z", 0)]
+        assert out.shape == array.shape
+        np.testing.assert_array_equal(out, array)
+
+
+def test_missing_bytes_are_refused_naming_the_tensor_and_counts() -> None:
+    chunks = list(codec.part_chunks("emb", np.zeros(100, np.float32), chunk_bytes=100))
+    assembler = codec.PartAssembler()
+    for chunk in chunks[:-1]:
+        assembler.add(chunk)
+    with pytest.raises(InvalidTensorError, match=r"'emb'.*got 300 bytes, expected 400"):
+        assembler.finish()
+
+
+def test_overlapping_chunks_are_refused() -> None:
+    chunks = list(codec.part_chunks("w", np.zeros(100, np.float32), chunk_bytes=200))
+    assembler = codec.PartAssembler()
+    for chunk in chunks + chunks[:1]:
+        assembler.add(chunk)
+    with pytest.raises(InvalidTensorError, match="overlap"):
+        assembler.finish()
+
+
+def test_a_chunk_outside_the_part_is_refused() -> None:
+    chunk = pb.TensorChunk(name="w", dtype=pb.DTYPE_FLOAT32, shape=[2], byte_offset=4, data=b"\0" * 8)
+    with pytest.raises(InvalidTensorError, match=r"\[4, 12\) fall outside the part's 8 bytes"):
+        codec.PartAssembler().add(chunk)
+
+
+def test_expected_dtype_and_shape_are_enforced() -> None:
+    assembler = codec.PartAssembler(lambda name, row: (np.dtype("float32"), (3,)))
+    with pytest.raises(InvalidTensorError, match="dtype float64 does not match the parameter's float32"):
+        assembler.add(next(codec.part_chunks("w", np.zeros(3, np.float64))))
+    with pytest.raises(InvalidTensorError, match=r"shape \[4\] does not match the part's shape \[3\]"):
+        assembler.add(next(codec.part_chunks("w", np.zeros(4, np.float32))))
+
+
+def test_unknown_wire_dtype_is_refused() -> None:
+    chunk = pb.TensorChunk(name="w", dtype=pb.DTYPE_BFLOAT16, shape=[1], data=b"\0\0")
+    with pytest.raises(InvalidTensorError, match="'w'.*DTYPE_BFLOAT16"):
+        codec.PartAssembler().add(chunk)
+    with pytest.raises(InvalidTensorError, match="complex64 is not supported"):
+        codec.dtype_to_wire(np.complex64)
+
+
+def test_pack_groups_small_chunks_and_always_yields_a_message() -> None:
+    small = [c for i in range(10) for c in codec.part_chunks(f"t{i}", np.zeros(10, np.float32))]
+    messages = list(codec.pack(small, lambda cs: pb.PushRequest(chunks=cs), chunk_bytes=1000))
+    assert len(messages) == 1 and len(messages[0].chunks) == 10
+    big = list(codec.part_chunks("big", np.zeros(1000, np.float32), chunk_bytes=1000))
+    assert len(list(codec.pack(big, lambda cs: pb.PushRequest(chunks=cs), chunk_bytes=1000))) == 4
+    assert len(list(codec.pack([], lambda cs: pb.PushRequest(chunks=cs)))) == 1

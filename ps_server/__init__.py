@@ -1,0 +1,1 @@
+"""The parameter server: shards, optimizers and the gRPC service."""

@@ -1,0 +1,77 @@
+"""The shard's settings: one typed object, validated up front (flags, TOML and TF_CONFIG feed it)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ps_common.codec import CHUNK_BYTES
+from ps_common.shard_map import DEFAULT_PARTITION_MIN_BYTES
+
+MODES = ("sync", "ssp", "async")
+
+
+@dataclass
+class ServerConfig:
+    """Everything one shard process needs to know. See docs/settings.md for each field."""
+
+    shard_index: int = 0
+    num_shards: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0                       # 0: pick a free port
+    mode: str = "async"                 # sync | ssp | async
+    replicas_to_aggregate: int = 1      # sync: N
+    total_replicas: int = 1             # sync: M >= N
+    staleness: float = 0                # ssp: b (math.inf for unbounded)
+    max_staleness: int = 0              # async: drop when t - read_step > this; 0 = never drop
+    optimizer: str = "sgd"
+    optimizer_params: dict[str, Any] = field(default_factory=lambda: {"lr": 0.01})
+    partition_min_bytes: int = DEFAULT_PARTITION_MIN_BYTES
+    chunk_bytes: int = CHUNK_BYTES
+    lease_seconds: float = 10.0         # a worker not heard from for this long is not live
+    wait_timeout_seconds: float = 300.0  # default and largest wait of a pull or barrier
+    max_workers: int = 64               # server threads: bounds concurrent rpcs, incl. blocked waits
+    checkpoint_dir: str | None = None
+    checkpoint_every_steps: int = 0     # 0: not by step count
+    checkpoint_every_seconds: float = 0  # 0: not by time
+    metrics_port: int | None = None     # None: no metrics endpoint; 0: pick a free port
+    log_json: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad setting and its value."""
+        if self.num_shards < 1:
+            raise ValueError(f"Invalid num_shards: {self.num_shards} (must be >= 1)")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"Invalid shard_index: {self.shard_index} (must be in [0, {self.num_shards}))")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"Invalid port: {self.port}")
+        if self.mode not in MODES:
+            raise ValueError(f"Invalid mode: {self.mode!r} (choose one of {', '.join(MODES)})")
+        if self.replicas_to_aggregate < 1:
+            raise ValueError(f"Invalid replicas_to_aggregate: {self.replicas_to_aggregate} (must be >= 1)")
+        if self.total_replicas < self.replicas_to_aggregate:
+            raise ValueError(
+                f"Invalid total_replicas: {self.total_replicas} (must be >= replicas_to_aggregate={self.replicas_to_aggregate})")
+        if not (self.staleness >= 0):
+            raise ValueError(f"Invalid staleness: {self.staleness} (must be >= 0, or inf)")
+        if self.staleness != math.inf and self.staleness != int(self.staleness):
+            raise ValueError(f"Invalid staleness: {self.staleness} (must be a whole number or inf)")
+        if self.max_staleness < 0:
+            raise ValueError(f"Invalid max_staleness: {self.max_staleness} (must be >= 0)")
+        if self.partition_min_bytes < 1:
+            raise ValueError(f"Invalid partition_min_bytes: {self.partition_min_bytes}")
+        if self.chunk_bytes < 1024:
+            raise ValueError(f"Invalid chunk_bytes: {self.chunk_bytes} (must be >= 1024)")
+        if self.lease_seconds <= 0:
+            raise ValueError(f"Invalid lease_seconds: {self.lease_seconds}")
+        if self.wait_timeout_seconds <= 0:
+            raise ValueError(f"Invalid wait_timeout_seconds: {self.wait_timeout_seconds}")
+        if self.max_workers < 4:
+            raise ValueError(f"Invalid max_workers: {self.max_workers} (must be >= 4)")
+        if self.checkpoint_every_steps < 0 or self.checkpoint_every_seconds < 0:
+            raise ValueError(
+                f"Invalid checkpoint interval: every {self.checkpoint_every_steps} steps / {self.checkpoint_every_seconds} s")

@@ -1,0 +1,84 @@
+"""Worker leases and clocks on one shard: who is live, and how far each worker has pushed."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ps_common.errors import UnknownWorkerError
+
+#: How many recent push outcomes per worker are kept to answer retries.
+DEDUP_WINDOW = 8
+
+
+@dataclass
+class WorkerRecord:
+    """One worker as this shard knows it."""
+
+    worker_id: str
+    clock: int = 0                      # pushes taken from this worker (next push's clock)
+    lease_expires: float = 0.0          # monotonic time
+    outcomes: OrderedDict[int, object] = field(default_factory=OrderedDict)  # clock -> PushResponse
+
+
+class Membership:
+    """Leases and clocks. Not thread-safe: the shard calls it under its lock."""
+
+    def __init__(self, lease_seconds: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lease_seconds = lease_seconds
+        self._now = clock
+        self.workers: dict[str, WorkerRecord] = {}
+
+    def register(self, worker_id: str) -> WorkerRecord:
+        """Joins or renews; a new worker starts at the slowest live worker's clock."""
+        record = self.workers.get(worker_id)
+        if record is None:
+            live = self.live_clocks()
+            start = min(live.values()) if live else 0
+            record = self.workers[worker_id] = WorkerRecord(worker_id, clock=start)
+        record.lease_expires = self._now() + self.lease_seconds
+        return record
+
+    def get(self, worker_id: str) -> WorkerRecord:
+        """The record of a registered worker; UnknownWorkerError otherwise."""
+        try:
+            return self.workers[worker_id]
+        except KeyError:
+            raise UnknownWorkerError(f"worker {worker_id!r} is not registered on this shard; call RegisterWorker") from None
+
+    def renew(self, worker_id: str) -> WorkerRecord:
+        """Extends the lease of a registered worker."""
+        record = self.get(worker_id)
+        record.lease_expires = self._now() + self.lease_seconds
+        return record
+
+    def deregister(self, worker_id: str) -> bool:
+        """Ends the worker's lease at once; its clock is kept for deduplication."""
+        record = self.workers.get(worker_id)
+        if record is None:
+            return False
+        record.lease_expires = 0.0
+        return True
+
+    def is_live(self, record: WorkerRecord) -> bool:
+        return record.lease_expires > self._now()
+
+    def live_clocks(self) -> dict[str, int]:
+        """Clock of every live worker."""
+        now = self._now()
+        return {w: r.clock for w, r in self.workers.items() if r.lease_expires > now}
+
+    def live_count(self) -> int:
+        return len(self.live_clocks())
+
+    def remaining(self, record: WorkerRecord) -> float:
+        """Seconds left on the lease (0 when expired)."""
+        return max(0.0, record.lease_expires - self._now())
+
+    def remember(self, record: WorkerRecord, clock: int, outcome: object) -> None:
+        """Keeps the outcome of the push at `clock` for answering its retries."""
+        record.outcomes[clock] = outcome
+        while len(record.outcomes) > DEDUP_WINDOW:
+            record.outcomes.popitem(last=False)

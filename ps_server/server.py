@@ -1,0 +1,80 @@
+"""Starts one shard's gRPC server: ps.v1.ParameterServer, grpc.health.v1.Health and reflection."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.ps.v1 import parameter_server_pb2 as pb
+from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_common.codec import MAX_MESSAGE_BYTES
+from ps_server.config import ServerConfig
+from ps_server.service import ParameterServerServicer
+from ps_server.shard import Shard
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+
+class ShardServer:
+    """A running shard: the gRPC server, the Shard behind it, and its lease-reaper thread."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.shard = Shard(config)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"shard{config.shard_index}"),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=config.max_workers * 4,
+        )
+        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(self.shard), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        address = f"{config.host}:{config.port}"
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"shard {config.shard_index}: cannot bind {address}")
+        self.address = f"{config.host}:{self.port}"
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
+
+    def start(self) -> "ShardServer":
+        self.server.start()
+        self._reaper.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("shard %d/%d serving on %s, mode %s, optimizer %s", self.config.shard_index, self.config.num_shards,
+                 self.address, self.shard.policy.describe(), self.shard.optimizer.name)
+        return self
+
+    def _reap(self) -> None:
+        period = min(1.0, self.config.lease_seconds / 4)
+        while not self._stop.wait(period):
+            self.shard.tick()
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stops serving: health NOT_SERVING, waiters woken with UNAVAILABLE, then the server."""
+        self.health.enter_graceful_shutdown()
+        self._stop.set()
+        self.shard.stop()
+        self.server.stop(grace).wait(grace + 1)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.server.wait_for_termination(timeout)
+
+
+def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
+    """A started shard server and the port it bound (config.port 0 picks a free one)."""
+    server = ShardServer(config).start()
+    return server, server.port

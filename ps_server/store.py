@@ -1,0 +1,137 @@
+"""The parameter store of one shard: the parts it owns, their values and optimizer state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_common import codec
+from ps_common.errors import InitMismatchError, InvalidTensorError, NotInitializedError, UnknownTensorError
+from ps_common.shard_map import ParamSpec, Part, ShardMap, build_shard_map
+from ps_server.optimizers import Optimizer
+
+PartKey = tuple[str, int]  # (tensor name, row_start)
+
+
+@dataclass
+class PartState:
+    """One owned part: its value, its optimizer slots, and a cache of its encoded chunks."""
+
+    part: Part
+    value: np.ndarray
+    slots: dict[str, np.ndarray]
+    version: int = 0
+    _encoded: tuple[int, int, list[pb.PullResponse]] | None = field(default=None, repr=False)
+
+    def messages(self, chunk_bytes: int) -> list[pb.PullResponse]:
+        """The value as pull messages of one chunk each, encoded once per version.
+
+        Every pull of this version shares these messages, so they are never mutated
+        after they are built.
+        """
+        cached = self._encoded
+        if cached is None or cached[0] != self.version or cached[1] != chunk_bytes:
+            chunks = codec.part_chunks(self.part.name, self.value, row_start=self.part.row_start, chunk_bytes=chunk_bytes)
+            cached = self._encoded = (self.version, chunk_bytes, [pb.PullResponse(chunks=[c]) for c in chunks])
+        return cached[2]
+
+
+class ParameterStore:
+    """The parts this shard owns. Not thread-safe: the shard calls it under its lock."""
+
+    def __init__(self, *, shard_index: int, num_shards: int, partition_min_bytes: int, optimizer: Optimizer) -> None:
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.partition_min_bytes = partition_min_bytes
+        self.optimizer = optimizer
+        self.shard_map: ShardMap | None = None
+        self.parts: dict[PartKey, PartState] = {}
+
+    @property
+    def initialized(self) -> bool:
+        return self.shard_map is not None
+
+    def plan(self, specs: Sequence[ParamSpec]) -> tuple[ShardMap, bool]:
+        """The shard map for `specs`, and whether the store already holds exactly these specs.
+
+        Raises InitMismatchError naming the first difference when a different parameter list
+        is already in place, InvalidTensorError when the list itself is invalid.
+        """
+        try:
+            shard_map = build_shard_map(specs, self.num_shards, partition_min_bytes=self.partition_min_bytes)
+        except ValueError as exc:
+            raise InvalidTensorError(f"invalid parameter list: {exc}") from exc
+        if self.shard_map is None:
+            return shard_map, False
+        have, want = self.shard_map.specs, shard_map.specs
+        for name in sorted(set(have) | set(want)):
+            if name not in want:
+                raise InitMismatchError(f"already initialized with tensor {name!r}, which the new parameter list lacks")
+            if name not in have:
+                raise InitMismatchError(f"already initialized without tensor {name!r}, which the new parameter list has")
+            a, b = have[name], want[name]
+            if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
+                raise InitMismatchError(
+                    f"tensor {name!r} is initialized as {a.dtype}{list(a.shape)}, re-init asks for {b.dtype}{list(b.shape)}")
+        return self.shard_map, True
+
+    @staticmethod
+    def expected_from(shard_map: ShardMap, shard_index: int):
+        """A lookup (name, row_start) -> (dtype, shape) for the parts `shard_index` owns under shard_map."""
+
+        def expected(name: str, row_start: int) -> tuple[np.dtype, tuple[int, ...]]:
+            if name not in shard_map.specs:
+                raise UnknownTensorError(f"tensor {name!r} is not a parameter of this model")
+            try:
+                part = shard_map.part(name, row_start)
+            except KeyError:
+                starts = [p.row_start for p in shard_map.parts_of(name)]
+                raise UnknownTensorError(f"tensor {name!r} has no part starting at row {row_start} (parts start at {starts})") from None
+            if part.shard != shard_index:
+                raise InvalidTensorError(
+                    f"tensor {name!r} rows [{part.row_start}, {part.row_end}) belong to shard {part.shard}, not shard {shard_index}")
+            return np.dtype(part.dtype), tuple(part.shape)
+
+        return expected
+
+    def expected(self, name: str, row_start: int) -> tuple[np.dtype, tuple[int, ...]]:
+        """(dtype, shape) of an owned part; UnknownTensorError / NotInitializedError otherwise."""
+        if self.shard_map is None:
+            raise NotInitializedError(f"tensor {name!r}: parameters are not initialized on shard {self.shard_index}; call InitParameters")
+        return self.expected_from(self.shard_map, self.shard_index)(name, row_start)
+
+    def install(self, shard_map: ShardMap, values: Mapping[PartKey, np.ndarray]) -> None:
+        """Takes the initial values of exactly this shard's parts (checked), with fresh optimizer state."""
+        own = {(p.name, p.row_start): p for p in shard_map.parts_on(self.shard_index)}
+        missing = sorted(set(own) - set(values))
+        if missing:
+            shown = ", ".join(f"{n!r} rows from {r}" for n, r in missing[:5])
+            raise InvalidTensorError(f"initial values missing for {len(missing)} part(s) of shard {self.shard_index}: {shown}")
+        parts: dict[PartKey, PartState] = {}
+        for key, part in own.items():
+            value = np.array(values[key], dtype=part.dtype, copy=True, order="C")
+            parts[key] = PartState(part=part, value=value, slots=self.optimizer.init_state(value))
+        self.shard_map, self.parts = shard_map, parts
+
+    def select(self, names: Iterable[str]) -> list[PartState]:
+        """The owned parts of the named tensors (all owned parts when names is empty)."""
+        if self.shard_map is None:
+            raise NotInitializedError(f"parameters are not initialized on shard {self.shard_index}; call InitParameters")
+        names = list(names)
+        if not names:
+            return list(self.parts.values())
+        unknown = [n for n in names if n not in self.shard_map.specs]
+        if unknown:
+            raise UnknownTensorError(f"tensor(s) {', '.join(repr(n) for n in unknown)} are not parameters of this model")
+        wanted = set(names)
+        return [s for s in self.parts.values() if s.part.name in wanted]
+
+    def apply(self, grads: Mapping[PartKey, np.ndarray]) -> None:
+        """Runs the optimizer on each given part (in place) and bumps its version."""
+        for key, grad in grads.items():
+            state = self.parts[key]
+            self.optimizer.apply(state.value, grad, state.slots)
+            state.version += 1

@@ -1,0 +1,385 @@
+"""The parameter-server client: push and pull dicts of named numpy arrays; shards stay hidden.
+
+It routes every part of every tensor to the shard that owns it (the shard map), talks to
+all shards concurrently, reassembles tensors split over shards, and retries a call only
+when it fails with UNAVAILABLE, with bounded exponential backoff. Pushes carry the
+worker's clock, so a retried push is acknowledged by the shard, never applied twice.
+
+Blocking and threads: every method blocks until all shards answered, or raises. A
+client is used by one thread at a time (its heartbeat thread is internal).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from protos.ps.v1 import parameter_server_pb2 as pb
+from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_common import codec
+from ps_common.errors import InvalidTensorError, PSError
+from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ServerError(PSError):
+    """A shard answered with a non-OK status (after retries, for UNAVAILABLE)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode, address: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.address = address
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of UNAVAILABLE: attempts in all, first backoff and its cap (seconds), doubled each time with jitter."""
+
+    attempts: int = 6
+    initial_backoff: float = 0.2
+    max_backoff: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"Invalid retry attempts: {self.attempts}")
+        if not 0 < self.initial_backoff <= self.max_backoff:
+            raise ValueError(f"Invalid backoff: initial {self.initial_backoff}, max {self.max_backoff}")
+
+
+@dataclass
+class PushReport:
+    """What every shard said about one push."""
+
+    responses: list[pb.PushResponse]
+    clock: int
+
+    @property
+    def accepted(self) -> bool:
+        """True when every shard accepted the push."""
+        return all(r.outcome == pb.PUSH_ACCEPTED for r in self.responses)
+
+    @property
+    def dropped(self) -> list[tuple[int, pb.PushResponse]]:
+        """(shard, response) of every shard that dropped it."""
+        return [(i, r) for i, r in enumerate(self.responses) if r.outcome == pb.PUSH_DROPPED]
+
+    @property
+    def steps(self) -> list[int]:
+        return [r.step for r in self.responses]
+
+
+@dataclass
+class _Membership:
+    lease_seconds: float = 10.0
+    thread: threading.Thread | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class PSClient:
+    """A client of all the shards of one job."""
+
+    def __init__(self, addresses: Sequence[str], *, worker_id: str | None = None, rpc_timeout: float = 120.0,
+                 wait_timeout: float = 300.0, retry: RetryPolicy = RetryPolicy(), chunk_bytes: int = codec.CHUNK_BYTES,
+                 channel_credentials: grpc.ChannelCredentials | None = None,
+                 call_metadata: Sequence[tuple[str, str]] = ()) -> None:
+        if not addresses:
+            raise ValueError("PSClient needs at least one shard address")
+        self.addresses = list(addresses)
+        self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        self.rpc_timeout = rpc_timeout
+        self.wait_timeout = wait_timeout
+        self.retry = retry
+        self.chunk_bytes = chunk_bytes
+        self.metadata = tuple(call_metadata)
+        options = [("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+                   ("grpc.enable_retries", 0)]   # retries are ours (below): streams outgrow gRPC's retry buffer
+        if channel_credentials is None:
+            self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        else:
+            self._channels = [grpc.secure_channel(a, channel_credentials, options=options) for a in self.addresses]
+        self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="ps-client")
+        self.shard_map: ShardMap | None = None
+        self.steps: list[int] = [0] * len(self.addresses)   # step of each shard at the last pull
+        self.clock = 0                                         # this worker's next push clock
+        self._membership = _Membership()
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    def _call(self, shard: int, what: str, fn: Callable[[pb_grpc.ParameterServerStub], T]) -> T:
+        """Runs fn(stub) for one shard, retrying UNAVAILABLE with bounded backoff."""
+        backoff = self.retry.initial_backoff
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                return fn(self._stubs[shard])
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE and attempt < self.retry.attempts:
+                    log.warning("%s on shard %d (%s) unavailable (attempt %d/%d), retrying in %.2f s: %s", what, shard,
+                                self.addresses[shard], attempt, self.retry.attempts, backoff, exc.details())
+                    time.sleep(backoff * (0.5 + random.random() / 2))
+                    backoff = min(backoff * 2, self.retry.max_backoff)
+                    continue
+                suffix = f" after {attempt} attempts" if code == grpc.StatusCode.UNAVAILABLE else ""
+                raise ServerError(f"{what} on shard {shard} ({self.addresses[shard]}) failed{suffix}: "
+                                  f"{code.name}: {exc.details()}", code, self.addresses[shard]) from exc
+        raise AssertionError("unreachable")
+
+    def _on_all(self, what: str, fn: Callable[[int, pb_grpc.ParameterServerStub], T]) -> list[T]:
+        """fn(shard, stub) on every shard concurrently, each with retries; results in shard order."""
+        futures = [self._pool.submit(self._call, i, what, lambda stub, i=i: fn(i, stub)) for i in range(self.num_shards)]
+        return [f.result() for f in futures]
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Blocks until every shard's channel connects, at most timeout s (then TimeoutError naming the shard)."""
+        deadline = time.monotonic() + timeout
+        for i, channel in enumerate(self._channels):
+            try:
+                grpc.channel_ready_future(channel).result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                raise TimeoutError(f"shard {i} at {self.addresses[i]} not reachable after {timeout:.1f} s") from None
+
+    # ------------------------------------------------------------------ job setup
+
+    def cluster_info(self, shard: int = 0) -> pb.ClusterInfo:
+        """The shard's configuration, step, shard map and workers (does not block)."""
+        return self._call(shard, "GetClusterInfo",
+                          lambda s: s.GetClusterInfo(pb.ClusterInfoRequest(), timeout=self.rpc_timeout, metadata=self.metadata))
+
+    def _check_shards(self, info: pb.ClusterInfo) -> None:
+        if info.num_shards != self.num_shards:
+            raise ValueError(f"shard at {self.addresses[0]} says the job has {info.num_shards} shards, "
+                             f"but this client was given {self.num_shards} addresses")
+
+    def fetch_shard_map(self) -> ShardMap:
+        """The shard map as shard 0 serves it (after initialization)."""
+        info = self.cluster_info(0)
+        self._check_shards(info)
+        if not info.initialized:
+            raise ServerError(f"shard 0 ({self.addresses[0]}) is not initialized: no shard map yet",
+                              grpc.StatusCode.FAILED_PRECONDITION, self.addresses[0])
+        specs = [ParamSpec(s.name, codec.dtype_name(s.dtype), tuple(s.shape)) for s in info.parameters]
+        self.shard_map = build_shard_map(specs, self.num_shards, partition_min_bytes=info.partition_min_bytes)
+        served = [(p.name, p.row_start, p.row_end, p.shard) for p in info.parts]
+        ours = [(p.name, p.row_start, p.row_end, p.shard) for p in self.shard_map.parts]
+        if served != ours:
+            raise ValueError("the shard map served by shard 0 differs from the one computed here; "
+                             "are client and server of different versions?")
+        return self.shard_map
+
+    def initialize(self, parameters: Mapping[str, np.ndarray]) -> bool:
+        """Sets the initial values on every shard (idempotent). True when they were already set."""
+        info = self.cluster_info(0)
+        self._check_shards(info)
+        specs = [ParamSpec(n, codec.as_wire_array(np.asarray(a)).dtype.name, tuple(np.shape(a))) for n, a in parameters.items()]
+        shard_map = build_shard_map(specs, self.num_shards, partition_min_bytes=info.partition_min_bytes)
+        header = pb.InitHeader(parameters=[codec.spec_to_wire(s.name, s.dtype, s.shape) for s in specs], worker_id=self.worker_id)
+
+        def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.InitResponse:
+            chunks = self._part_chunks(shard_map, shard, parameters)
+            messages = codec.pack(chunks, lambda cs: pb.InitRequest(chunks=cs), chunk_bytes=self.chunk_bytes)
+            return stub.InitParameters(_with_header(messages, lambda m: m.header.CopyFrom(header)),
+                                       timeout=self.rpc_timeout, metadata=self.metadata)
+
+        responses = self._on_all("InitParameters", send)
+        self.shard_map = shard_map
+        self.steps = [r.step for r in responses]
+        return all(r.already_initialized for r in responses)
+
+    def _part_chunks(self, shard_map: ShardMap, shard: int, arrays: Mapping[str, np.ndarray]) -> Iterator[pb.TensorChunk]:
+        for part in shard_map.parts_on(shard):
+            if part.name not in arrays:
+                continue
+            array = np.asarray(arrays[part.name])
+            piece = array if part.whole else array[part.row_start:part.row_end]
+            yield from codec.part_chunks(part.name, piece, row_start=part.row_start, chunk_bytes=self.chunk_bytes)
+
+    def _require_map(self) -> ShardMap:
+        if self.shard_map is None:
+            self.fetch_shard_map()
+        assert self.shard_map is not None
+        return self.shard_map
+
+    # ------------------------------------------------------------------ membership
+
+    def register(self, *, heartbeat: bool = True) -> int:
+        """Registers this worker on every shard; returns (and adopts) the clock to resume from.
+
+        With heartbeat, a daemon thread renews the lease every third of it, and registers
+        again on a shard that forgot the worker (a restarted shard).
+        """
+        responses = self._on_all("RegisterWorker", lambda i, s: s.RegisterWorker(
+            pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout, metadata=self.metadata))
+        self.clock = max(r.clock for r in responses)
+        self.steps = [r.step for r in responses]
+        self._membership.lease_seconds = min(r.lease_ms for r in responses) / 1000
+        if heartbeat and self._membership.thread is None:
+            self._membership.stop.clear()
+            self._membership.thread = threading.Thread(target=self._heartbeat_loop, name="ps-heartbeat", daemon=True)
+            self._membership.thread.start()
+        return self.clock
+
+    def _heartbeat_loop(self) -> None:
+        stop = self._membership.stop
+        while not stop.wait(max(0.05, self._membership.lease_seconds / 3)):
+            for i, stub in enumerate(self._stubs):
+                try:
+                    stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id), timeout=5, metadata=self.metadata)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        try:
+                            stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=5,
+                                                metadata=self.metadata)
+                            log.info("re-registered %s on shard %d", self.worker_id, i)
+                        except grpc.RpcError as again:
+                            log.warning("re-register on shard %d failed: %s", i, again.details())
+                    else:
+                        log.debug("heartbeat to shard %d failed: %s", i, exc.details())
+
+    def deregister(self) -> None:
+        """Leaves the job on every shard (best effort) and stops heartbeats."""
+        self._membership.stop.set()
+        if self._membership.thread is not None:
+            self._membership.thread.join(timeout=5)
+            self._membership.thread = None
+        for stub in self._stubs:
+            try:
+                stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id=self.worker_id), timeout=5, metadata=self.metadata)
+            except grpc.RpcError as exc:
+                log.debug("deregister failed: %s", exc.details())
+
+    def barrier(self, name: str, participants: int, *, timeout: float | None = None) -> int:
+        """Blocks until `participants` callers reached barrier `name` on shard 0 (at most timeout s)."""
+        timeout = self.wait_timeout if timeout is None else timeout
+        response = self._call(0, f"Barrier {name!r}", lambda s: s.Barrier(
+            pb.BarrierRequest(name=name, participant_id=self.worker_id, participants=participants,
+                              timeout_ms=int(timeout * 1000)), timeout=timeout + self.rpc_timeout, metadata=self.metadata))
+        return response.generation
+
+    # ------------------------------------------------------------------ pull / push
+
+    def pull(self, names: Sequence[str] | None = None, *, min_steps: Sequence[int] | int | None = None,
+             ssp: bool = False, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """The current values of the named tensors (all when None), and records each shard's step.
+
+        Blocks while a shard's step is below min_steps (one per shard, or one for all) or,
+        with ssp, while this worker is more than the staleness bound ahead of the slowest
+        live worker; at most `timeout` s (default wait_timeout), then ServerError with
+        DEADLINE_EXCEEDED. Returned arrays may be read-only views of the received bytes.
+        """
+        shard_map = self._require_map()
+        names = list(names) if names is not None else []
+        unknown = [n for n in names if n not in shard_map.specs]
+        if unknown:
+            raise InvalidTensorError(f"unknown tensor(s) {unknown}; the model has {sorted(shard_map.specs)[:10]}...")
+        if min_steps is None:
+            mins = [0] * self.num_shards
+        elif isinstance(min_steps, int):
+            mins = [min_steps] * self.num_shards
+        else:
+            mins = list(min_steps)
+        wait = self.wait_timeout if timeout is None else timeout
+        wanted = set(names) or set(shard_map.specs)
+        targets = [i for i in range(self.num_shards) if any(p.name in wanted for p in shard_map.parts_on(i))]
+
+        def fetch(shard: int) -> tuple[int, dict[tuple[str, int], np.ndarray]]:
+            own = sorted({p.name for p in shard_map.parts_on(shard) if p.name in wanted})
+            request = pb.PullRequest(names=own if names else [], min_step=mins[shard], wait_timeout_ms=int(wait * 1000),
+                                     worker_id=self.worker_id if ssp else "", clock=self.clock if ssp else 0)
+
+            def call(stub: pb_grpc.ParameterServerStub):
+                assembler = codec.PartAssembler()
+                step = None
+                for message in stub.Pull(request, timeout=wait + self.rpc_timeout, metadata=self.metadata):
+                    if step is None:
+                        step = message.step
+                    for chunk in message.chunks:
+                        assembler.add(chunk)
+                return step or 0, assembler.finish()
+
+            return self._call(shard, "Pull", call)
+
+        results = list(self._pool.map(fetch, targets))
+        out: dict[str, np.ndarray] = {}
+        for shard, (step, parts) in zip(targets, results):
+            self.steps[shard] = step
+            for (name, row_start), value in parts.items():
+                spec = shard_map.specs[name]
+                if shard_map.parts_of(name)[0].whole:
+                    out[name] = value
+                    continue
+                full = out.get(name)
+                if full is None:
+                    full = out[name] = np.empty(spec.shape, dtype=spec.dtype)
+                full[row_start:row_start + value.shape[0]] = value
+        return out
+
+    def push(self, gradients: Mapping[str, np.ndarray], *, clock: int | None = None,
+             read_steps: Sequence[int] | None = None) -> PushReport:
+        """Sends gradients to every shard; each answers accepted or dropped, with its step.
+
+        clock defaults to this client's clock (then advanced by one); read_steps default to
+        the steps recorded by the last pull. A retry of the same clock is safe: the shard
+        acknowledges it without applying it again.
+        """
+        shard_map = self._require_map()
+        for name, grad in gradients.items():
+            spec = shard_map.specs.get(name)
+            if spec is None:
+                raise InvalidTensorError(f"gradient for unknown tensor {name!r}")
+            if tuple(np.shape(grad)) != tuple(spec.shape) or np.asarray(grad).dtype != np.dtype(spec.dtype):
+                raise InvalidTensorError(f"gradient for {name!r} is {np.asarray(grad).dtype}{list(np.shape(grad))}, "
+                                         f"the parameter is {spec.dtype}{list(spec.shape)}")
+        clock = self.clock if clock is None else clock
+        steps = list(self.steps if read_steps is None else read_steps)
+
+        def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.PushResponse:
+            header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=steps[shard])
+            messages = codec.pack(self._part_chunks(shard_map, shard, gradients),
+                                  lambda cs: pb.PushRequest(chunks=cs), chunk_bytes=self.chunk_bytes)
+            return stub.Push(_with_header(messages, lambda m: m.header.CopyFrom(header)),
+                             timeout=self.rpc_timeout, metadata=self.metadata)
+
+        responses = self._on_all("Push", send)
+        self.clock = max(self.clock, clock + 1)
+        return PushReport(responses, clock)
+
+    def close(self) -> None:
+        """Stops heartbeats and closes the channels (does not deregister)."""
+        self._membership.stop.set()
+        self._pool.shutdown(wait=False)
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _with_header(messages: Iterator[T], set_header: Callable[[T], None]) -> Iterator[T]:
+    """Sets the header on the first message of a request stream."""
+    first = True
+    for message in messages:
+        if first:
+            set_header(message)
+            first = False
+        yield message

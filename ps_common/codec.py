@@ -71,8 +71,13 @@ def as_wire_array(array: np.ndarray) -> np.ndarray:
     return np.asarray(array, order="C")  # not ascontiguousarray: it turns a 0-d array into 1-d
 
 
-def part_chunks(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
-    """Cuts one part (a whole tensor or a row range starting at row_start) into chunks."""
+def chunk_fields(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[dict]:
+    """Cuts one part (a whole tensor or a row range starting at row_start) into chunks.
+
+    Yields the keyword arguments of each TensorChunk rather than the message, so that
+    `pack` can build the chunk in place inside its request (protobuf copies a message
+    appended to a repeated field; building it there saves one copy of the bytes).
+    """
     if chunk_bytes <= 0:
         raise ValueError(f"Invalid chunk size: {chunk_bytes}")
     part = as_wire_array(part)
@@ -83,47 +88,56 @@ def part_chunks(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes:
     offset = 0
     while True:
         end = min(offset + chunk_bytes, total)
-        yield pb.TensorChunk(
-            name=name, dtype=wire_dtype, shape=shape, row_start=row_start,
-            byte_offset=offset, data=raw[offset:end].tobytes(),
-        )
+        yield {"name": name, "dtype": wire_dtype, "shape": shape, "row_start": row_start,
+               "byte_offset": offset, "data": raw[offset:end].tobytes()}
         offset = end
         if offset >= total:
             return
 
 
-def pack(chunks: Iterable[pb.TensorChunk], make: Callable[[list[pb.TensorChunk]], M], *,
-         chunk_bytes: int = CHUNK_BYTES) -> Iterator[M]:
-    """Groups chunks into messages of at most about chunk_bytes of data each.
+def part_chunks(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+    """The chunks of one part as TensorChunk messages."""
+    for fields in chunk_fields(name, part, row_start=row_start, chunk_bytes=chunk_bytes):
+        yield pb.TensorChunk(**fields)
 
-    Small tensors share a message (one message for a whole small model); a full-size chunk
-    travels alone. ``make`` builds the message from a list of chunks. Always yields at
-    least one message, so a header can ride on it even when there are no chunks.
+
+def pack(chunks: Iterable[dict], make: Callable[[], M], *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[M]:
+    """Builds messages (``make()``, with a repeated ``chunks`` field) of at most about chunk_bytes of data.
+
+    ``chunks`` are TensorChunk keyword arguments (``chunk_fields``). Small tensors share a
+    message (one message for a whole small model); a full-size chunk travels alone.
+    Always yields at least one message, so a header can ride on it even with no chunks.
     """
-    batch: list[pb.TensorChunk] = []
+    message = make()
     size = 0
-    yielded = False
-    for chunk in chunks:
-        n = len(chunk.data)
-        if batch and size + n > chunk_bytes:
-            yield make(batch)
-            yielded = True
-            batch, size = [], 0
-        batch.append(chunk)
+    for fields in chunks:
+        n = len(fields["data"])
+        if size and size + n > chunk_bytes:
+            yield message
+            message, size = make(), 0
+        message.chunks.add(**fields)
         size += n
-    if batch or not yielded:
-        yield make(batch)
+    yield message
 
 
 @dataclass
 class _PartBuffer:
-    """The chunks received so far for one part."""
+    """What has arrived for one part: byte ranges, and the bytes themselves (a view or an array)."""
 
     dtype: np.dtype
     shape: tuple[int, ...]
     nbytes: int
-    pieces: list[tuple[int, bytes]] = field(default_factory=list)
-    received: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)   # (byte offset, length) per chunk
+    whole: bytes | None = None          # the one chunk that covers the part (zero-copy case)
+    array: np.ndarray | None = None     # where chunks are copied as they arrive
+
+    def write(self, start: int, data: bytes) -> None:
+        assert self.array is not None
+        flat = memoryview(self.array.reshape(-1)).cast("B") if self.array.size else memoryview(bytearray())
+        flat[start:start + len(data)] = data
+
+
+Destination = Callable[[str, int, np.dtype, tuple[int, ...]], "np.ndarray | None"]
 
 
 class PartAssembler:
@@ -133,44 +147,64 @@ class PartAssembler:
     the byte range lies inside the part, and, at ``finish``, the chunks of each part cover
     it exactly (no gap, no overlap). Every failure is an InvalidTensorError naming the
     tensor, its row range and the values. Not thread-safe; one per request.
+
+    Copies: a part that arrives as one chunk becomes a read-only view of the chunk's
+    bytes (no copy). Otherwise each chunk is copied once, on arrival, into the array that
+    ``destination(name, row_start, dtype, shape)`` returns (e.g. a row range of the full
+    tensor being reassembled), or into a fresh array when it returns None.
     """
 
-    def __init__(self, expected: Callable[[str, int], tuple[np.dtype, tuple[int, ...]]] | None = None) -> None:
+    def __init__(self, expected: Callable[[str, int], tuple[np.dtype, tuple[int, ...]]] | None = None, *,
+                 destination: Destination | None = None) -> None:
         """``expected(name, row_start) -> (dtype, shape)`` looks a part up (raising for unknown ones)."""
         self._expected = expected
+        self._destination = destination
         self._parts: dict[tuple[str, int], _PartBuffer] = {}
 
     def add(self, chunk: pb.TensorChunk) -> None:
-        """Adds one received chunk (keeps a reference to its bytes, copies nothing)."""
+        """Adds one received chunk: keeps its bytes when it is the whole part, else copies them into place."""
         key = (chunk.name, chunk.row_start)
         buf = self._parts.get(key)
         if buf is None:
-            dtype = dtype_from_wire(chunk.dtype, name=chunk.name)
-            shape = tuple(int(d) for d in chunk.shape)
-            if any(d < 0 for d in shape):
-                raise InvalidTensorError(f"tensor {chunk.name!r}: negative dimension in shape {list(shape)}")
-            if self._expected is not None:
-                want_dtype, want_shape = self._expected(chunk.name, chunk.row_start)
-                if dtype != want_dtype:
-                    raise InvalidTensorError(
-                        f"tensor {chunk.name!r} rows from {chunk.row_start}: dtype {dtype.name} does not match the parameter's {want_dtype.name}")
-                if shape != tuple(want_shape):
-                    raise InvalidTensorError(
-                        f"tensor {chunk.name!r} rows from {chunk.row_start}: shape {list(shape)} does not match the part's shape {list(want_shape)}")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            buf = self._parts[key] = _PartBuffer(dtype=dtype, shape=shape, nbytes=nbytes)
-        else:
-            if chunk.dtype != dtype_to_wire(buf.dtype) or tuple(chunk.shape) != buf.shape:
-                raise InvalidTensorError(
-                    f"tensor {chunk.name!r} rows from {chunk.row_start}: chunk says dtype {chunk.dtype} shape {list(chunk.shape)}, "
-                    f"earlier chunks said {buf.dtype.name} {list(buf.shape)}")
-        start, n = chunk.byte_offset, len(chunk.data)
+            buf = self._parts[key] = self._new_part(chunk)
+        elif chunk.dtype != dtype_to_wire(buf.dtype) or tuple(chunk.shape) != buf.shape:
+            raise InvalidTensorError(
+                f"tensor {chunk.name!r} rows from {chunk.row_start}: chunk says dtype {chunk.dtype} shape {list(chunk.shape)}, "
+                f"earlier chunks said {buf.dtype.name} {list(buf.shape)}")
+        data = chunk.data
+        start, n = chunk.byte_offset, len(data)
         if start < 0 or start + n > buf.nbytes:
             raise InvalidTensorError(
                 f"tensor {chunk.name!r} rows from {chunk.row_start}: chunk bytes [{start}, {start + n}) "
                 f"fall outside the part's {buf.nbytes} bytes (shape {list(buf.shape)}, {buf.dtype.name})")
-        buf.pieces.append((start, chunk.data))
-        buf.received += n
+        buf.ranges.append((start, n))
+        if buf.array is None and not buf.ranges[:-1] and n == buf.nbytes and self._destination is None:
+            buf.whole = data
+            return
+        if buf.array is None:
+            buf.array = np.empty(buf.shape, dtype=buf.dtype)
+            if buf.whole is not None:
+                buf.write(0, buf.whole)
+                buf.whole = None
+        buf.write(start, data)
+
+    def _new_part(self, chunk: pb.TensorChunk) -> _PartBuffer:
+        dtype = dtype_from_wire(chunk.dtype, name=chunk.name)
+        shape = tuple(int(d) for d in chunk.shape)
+        if any(d < 0 for d in shape):
+            raise InvalidTensorError(f"tensor {chunk.name!r}: negative dimension in shape {list(shape)}")
+        if self._expected is not None:
+            want_dtype, want_shape = self._expected(chunk.name, chunk.row_start)
+            if dtype != want_dtype:
+                raise InvalidTensorError(
+                    f"tensor {chunk.name!r} rows from {chunk.row_start}: dtype {dtype.name} does not match the parameter's {want_dtype.name}")
+            if shape != tuple(want_shape):
+                raise InvalidTensorError(
+                    f"tensor {chunk.name!r} rows from {chunk.row_start}: shape {list(shape)} does not match the part's shape {list(want_shape)}")
+        buf = _PartBuffer(dtype=dtype, shape=shape, nbytes=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        if self._destination is not None:
+            buf.array = self._destination(chunk.name, chunk.row_start, dtype, shape)
+        return buf
 
     def keys(self) -> list[tuple[str, int]]:
         """(name, row_start) of every part seen so far."""
@@ -180,31 +214,26 @@ class PartAssembler:
         """Checks coverage and returns each part as an array (read-only when zero-copy)."""
         out: dict[tuple[str, int], np.ndarray] = {}
         for (name, row_start), buf in self._parts.items():
-            buf.pieces.sort(key=lambda p: p[0])
+            buf.ranges.sort()
             pos = 0
-            for start, data in buf.pieces:
+            for start, n in buf.ranges:
                 if start != pos:
                     what = "overlap" if start < pos else "gap"
                     raise InvalidTensorError(
                         f"tensor {name!r} rows from {row_start}: chunks leave a {what} at byte {min(start, pos)} "
                         f"of {buf.nbytes} (shape {list(buf.shape)}, {buf.dtype.name})")
-                pos += len(data)
+                pos += n
             if pos != buf.nbytes:
                 raise InvalidTensorError(
                     f"tensor {name!r} rows from {row_start}: got {pos} bytes, expected {buf.nbytes} "
                     f"(shape {list(buf.shape)}, {buf.dtype.name})")
-            out[(name, row_start)] = _join(buf)
+            if buf.whole is not None:
+                out[(name, row_start)] = np.frombuffer(buf.whole, dtype=buf.dtype).reshape(buf.shape)
+            elif buf.array is not None:
+                out[(name, row_start)] = buf.array
+            else:  # a zero-size part
+                out[(name, row_start)] = np.empty(buf.shape, dtype=buf.dtype)
         return out
-
-
-def _join(buf: _PartBuffer) -> np.ndarray:
-    if len(buf.pieces) == 1:
-        return np.frombuffer(buf.pieces[0][1], dtype=buf.dtype).reshape(buf.shape)
-    array = np.empty(buf.shape, dtype=buf.dtype)
-    flat = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(bytearray())
-    for start, data in buf.pieces:
-        flat[start:start + len(data)] = data
-    return array
 
 
 def spec_to_wire(name: str, dtype: np.dtype | str, shape: Sequence[int]) -> pb.ParameterSpec:

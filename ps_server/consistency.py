@@ -102,7 +102,9 @@ class SyncPolicy(ConsistencyPolicy):
         for key, grad in grads.items():
             acc = self.accumulator.get(key)
             if acc is None:
-                self.accumulator[key] = np.array(grad, copy=True)
+                # a decoded multi-chunk gradient is a fresh array nobody else holds: take it as is
+                fresh = grad.flags.writeable and grad.flags.owndata
+                self.accumulator[key] = grad if fresh else np.array(grad, copy=True)
             else:
                 np.add(acc, grad, out=acc)
         self.contributors.append(worker_id)

@@ -91,12 +91,16 @@ class Shard:
             raise ShuttingDownError(f"shard {self.config.shard_index} is shutting down")
 
     def _wait(self, blocker, timeout: float, what: str) -> None:
-        """Waits (lock held) until blocker() returns None, or raises WaitTimeoutError after timeout s."""
-        deadline = self._now() + timeout
+        """Waits (lock held) until blocker() returns None, or raises WaitTimeoutError after timeout s.
+
+        The timeout is real time (time.monotonic), like the condition's wait: the injected
+        `now` clock drives leases only, so a frozen test clock cannot make a wait endless.
+        """
+        deadline = time.monotonic() + timeout
         reason = blocker()
         while reason is not None:
             self._check_running()
-            left = deadline - self._now()
+            left = deadline - time.monotonic()
             if left <= 0:
                 raise WaitTimeoutError(f"{what} waited {timeout:.1f} s for {reason}")
             self._cond.wait(min(left, 1.0))
@@ -151,9 +155,11 @@ class Shard:
             raise InvalidRequestError("push header: worker_id must not be empty")
         if clock < 0 or read_step < 0:
             raise InvalidRequestError(f"push from {worker_id!r}: clock {clock} and read_step {read_step} must be >= 0")
-        for grad in grads.values():
-            if grad.dtype.kind == "f" and not np.isfinite(grad).all():
-                raise InvalidRequestError(f"push from {worker_id!r} at clock {clock}: gradient holds NaN or inf")
+        for (name, row_start), grad in grads.items():
+            # min and max propagate NaN and show inf: two fast reductions, no temporary array
+            if grad.dtype.kind == "f" and grad.size and not (np.isfinite(grad.min()) and np.isfinite(grad.max())):
+                raise InvalidRequestError(
+                    f"push from {worker_id!r} at clock {clock}: gradient of {name!r} rows from {row_start} holds NaN or inf")
         with self._cond:
             self._check_running()
             record = self.membership.get(worker_id)
@@ -162,6 +168,7 @@ class Shard:
             if read_step > self.step:
                 raise InvalidRequestError(
                     f"push from {worker_id!r} at clock {clock}: read_step {read_step} is ahead of the shard's step {self.step}")
+            staleness = self.step - read_step   # on arrival, before this push can advance the step
             decision: Decision = self.policy.on_push(self, worker_id, read_step, grads)
             record.clock = clock + 1
             self.membership.renew(worker_id)
@@ -173,7 +180,7 @@ class Shard:
             self.membership.remember(record, clock, result)
             self._cond.notify_all()
         self._emit("push", worker_id=worker_id, accepted=decision.accepted, reason=decision.drop_reason,
-                   staleness=self.step - read_step, nbytes=sum(g.nbytes for g in grads.values()))
+                   staleness=staleness, nbytes=sum(g.nbytes for g in grads.values()))
         return result
 
     def _duplicate(self, record, clock: int) -> PushResult:

@@ -34,8 +34,13 @@ class PartState:
         """
         cached = self._encoded
         if cached is None or cached[0] != self.version or cached[1] != chunk_bytes:
-            chunks = codec.part_chunks(self.part.name, self.value, row_start=self.part.row_start, chunk_bytes=chunk_bytes)
-            cached = self._encoded = (self.version, chunk_bytes, [pb.PullResponse(chunks=[c]) for c in chunks])
+            chunks = codec.chunk_fields(self.part.name, self.value, row_start=self.part.row_start, chunk_bytes=chunk_bytes)
+            messages = []
+            for fields in chunks:
+                message = pb.PullResponse()
+                message.chunks.add(**fields)
+                messages.append(message)
+            cached = self._encoded = (self.version, chunk_bytes, messages)
         return cached[2]
 
 

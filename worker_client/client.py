@@ -144,6 +144,8 @@ class PSClient:
 
     def _on_all(self, what: str, fn: Callable[[int, pb_grpc.ParameterServerStub], T]) -> list[T]:
         """fn(shard, stub) on every shard concurrently, each with retries; results in shard order."""
+        if self.num_shards == 1:  # no thread hop for the common single-shard case
+            return [self._call(0, what, lambda stub: fn(0, stub))]
         futures = [self._pool.submit(self._call, i, what, lambda stub, i=i: fn(i, stub)) for i in range(self.num_shards)]
         return [f.result() for f in futures]
 
@@ -194,7 +196,7 @@ class PSClient:
 
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.InitResponse:
             chunks = self._part_chunks(shard_map, shard, parameters)
-            messages = codec.pack(chunks, lambda cs: pb.InitRequest(chunks=cs), chunk_bytes=self.chunk_bytes)
+            messages = codec.pack(chunks, pb.InitRequest, chunk_bytes=self.chunk_bytes)
             return stub.InitParameters(_with_header(messages, lambda m: m.header.CopyFrom(header)),
                                        timeout=self.rpc_timeout, metadata=self.metadata)
 
@@ -203,13 +205,13 @@ class PSClient:
         self.steps = [r.step for r in responses]
         return all(r.already_initialized for r in responses)
 
-    def _part_chunks(self, shard_map: ShardMap, shard: int, arrays: Mapping[str, np.ndarray]) -> Iterator[pb.TensorChunk]:
+    def _part_chunks(self, shard_map: ShardMap, shard: int, arrays: Mapping[str, np.ndarray]) -> Iterator[dict]:
         for part in shard_map.parts_on(shard):
             if part.name not in arrays:
                 continue
             array = np.asarray(arrays[part.name])
             piece = array if part.whole else array[part.row_start:part.row_end]
-            yield from codec.part_chunks(part.name, piece, row_start=part.row_start, chunk_bytes=self.chunk_bytes)
+            yield from codec.chunk_fields(part.name, piece, row_start=part.row_start, chunk_bytes=self.chunk_bytes)
 
     def _require_map(self) -> ShardMap:
         if self.shard_map is None:
@@ -299,13 +301,30 @@ class PSClient:
         wanted = set(names) or set(shard_map.specs)
         targets = [i for i in range(self.num_shards) if any(p.name in wanted for p in shard_map.parts_on(i))]
 
+        out: dict[str, np.ndarray] = {}
+        lock = threading.Lock()
+
+        def destination(name: str, row_start: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+            """Parts of a split tensor are written straight into the full array (one copy in all)."""
+            spec = shard_map.specs.get(name)
+            if spec is None or shard_map.parts_of(name)[0].whole:
+                return None
+            if (dtype.name, shape[1:]) != (np.dtype(spec.dtype).name, tuple(spec.shape[1:])) or row_start + shape[0] > spec.shape[0]:
+                raise InvalidTensorError(f"shard sent {name!r} rows from {row_start} as {dtype}{list(shape)}, "
+                                         f"which does not fit the tensor {spec.dtype}{list(spec.shape)}")
+            with lock:
+                full = out.get(name)
+                if full is None:
+                    full = out[name] = np.empty(spec.shape, dtype=spec.dtype)
+            return full[row_start:row_start + shape[0]]
+
         def fetch(shard: int) -> tuple[int, dict[tuple[str, int], np.ndarray]]:
             own = sorted({p.name for p in shard_map.parts_on(shard) if p.name in wanted})
             request = pb.PullRequest(names=own if names else [], min_step=mins[shard], wait_timeout_ms=int(wait * 1000),
                                      worker_id=self.worker_id if ssp else "", clock=self.clock if ssp else 0)
 
             def call(stub: pb_grpc.ParameterServerStub):
-                assembler = codec.PartAssembler()
+                assembler = codec.PartAssembler(destination=destination)
                 step = None
                 for message in stub.Pull(request, timeout=wait + self.rpc_timeout, metadata=self.metadata):
                     if step is None:
@@ -316,19 +335,12 @@ class PSClient:
 
             return self._call(shard, "Pull", call)
 
-        results = list(self._pool.map(fetch, targets))
-        out: dict[str, np.ndarray] = {}
+        results = [fetch(targets[0])] if len(targets) == 1 else list(self._pool.map(fetch, targets))
         for shard, (step, parts) in zip(targets, results):
             self.steps[shard] = step
-            for (name, row_start), value in parts.items():
-                spec = shard_map.specs[name]
+            for (name, _), value in parts.items():
                 if shard_map.parts_of(name)[0].whole:
                     out[name] = value
-                    continue
-                full = out.get(name)
-                if full is None:
-                    full = out[name] = np.empty(spec.shape, dtype=spec.dtype)
-                full[row_start:row_start + value.shape[0]] = value
         return out
 
     def push(self, gradients: Mapping[str, np.ndarray], *, clock: int | None = None,
@@ -352,8 +364,8 @@ class PSClient:
 
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.PushResponse:
             header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=steps[shard])
-            messages = codec.pack(self._part_chunks(shard_map, shard, gradients),
-                                  lambda cs: pb.PushRequest(chunks=cs), chunk_bytes=self.chunk_bytes)
+            messages = codec.pack(self._part_chunks(shard_map, shard, gradients), pb.PushRequest,
+                                  chunk_bytes=self.chunk_bytes)
             return stub.Push(_with_header(messages, lambda m: m.header.CopyFrom(header)),
                              timeout=self.rpc_timeout, metadata=self.metadata)
 

@@ -90,9 +90,9 @@ def test_unknown_wire_dtype_is_refused() -> None:
 
 
 def test_pack_groups_small_chunks_and_always_yields_a_message() -> None:
-    small = [c for i in range(10) for c in codec.part_chunks(f"t{i}", np.zeros(10, np.float32))]
-    messages = list(codec.pack(small, lambda cs: pb.PushRequest(chunks=cs), chunk_bytes=1000))
-    assert len(messages) == 1 and len(messages[0].chunks) == 10
-    big = list(codec.part_chunks("big", np.zeros(1000, np.float32), chunk_bytes=1000))
-    assert len(list(codec.pack(big, lambda cs: pb.PushRequest(chunks=cs), chunk_bytes=1000))) == 4
-    assert len(list(codec.pack([], lambda cs: pb.PushRequest(chunks=cs)))) == 1
+    small = [c for i in range(10) for c in codec.chunk_fields(f"t{i}", np.zeros(10, np.float32))]
+    messages = list(codec.pack(small, pb.PushRequest, chunk_bytes=1000))
+    assert len(messages) == 1 and [c.name for c in messages[0].chunks] == [f"t{i}" for i in range(10)]
+    big = list(codec.chunk_fields("big", np.zeros(1000, np.float32), chunk_bytes=1000))
+    assert len(list(codec.pack(big, pb.PushRequest, chunk_bytes=1000))) == 4
+    assert len(list(codec.pack([], pb.PushRequest))) == 1

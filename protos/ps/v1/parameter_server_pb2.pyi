@@ -290,3 +290,35 @@ class ClusterInfo(_message.Message):
     effective_replicas: int
     dropped_stale: int
     def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[_Union[ConsistencyMode, str]] = ..., replicas_to_aggregate: _Optional[int] = ..., total_replicas: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., step: _Optional[int] = ..., initialized: _Optional[bool] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[PartAssignment, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., optimizer: _Optional[str] = ..., partition_min_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., effective_replicas: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("path", "step")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetParametersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetParametersResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...

@@ -420,3 +420,176 @@ class ParameterServer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Operator rpcs, on every shard beside ParameterServer. When the shard is started with an
+    admin token, only callers that present it may call these: a caller with the worker
+    token gets PERMISSION_DENIED, one without a valid token UNAUTHENTICATED.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Checkpoint = channel.unary_unary(
+                '/ps.v1.Admin/Checkpoint',
+                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/ps.v1.Admin/Shutdown',
+                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownResponse.FromString,
+                _registered_method=True)
+        self.ResetParameters = channel.unary_unary(
+                '/ps.v1.Admin/ResetParameters',
+                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersRequest.SerializeToString,
+                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operator rpcs, on every shard beside ParameterServer. When the shard is started with an
+    admin token, only callers that present it may call these: a caller with the worker
+    token gets PERMISSION_DENIED, one without a valid token UNAUTHENTICATED.
+    """
+
+    def Checkpoint(self, request, context):
+        """Writes a checkpoint now (atomically) and returns its path and step.
+        FAILED_PRECONDITION when the shard has no checkpoint directory or no parameters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shutdown(self, request, context):
+        """Stops the shard gracefully: refuses new work, writes a final checkpoint when it has a
+        checkpoint directory, then exits. Returns before the shard is gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetParameters(self, request, context):
+        """Drops the parameters, optimizer state, step and worker clocks, so that the next
+        InitParameters may set a different parameter list. Waiting pulls fail UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointRequest.FromString,
+                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownRequest.FromString,
+                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'ResetParameters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetParameters,
+                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersRequest.FromString,
+                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ps.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ps.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operator rpcs, on every shard beside ParameterServer. When the shard is started with an
+    admin token, only callers that present it may call these: a caller with the worker
+    token gets PERMISSION_DENIED, one without a valid token UNAUTHENTICATED.
+    """
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/Checkpoint',
+            protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointRequest.SerializeToString,
+            protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/Shutdown',
+            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownRequest.SerializeToString,
+            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetParameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/ResetParameters',
+            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersRequest.SerializeToString,
+            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

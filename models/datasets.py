@@ -1,0 +1,474 @@
+"""Dataset readers: the shipped digits, seeded synthetic generators, and user .npz files.
+
+Dataset specs accepted by `load_dataset`:
+
+* ``"digits"`` -- scikit-learn's 8x8 digits (1797 images, 10 classes), shipped as
+  ``models/data/digits.npz``: pixels scaled to [0, 1] float32, rows of 64, with a fixed
+  stratified 80/20 split (1438 train, 359 test). Nothing is downloaded.
+* ``"synthetic:<kind>[?key=value&...]"`` -- generated from ``seed``; kinds and keys:
+  ``classification`` (n, features, classes, noise, test), ``regression`` (n, features,
+  outputs, noise, test) and ``ids`` (n, vocab, bag, classes, signal, test). E.g.
+  ``"synthetic:classification?n=2000&features=64&classes=10"``.
+* a path to a ``.npz`` file in the format below.
+
+The .npz format (also in docs/data-format.md):
+
+* required arrays ``x_train``, ``y_train``, ``x_test``, ``y_test``; ``x_*`` have one row per
+  example on axis 0 and the same trailing shape in train and test (float features, cast to
+  float32, or integer ids, cast to int64); ``y_*`` have as many rows as their ``x_*``;
+* integer ``y`` means classification: 1-D labels in ``[0, num_classes)``, int64;
+  floating ``y`` means regression: targets (1-D is read as one output column), float32,
+  and ``num_classes`` is 0;
+* optional ``input_name``: a 0-d string array, the model input the features feed
+  (default ``"x"`` for float features, ``"ids"`` for integer ones);
+* optional ``num_classes``: a 0-d integer array (default: largest label + 1).
+
+Layouts: datasets come as stored (digits: (n, 64)). `reshape_for(ds, model)` (or
+``load_dataset(..., model=name)``) gives each bundled model its input: ``mlp`` (n, features)
+flattened, ``lenet`` (n, C, H, W) (digits: (n, 1, 8, 8)), ``embedding``/``transformer``
+int64 ids (n, bag) fed to ``"ids"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+__all__ = [
+    "DIGITS_PATH",
+    "Dataset",
+    "DatasetError",
+    "iterate_batches",
+    "load_dataset",
+    "load_npz",
+    "num_batches",
+    "reshape_for",
+    "worker_shard",
+]
+
+#: The shipped digits file.
+DIGITS_PATH = Path(__file__).resolve().parent / "data" / "digits.npz"
+#: Arrays every dataset file must hold.
+REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+#: Arrays a dataset file may also hold.
+OPTIONAL_ARRAYS = ("input_name", "num_classes")
+
+Remainder = Literal["wrap", "drop"]
+
+
+class DatasetError(ValueError):
+    """A dataset spec, file or array that cannot be used; the message names it."""
+
+
+@dataclass(eq=False, repr=False)
+class Dataset:
+    """Train and test arrays plus what a model needs to know about them.
+
+    `num_classes` is 0 for regression targets. `image_shape` is the (C, H, W) of one
+    example when the features are images (digits: (1, 8, 8)), else None.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    input_name: str = "x"
+    num_classes: int = 0
+    image_shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for split in ("train", "test"):
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            if len(x) != len(y):
+                raise DatasetError(f"dataset {self.name!r}: x_{split} has {len(x)} rows "
+                                   f"but y_{split} has {len(y)}")
+        if self.x_train.shape[1:] != self.x_test.shape[1:]:
+            raise DatasetError(f"dataset {self.name!r}: x_train {self.x_train.shape} and "
+                               f"x_test {self.x_test.shape} differ after the first axis")
+
+    @property
+    def num_train(self) -> int:
+        return int(len(self.x_train))
+
+    @property
+    def num_test(self) -> int:
+        return int(len(self.x_test))
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        """The shape of one example's features."""
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+    @property
+    def is_classification(self) -> bool:
+        return self.num_classes > 0
+
+    def describe(self) -> str:
+        """A one-line summary: sizes, dtypes, classes and the input name."""
+        outputs = self.y_train.shape[1] if self.y_train.ndim > 1 else 1
+        task = f"{self.num_classes} classes" if self.is_classification else \
+            f"regression, {outputs} target{'s' if outputs > 1 else ''}"
+        return (f"{self.name}: train {self.num_train} x {self.feature_shape} "
+                f"{self.x_train.dtype}, test {self.num_test}, {task}, "
+                f"input {self.input_name!r}")
+
+    def __repr__(self) -> str:
+        return f"Dataset({self.describe()})"
+
+
+# --- loading ------------------------------------------------------------------------------
+
+def load_dataset(spec: str, *, seed: int = 0, model: str | None = None) -> Dataset:
+    """Load `spec` ("digits", "synthetic:<kind>[?k=v&...]", or a .npz path).
+
+    `seed` drives the synthetic generators (digits and files have fixed splits). With
+    `model`, the features are laid out for that bundled model (see `reshape_for`).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise DatasetError(f"dataset spec must be a non-empty string, got {spec!r}")
+    if spec == "digits":
+        dataset = dataclasses.replace(load_npz(DIGITS_PATH), name="digits",
+                                      image_shape=(1, 8, 8))
+    elif spec.startswith("synthetic:"):
+        dataset = _synthetic(spec, seed=seed)
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise DatasetError(
+                f"unknown dataset spec {spec!r}: expected 'digits', "
+                f"'synthetic:<{'|'.join(_SYNTHETIC)}>[?key=value&...]', or the path of an "
+                f"existing .npz file (no file at {path.resolve()})")
+        dataset = load_npz(path)
+    return dataset if model is None else reshape_for(dataset, model)
+
+
+def load_npz(path: str | Path) -> Dataset:
+    """Read and validate a dataset file in the documented .npz format."""
+    path = Path(path)
+    where = str(path)
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise DatasetError(f"{where}: no such file") from None
+    except (ValueError, OSError, zipfile.BadZipFile) as exc:
+        raise DatasetError(f"{where}: not a readable .npz archive ({exc})") from exc
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise DatasetError(f"{where}: holds a single array, not an .npz archive of "
+                           f"{', '.join(REQUIRED_ARRAYS)}")
+    with archive:
+        found = sorted(archive.files)
+        missing = [name for name in REQUIRED_ARRAYS if name not in archive.files]
+        if missing:
+            raise DatasetError(
+                f"{where}: missing array{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(repr(m) for m in missing)} (required: "
+                f"{', '.join(REQUIRED_ARRAYS)}; found: {', '.join(found) or 'none'})")
+        try:
+            arrays = {name: archive[name] for name in REQUIRED_ARRAYS + OPTIONAL_ARRAYS
+                      if name in archive.files}
+        except ValueError as exc:  # object arrays need pickle, which is refused
+            raise DatasetError(f"{where}: an array could not be read without pickle "
+                               f"({exc}); store plain numeric arrays") from exc
+    return _validated(where, path.stem, arrays)
+
+
+def _validated(where: str, name: str, arrays: dict[str, np.ndarray]) -> Dataset:
+    x_train, x_test = arrays["x_train"], arrays["x_test"]
+    y_train, y_test = arrays["y_train"], arrays["y_test"]
+    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+        if x.ndim < 2:
+            raise DatasetError(f"{where}: x_{split} has shape {x.shape}; it needs one row "
+                               f"per example on axis 0 and features after it (ndim >= 2)")
+        if len(x) == 0:
+            raise DatasetError(f"{where}: x_{split} has no rows (shape {x.shape})")
+        if y.ndim == 0 or len(y) != len(x):
+            raise DatasetError(f"{where}: x_{split} has shape {x.shape} but y_{split} has "
+                               f"shape {y.shape}; they need the same number of rows")
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise DatasetError(f"{where}: x_train has shape {x_train.shape} and x_test "
+                           f"{x_test.shape}; they must agree after the first axis")
+    kinds = {x_train.dtype.kind, x_test.dtype.kind}
+    if kinds <= {"f"}:
+        x_train, x_test = x_train.astype(np.float32), x_test.astype(np.float32)
+        for split, x in (("train", x_train), ("test", x_test)):
+            if not np.isfinite(x).all():
+                raise DatasetError(f"{where}: x_{split} holds NaN or infinite values")
+    elif kinds <= {"i", "u"}:
+        x_train, x_test = x_train.astype(np.int64), x_test.astype(np.int64)
+        if min(x_train.min(), x_test.min()) < 0:
+            raise DatasetError(f"{where}: integer ids in x_train/x_test must be >= 0")
+    else:
+        raise DatasetError(f"{where}: x_train is {x_train.dtype} and x_test {x_test.dtype}; "
+                           f"both must be floating (features) or both integer (ids)")
+
+    y_kinds = {y_train.dtype.kind, y_test.dtype.kind}
+    if y_kinds <= {"i", "u"}:
+        for split, y in (("train", y_train), ("test", y_test)):
+            if y.ndim != 1:
+                raise DatasetError(f"{where}: integer labels y_{split} must be 1-D, got "
+                                   f"shape {y.shape}")
+            if y.min() < 0:
+                raise DatasetError(f"{where}: y_{split} has a negative label {int(y.min())}")
+        y_train, y_test = y_train.astype(np.int64), y_test.astype(np.int64)
+        largest = int(max(y_train.max(), y_test.max()))
+        num_classes = largest + 1
+        if "num_classes" in arrays:
+            declared = arrays["num_classes"]
+            if declared.shape != () or declared.dtype.kind not in "iu":
+                raise DatasetError(f"{where}: num_classes must be a 0-d integer array, got "
+                                   f"shape {declared.shape} dtype {declared.dtype}")
+            if int(declared) <= largest:
+                raise DatasetError(f"{where}: num_classes is {int(declared)} but a label is "
+                                   f"{largest}")
+            num_classes = int(declared)
+        if num_classes < 2:
+            raise DatasetError(f"{where}: labels hold a single class ({largest}); "
+                               f"classification needs at least 2")
+    elif y_kinds <= {"f"}:
+        y_train = y_train.astype(np.float32).reshape(len(y_train), -1)
+        y_test = y_test.astype(np.float32).reshape(len(y_test), -1)
+        if y_train.shape[1:] != y_test.shape[1:]:
+            raise DatasetError(f"{where}: y_train has shape {y_train.shape} and y_test "
+                               f"{y_test.shape}; regression targets must agree in width")
+        num_classes = 0
+    else:
+        raise DatasetError(f"{where}: y_train is {y_train.dtype} and y_test {y_test.dtype}; "
+                           f"use integers (class labels) or floats (regression targets)")
+
+    default_input = "ids" if x_train.dtype == np.int64 else "x"
+    input_name = default_input
+    if "input_name" in arrays:
+        raw = arrays["input_name"]
+        if raw.shape != () or raw.dtype.kind not in "US":
+            raise DatasetError(f"{where}: input_name must be a 0-d string array, got shape "
+                               f"{raw.shape} dtype {raw.dtype}")
+        value = raw.item()
+        input_name = value.decode() if isinstance(value, bytes) else str(value)
+        if not input_name:
+            raise DatasetError(f"{where}: input_name is empty")
+    image_shape = None
+    if x_train.ndim == 4:
+        image_shape = tuple(int(d) for d in x_train.shape[1:])
+    elif x_train.ndim == 3:
+        image_shape = (1, *(int(d) for d in x_train.shape[1:]))
+    return Dataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                   input_name=input_name, num_classes=num_classes, image_shape=image_shape)
+
+
+# --- synthetic generators -----------------------------------------------------------------
+
+# kind -> {parameter: (type, default)}
+_SYNTHETIC: dict[str, dict[str, tuple[type, float | int]]] = {
+    "classification": {"n": (int, 2000), "features": (int, 64), "classes": (int, 10),
+                       "noise": (float, 1.0), "test": (float, 0.2)},
+    "regression": {"n": (int, 2000), "features": (int, 16), "outputs": (int, 1),
+                   "noise": (float, 0.1), "test": (float, 0.2)},
+    "ids": {"n": (int, 2000), "vocab": (int, 1000), "bag": (int, 8), "classes": (int, 2),
+            "signal": (float, 0.7), "test": (float, 0.2)},
+}
+
+
+def _parse_synthetic(spec: str) -> tuple[str, dict[str, float | int]]:
+    body = spec[len("synthetic:"):]
+    kind, _, query = body.partition("?")
+    if kind not in _SYNTHETIC:
+        raise DatasetError(f"dataset spec {spec!r}: unknown synthetic kind {kind!r}; "
+                           f"expected one of {', '.join(_SYNTHETIC)}")
+    schema = _SYNTHETIC[kind]
+    params: dict[str, float | int] = {key: default for key, (_, default) in schema.items()}
+    seen: set[str] = set()
+    for item in filter(None, query.split("&")):
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise DatasetError(f"dataset spec {spec!r}: {item!r} is not key=value")
+        if key not in schema:
+            raise DatasetError(f"dataset spec {spec!r}: unknown parameter {key!r} for "
+                               f"synthetic:{kind}; expected {', '.join(schema)}")
+        if key in seen:
+            raise DatasetError(f"dataset spec {spec!r}: parameter {key!r} given twice")
+        seen.add(key)
+        kind_of = schema[key][0]
+        try:
+            value = kind_of(text)
+        except ValueError:
+            raise DatasetError(f"dataset spec {spec!r}: {key}={text!r} is not "
+                               f"{'an integer' if kind_of is int else 'a number'}") from None
+        if kind_of is float and not math.isfinite(value):
+            raise DatasetError(f"dataset spec {spec!r}: {key}={text!r} is not finite")
+        params[key] = value
+    _check_synthetic(spec, kind, params)
+    return kind, params
+
+
+def _check_synthetic(spec: str, kind: str, p: dict[str, float | int]) -> None:
+    def fail(reason: str) -> DatasetError:
+        return DatasetError(f"dataset spec {spec!r}: {reason}")
+
+    if not 0.0 < p["test"] < 1.0:
+        raise fail(f"test={p['test']} must be a fraction strictly between 0 and 1")
+    n_test = round(p["n"] * p["test"])
+    if p["n"] < 2 or n_test < 1 or n_test >= p["n"]:
+        raise fail(f"n={p['n']} with test={p['test']} leaves an empty train or test split")
+    for key in ("features", "outputs", "vocab", "bag"):
+        if key in p and p[key] < 1:
+            raise fail(f"{key}={p[key]} must be at least 1")
+    if "classes" in p and p["classes"] < 2:
+        raise fail(f"classes={p['classes']} must be at least 2")
+    if "noise" in p and p["noise"] < 0:
+        raise fail(f"noise={p['noise']} must be >= 0")
+    if kind == "ids":
+        if not 0.0 <= p["signal"] <= 1.0:
+            raise fail(f"signal={p['signal']} must lie in [0, 1]")
+        if p["vocab"] < p["classes"]:
+            raise fail(f"vocab={p['vocab']} is smaller than classes={p['classes']}")
+
+
+def _synthetic(spec: str, *, seed: int) -> Dataset:
+    kind, p = _parse_synthetic(spec)
+    rng = np.random.default_rng(seed)
+    n = int(p["n"])
+    n_test = round(n * p["test"])
+    input_name, num_classes = "x", 0
+    if kind == "classification":
+        classes, features = int(p["classes"]), int(p["features"])
+        centers = rng.normal(0.0, 1.0, size=(classes, features))
+        y = rng.permutation(np.arange(n) % classes).astype(np.int64)
+        x = (centers[y] + p["noise"] * rng.normal(size=(n, features))).astype(np.float32)
+        num_classes = classes
+    elif kind == "regression":
+        features, outputs = int(p["features"]), int(p["outputs"])
+        weights = rng.normal(0.0, 1.0 / math.sqrt(features), size=(features, outputs))
+        x64 = rng.normal(size=(n, features))
+        y = (x64 @ weights + p["noise"] * rng.normal(size=(n, outputs))).astype(np.float32)
+        x = x64.astype(np.float32)
+    else:  # ids: each token leans to one class; a bag mixes its class's tokens with noise
+        vocab, bag, classes = int(p["vocab"]), int(p["bag"]), int(p["classes"])
+        token_class = rng.permutation(np.arange(vocab) % classes)
+        by_class = [np.flatnonzero(token_class == c) for c in range(classes)]
+        y = rng.permutation(np.arange(n) % classes).astype(np.int64)
+        x = rng.integers(0, vocab, size=(n, bag), dtype=np.int64)
+        informative = rng.random(size=(n, bag)) < p["signal"]
+        for c in range(classes):
+            rows, cols = np.nonzero(informative & (y == c)[:, None])
+            x[rows, cols] = rng.choice(by_class[c], size=len(rows))
+        input_name, num_classes = "ids", classes
+    cut = n - n_test
+    return Dataset(name=spec, x_train=x[:cut], y_train=y[:cut], x_test=x[cut:],
+                   y_test=y[cut:], input_name=input_name, num_classes=num_classes)
+
+
+# --- layouts ------------------------------------------------------------------------------
+
+def reshape_for(dataset: Dataset, model: str) -> Dataset:
+    """`dataset` laid out for the bundled model `model` (input name and feature shape).
+
+    mlp: float (n, features), image axes flattened. lenet: float (n, C, H, W), needing
+    images (an `image_shape`). embedding/transformer: int64 ids (n, bag) fed to "ids".
+    """
+    ds = dataset
+    if model == "mlp":
+        if ds.x_train.dtype.kind != "f":
+            raise DatasetError(f"dataset {ds.name!r} holds integer ids; model 'mlp' needs "
+                               f"float features")
+        return dataclasses.replace(ds, x_train=ds.x_train.reshape(ds.num_train, -1),
+                                   x_test=ds.x_test.reshape(ds.num_test, -1), input_name="x")
+    if model == "lenet":
+        if ds.x_train.dtype.kind != "f" or ds.image_shape is None:
+            raise DatasetError(
+                f"dataset {ds.name!r} (features {ds.feature_shape}, {ds.x_train.dtype}) has "
+                f"no image shape; model 'lenet' needs float images: store x as "
+                f"(n, C, H, W) or (n, H, W)")
+        shape = ds.image_shape
+        return dataclasses.replace(ds, x_train=ds.x_train.reshape(ds.num_train, *shape),
+                                   x_test=ds.x_test.reshape(ds.num_test, *shape),
+                                   input_name="x")
+    if model in ("embedding", "transformer"):
+        if ds.x_train.dtype != np.int64 or ds.x_train.ndim != 2:
+            raise DatasetError(f"dataset {ds.name!r} (features {ds.feature_shape}, "
+                               f"{ds.x_train.dtype}) is not int64 ids of shape (n, bag); "
+                               f"model {model!r} needs those")
+        return dataclasses.replace(ds, input_name="ids")
+    raise DatasetError(f"unknown model {model!r}; expected one of mlp, lenet, embedding, "
+                       f"transformer")
+
+
+# --- sharding and batching ----------------------------------------------------------------
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def worker_shard(dataset: Dataset, worker_index: int, num_workers: int) -> Dataset:
+    """The training share of worker `worker_index` of `num_workers`.
+
+    Strided: worker i gets train rows i, i + k, i + 2k, ... (k = num_workers), so shards are
+    disjoint, cover the train split, differ in size by at most one, and keep the split's
+    class mix. The test split is left whole (every worker evaluates on all of it).
+    """
+    k = _check_int("num_workers", num_workers, minimum=1)
+    i = _check_int("worker_index", worker_index, minimum=0)
+    if i >= k:
+        raise ValueError(f"worker_index {i} is out of range for num_workers {k} "
+                         f"(valid: 0..{k - 1})")
+    if k > dataset.num_train:
+        raise ValueError(f"num_workers {k} exceeds the {dataset.num_train} training examples "
+                         f"of dataset {dataset.name!r}; a worker would get none")
+    rows = np.arange(i, dataset.num_train, k)
+    return dataclasses.replace(dataset, name=f"{dataset.name}[worker {i} of {k}]",
+                               x_train=dataset.x_train[rows], y_train=dataset.y_train[rows])
+
+
+def num_batches(num_examples: int, batch_size: int, *, remainder: Remainder = "wrap") -> int:
+    """How many batches `iterate_batches` yields per epoch for these sizes."""
+    n = _check_int("num_examples", num_examples, minimum=1)
+    b = _check_int("batch_size", batch_size, minimum=1)
+    if remainder == "wrap":
+        return -(-n // b)
+    if remainder == "drop":
+        return n // b
+    raise ValueError(f"remainder must be 'wrap' or 'drop', got {remainder!r}")
+
+
+def iterate_batches(x: np.ndarray, y: np.ndarray, batch_size: int, *, seed: int, epoch: int,
+                    remainder: Remainder = "wrap") -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Fixed-size (x, y) batches over one epoch, shuffled by (seed, epoch).
+
+    Every batch has exactly `batch_size` rows, since the gradient graph has a fixed batch
+    size. The order is a permutation drawn from (seed, epoch), so a run is reproducible and
+    each epoch differs. With remainder="wrap" (the default) the last, short batch is filled
+    up with the first examples of the same epoch's permutation, so every example is seen at
+    least once per epoch (ceil(n / batch_size) batches; if n < batch_size, examples repeat
+    within the one batch). With remainder="drop" the short batch is left out (n // batch_size
+    batches), and ValueError is raised if that leaves none.
+    """
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
+    if len(x) == 0:
+        raise ValueError("cannot batch an empty dataset (0 rows)")
+    s = _check_int("seed", seed, minimum=0)
+    e = _check_int("epoch", epoch, minimum=0)
+    count = num_batches(len(x), batch_size, remainder=remainder)
+    if count == 0:
+        raise ValueError(f"remainder='drop' with batch_size {batch_size} leaves no batch of "
+                         f"{len(x)} examples; use remainder='wrap' or a smaller batch")
+    order = np.random.default_rng([s, e]).permutation(len(x))
+    if remainder == "wrap":
+        order = np.resize(order, count * batch_size)
+    return _batches(x, y, order[:count * batch_size].reshape(count, batch_size))
+
+
+def _batches(x: np.ndarray, y: np.ndarray,
+             rows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    # a separate generator so that iterate_batches validates when called, not when iterated
+    for batch in rows:
+        yield x[batch], y[batch]

@@ -12,7 +12,7 @@ from ps_common.errors import InvalidRequestError, WaitTimeoutError
 @dataclass
 class _Barrier:
     participants: int
-    arrived: set[str] = field(default_factory=set)
+    arrived: dict[str, int] = field(default_factory=dict)   # id -> its calls now waiting (counts once)
     generation: int = 0
 
 
@@ -47,19 +47,23 @@ class Barriers:
                     f"barrier {name!r}: called with participants={participants} while "
                     f"{len(barrier.arrived)} waiting callers said {barrier.participants}")
             generation = barrier.generation
-            barrier.arrived.add(participant)
+            barrier.arrived[participant] = barrier.arrived.get(participant, 0) + 1
             arrived = len(barrier.arrived)
             if arrived >= barrier.participants:
                 barrier.generation += 1
-                barrier.arrived = set()
+                barrier.arrived = {}
                 self._cond.notify_all()
                 return barrier.generation, arrived
             while barrier.generation == generation:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    barrier.arrived.discard(participant)
+                    here = sorted(barrier.arrived)
+                    # withdraw this call's arrival (another waiting call with the same id still counts)
+                    barrier.arrived[participant] -= 1
+                    if not barrier.arrived[participant]:
+                        del barrier.arrived[participant]
                     raise WaitTimeoutError(
                         f"barrier {name!r}: waited {timeout:.1f} s for {barrier.participants} participants; "
-                        f"{len(barrier.arrived) + 1} arrived ({', '.join(sorted(barrier.arrived | {participant}))})")
+                        f"{len(here)} arrived ({', '.join(here)})")
                 self._cond.wait(left)
             return barrier.generation, barrier.participants

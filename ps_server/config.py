@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ps_common.codec import CHUNK_BYTES
+from ps_common.codec import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from ps_common.shard_map import DEFAULT_PARTITION_MIN_BYTES
 
 MODES = ("sync", "ssp", "async")
@@ -35,8 +35,19 @@ class ServerConfig:
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 0     # 0: not by step count
     checkpoint_every_seconds: float = 0  # 0: not by time
+    checkpoint_keep: int = 3            # newest checkpoints kept in checkpoint_dir
     metrics_port: int | None = None     # None: no metrics endpoint; 0: pick a free port
     log_json: bool = False
+    # Security (docs/security.md): TLS, mutual TLS, bearer tokens and request limits.
+    tls_cert: str | None = None         # PEM certificate chain of the server; with tls_key: TLS on the port
+    tls_key: str | None = None          # PEM private key of tls_cert
+    tls_client_ca: str | None = None    # PEM CA bundle that client certificates must chain to: mutual TLS
+    # The tokens are secrets: kept out of repr(), so a logged config never shows them.
+    auth_token: str | None = field(default=None, repr=False)   # worker token: ps.v1.ParameterServer needs it
+    admin_token: str | None = field(default=None, repr=False)  # admin token: ps.v1.Admin needs it
+    insecure: bool = False              # allow plaintext on a non-loopback host (logged as a warning)
+    max_receive_message_bytes: int = MAX_MESSAGE_BYTES  # larger requests get RESOURCE_EXHAUSTED
+    max_concurrent_rpcs: int | None = None  # more at once get RESOURCE_EXHAUSTED; None: 4 x max_workers
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,3 +86,36 @@ class ServerConfig:
         if self.checkpoint_every_steps < 0 or self.checkpoint_every_seconds < 0:
             raise ValueError(
                 f"Invalid checkpoint interval: every {self.checkpoint_every_steps} steps / {self.checkpoint_every_seconds} s")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"Invalid checkpoint_keep: {self.checkpoint_keep} (must be >= 1)")
+        if self.checkpoint_dir is not None and not str(self.checkpoint_dir).strip():
+            raise ValueError(f"Invalid checkpoint_dir: {self.checkpoint_dir!r} (a directory path, or None for no checkpoints)")
+        self._validate_security()
+
+    def _validate_security(self) -> None:
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            value = getattr(self, name)
+            if value is not None and not str(value).strip():
+                raise ValueError(f"Invalid {name}: {value!r} (a PEM file path, or None)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"Invalid TLS settings: tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r} "
+                             "must be set together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(f"Invalid tls_client_ca: {self.tls_client_ca!r} needs tls_cert and tls_key "
+                             "(mutual TLS is TLS plus client certificates)")
+        for name in ("auth_token", "admin_token"):
+            token = getattr(self, name)
+            # The value is a secret: messages give its length, never the value.
+            if token is not None and (not isinstance(token, str) or not token
+                                      or any(not 0x21 <= ord(ch) <= 0x7E for ch in token)):
+                what = f"{len(token)} characters" if isinstance(token, str) else f"of type {type(token).__name__}"
+                raise ValueError(f"Invalid {name} ({what}): a token must be a non-empty string of printable "
+                                 "ASCII without spaces")
+        if self.auth_token is not None and self.auth_token == self.admin_token:
+            raise ValueError("Invalid admin_token: it equals auth_token, so every worker would be an admin")
+        if not MAX_MESSAGE_BYTES <= self.max_receive_message_bytes <= 2**31 - 1:
+            raise ValueError(f"Invalid max_receive_message_bytes: {self.max_receive_message_bytes} "
+                             f"(must be >= {MAX_MESSAGE_BYTES}, the largest message the protocol sends, "
+                             f"and < 2**31)")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
+            raise ValueError(f"Invalid max_concurrent_rpcs: {self.max_concurrent_rpcs} (must be >= 1, or None)")

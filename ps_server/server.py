@@ -13,13 +13,18 @@ from grpc_reflection.v1alpha import reflection
 from protos.ps.v1 import parameter_server_pb2 as pb
 from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common.codec import MAX_MESSAGE_BYTES
+from ps_server import security
+from ps_server.admin import AdminServicer
+from ps_server.checkpoint import Checkpointer
 from ps_server.config import ServerConfig
+from ps_server.metrics import ShardMetrics
 from ps_server.service import ParameterServerServicer
 from ps_server.shard import Shard
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 class ShardServer:
@@ -27,22 +32,33 @@ class ShardServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        security.check_bind(config)   # plaintext on a non-loopback host only when config.insecure
+        credentials = security.server_credentials(config)   # None: plaintext
         self.shard = Shard(config)
+        self.metrics = ShardMetrics(self.shard)   # its own registry; metrics.serve() starts the endpoint
+        # Restored before the port is bound: no rpc ever sees the state from before the restore.
+        self.checkpointer = Checkpointer(self.shard, config) if config.checkpoint_dir else None
+        if self.checkpointer is not None:
+            self.checkpointer.restore()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"shard{config.shard_index}"),
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", config.max_receive_message_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
-            maximum_concurrent_rpcs=config.max_workers * 4,
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs or config.max_workers * 4,
+            interceptors=[self.metrics.interceptor, *security.interceptors(config)],
         )
         pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(self.shard), self.server)
+        pb_grpc.add_AdminServicer_to_server(AdminServicer(self), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         address = f"{config.host}:{config.port}"
-        self.port = self.server.add_insecure_port(address)
+        self.port = (self.server.add_insecure_port(address) if credentials is None
+                     else self.server.add_secure_port(address, credentials))
         if self.port == 0:
             raise OSError(f"shard {config.shard_index}: cannot bind {address}")
         self.address = f"{config.host}:{self.port}"
@@ -52,6 +68,8 @@ class ShardServer:
     def start(self) -> "ShardServer":
         self.server.start()
         self._reaper.start()
+        if self.checkpointer is not None:
+            self.checkpointer.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("shard %d/%d serving on %s, mode %s, optimizer %s", self.config.shard_index, self.config.num_shards,
@@ -68,7 +86,10 @@ class ShardServer:
         self.health.enter_graceful_shutdown()
         self._stop.set()
         self.shard.stop()
+        if self.checkpointer is not None:
+            self.checkpointer.stop()   # the final checkpoint: no push is taken after shard.stop()
         self.server.stop(grace).wait(grace + 1)
+        self.metrics.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.server.wait_for_termination(timeout)

@@ -71,6 +71,7 @@ class Shard:
         self.applied_gradients = 0
         self._cond = threading.Condition()
         self._stopping = False
+        self._resets = 0            # bumped by reset(): a waiter that sees it change fails with UNAVAILABLE
         self._now = now
         self.listeners: list = []   # callables(event: str, **fields), e.g. metrics and checkpoints
 
@@ -97,6 +98,7 @@ class Shard:
         `now` clock drives leases only, so a frozen test clock cannot make a wait endless.
         """
         deadline = time.monotonic() + timeout
+        resets = self._resets
         reason = blocker()
         while reason is not None:
             self._check_running()
@@ -104,6 +106,9 @@ class Shard:
             if left <= 0:
                 raise WaitTimeoutError(f"{what} waited {timeout:.1f} s for {reason}")
             self._cond.wait(min(left, 1.0))
+            if self._resets != resets:
+                raise ShuttingDownError(f"{what}: the parameters of shard {self.config.shard_index} were reset "
+                                        "while it waited")
             reason = blocker()
 
     def wait_timeout(self, requested_ms: int, rpc_remaining: float | None) -> float:
@@ -247,6 +252,8 @@ class Shard:
             return record.clock, self.step, self.membership.lease_seconds
 
     def heartbeat(self, worker_id: str) -> tuple[float, int]:
+        if not worker_id:
+            raise InvalidRequestError("worker_id must not be empty")
         with self._cond:
             self.membership.renew(worker_id)
             return self.membership.lease_seconds, self.step
@@ -272,6 +279,48 @@ class Shard:
         """Refuses new work and wakes every waiter so it can fail fast with UNAVAILABLE."""
         with self._cond:
             self._stopping = True
+            self._cond.notify_all()
+
+    def reset(self) -> int:
+        """Drops the parameters, optimizer state, step, worker clocks and the policy's state (Admin.ResetParameters).
+
+        Afterwards the shard is as if just started: the next InitParameters may set a
+        different parameter list, and workers register again. Waiting pulls wake and fail
+        with UNAVAILABLE. Returns the step before the reset.
+        """
+        with self._cond:
+            self._check_running()
+            before = self.step
+            self.store.shard_map, self.store.parts = None, {}
+            self.membership.workers.clear()
+            c = self.config
+            self.policy = make_policy(c.mode, replicas_to_aggregate=c.replicas_to_aggregate,
+                                      total_replicas=c.total_replicas, staleness=c.staleness,
+                                      max_staleness=c.max_staleness)
+            self.step = self.dropped = self.applied_gradients = 0
+            self._resets += 1
+            self._cond.notify_all()
+        self._emit("reset", step=before)
+        return before
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def snapshot(self):
+        """A copy of the whole state (values, optimizer slots, step, clocks, outcomes, sync step), one consistent cut.
+
+        Copies under the lock (about a memcpy of the shard); see ps_server.checkpoint.
+        """
+        from ps_server.checkpoint import capture
+
+        with self._cond:
+            return capture(self)
+
+    def restore(self, state) -> None:
+        """Replaces the whole state with a checkpoint's (before serving); checked first, so a bad one changes nothing."""
+        from ps_server.checkpoint import install
+
+        with self._cond:
+            install(self, state)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ info

@@ -1,0 +1,292 @@
+"""Prometheus metrics of one shard, on the shard server's own registry, and their HTTP endpoint.
+
+Counts and histograms come from the shard's events (`Shard.listeners`) and from a gRPC
+interceptor that times every ps.v1 rpc; state (step, clocks, live workers, effective
+replicas, bytes held) is read from the shard at scrape time, so it is never out of date.
+Every metric carries a `shard` label. Each ShardServer has its own CollectorRegistry, so
+several shards in one process (tests, ps-launch) never share or collide.
+
+Metric names (all prefixed `ps_`):
+  pushes_total{outcome,reason}          pushes taken: outcome accepted|dropped, reason none|stale|already_contributed
+  duplicate_pushes_total                retried pushes answered without being applied
+  pulls_total                           pulls answered
+  received_bytes_total                  gradient bytes taken by pushes (duplicates excluded)
+  sent_bytes_total                      parameter bytes served by pulls
+  push_staleness_steps                  histogram of t - read_step when a push arrives
+  rpc_duration_seconds{rpc}             histogram of rpc latency, incl. waits (Pull, Barrier)
+  rpcs_total{rpc,code}                  finished rpcs by gRPC status code
+  step, initialized, parts, parameter_bytes, workers_registered, workers_live,
+  worker_clock{worker}, effective_replicas (sync only)   gauges read at scrape time
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_server.status import owned_parts_and_bytes
+
+if TYPE_CHECKING:
+    from ps_server.server import ShardServer
+    from ps_server.shard import Shard
+
+log = logging.getLogger(__name__)
+
+#: Only rpcs of this service are timed (not health checks or reflection).
+RPC_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name + "/"
+
+#: Latency buckets in seconds: fast pushes through long sync and SSP waits.
+LATENCY_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300)
+
+#: Staleness buckets in steps (t - read_step).
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+
+#: DropReason -> the `reason` label.
+REASONS = {
+    pb.DROP_REASON_UNSPECIFIED: "none",
+    pb.DROP_STALE: "stale",
+    pb.DROP_ALREADY_CONTRIBUTED: "already_contributed",
+}
+
+
+class ShardMetrics:
+    """The metrics of one shard: a registry, the event listener, the rpc interceptor, the HTTP endpoint.
+
+    Thread-safe. Creating it subscribes to `shard.listeners`; `serve` starts the endpoint
+    and `close` stops it.
+    """
+
+    def __init__(self, shard: "Shard", *, process: bool = True) -> None:
+        self.shard = shard
+        self.label = str(shard.config.shard_index)
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.pushes = Counter("ps_pushes", "Pushes taken, by outcome and drop reason (duplicates excluded)",
+                              ["shard", "outcome", "reason"], registry=r)
+        self.duplicates = Counter("ps_duplicate_pushes", "Retried pushes acknowledged without being applied again",
+                                  ["shard"], registry=r).labels(self.label)
+        self.pulls = Counter("ps_pulls", "Pulls answered", ["shard"], registry=r).labels(self.label)
+        self.received_bytes = Counter("ps_received_bytes", "Gradient bytes taken by pushes", ["shard"],
+                                      registry=r).labels(self.label)
+        self.sent_bytes = Counter("ps_sent_bytes", "Parameter bytes served by pulls", ["shard"],
+                                  registry=r).labels(self.label)
+        self.staleness = Histogram("ps_push_staleness_steps", "Steps between a push's read_step and the shard's step "
+                                   "when it arrived", ["shard"], buckets=STALENESS_BUCKETS, registry=r).labels(self.label)
+        self.rpc_seconds = Histogram("ps_rpc_duration_seconds", "Latency of ps.v1 rpcs, including waits",
+                                     ["shard", "rpc"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rpcs = Counter("ps_rpcs", "Finished ps.v1 rpcs by status code", ["shard", "rpc", "code"], registry=r)
+        # Every push series exists from the start (at 0), so rates and alerts work before the first drop.
+        self.pushes.labels(self.label, "accepted", "none")
+        for reason, label in REASONS.items():
+            if reason != pb.DROP_REASON_UNSPECIFIED:
+                self.pushes.labels(self.label, "dropped", label)
+        r.register(_ShardStateCollector(shard, self.label))
+        if process:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            r.register(GC_COLLECTOR)
+        self.interceptor = RpcMetricsInterceptor(self.observe_rpc)
+        self._http = None
+        self._http_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        shard.listeners.append(self.on_event)
+
+    # ------------------------------------------------------------------ events
+
+    def on_event(self, event: str, **fields) -> None:
+        """The shard listener; cheap, never blocks (some events fire under the shard's lock)."""
+        if event == "push":
+            outcome = "accepted" if fields.get("accepted") else "dropped"
+            self.pushes.labels(self.label, outcome, _reason_label(fields.get("reason", 0))).inc()
+            self.received_bytes.inc(fields.get("nbytes", 0))
+            staleness = fields.get("staleness")
+            if staleness is not None:
+                self.staleness.observe(max(0, staleness))
+        elif event == "pull":
+            self.pulls.inc()
+            self.sent_bytes.inc(fields.get("nbytes", 0))
+        elif event == "duplicate":
+            self.duplicates.inc()
+
+    def observe_rpc(self, rpc: str, code: str, seconds: float) -> None:
+        self.rpc_seconds.labels(self.label, rpc).observe(seconds)
+        self.rpcs.labels(self.label, rpc, code).inc()
+
+    # ------------------------------------------------------------------ endpoint
+
+    @property
+    def port(self) -> int | None:
+        """The bound port of the HTTP endpoint, or None when it is not serving."""
+        return None if self._http is None else self._http.server_address[1]
+
+    def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Starts the /metrics HTTP endpoint on a daemon thread; returns the bound port (port 0 picks one).
+
+        Raises OSError naming the address when it cannot bind. Calling it again while
+        serving returns the port already bound.
+        """
+        with self._lock:
+            if self._http is not None:
+                return self.port  # type: ignore[return-value]
+            bind = host.strip("[]") or "0.0.0.0"
+            try:
+                self._http, self._http_thread = start_http_server(port, addr=bind, registry=self.registry)
+            except OSError as exc:
+                raise OSError(f"shard {self.label}: cannot bind the metrics endpoint {host}:{port}: {exc}") from exc
+            log.info("shard %s metrics on http://%s:%d/metrics", self.label, host, self.port)
+            return self.port  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stops the HTTP endpoint (if serving) and unsubscribes from the shard; waits up to 5 s."""
+        with self._lock:
+            if self._http is not None:
+                self._http.shutdown()
+                self._http.server_close()
+                if self._http_thread is not None:
+                    self._http_thread.join(timeout=5)
+                self._http = self._http_thread = None
+        if self.on_event in self.shard.listeners:
+            self.shard.listeners.remove(self.on_event)
+
+
+def _reason_label(reason: int) -> str:
+    """The `reason` label of a DropReason value (a value newer than this module gets its proto name)."""
+    if reason in REASONS:
+        return REASONS[reason]
+    try:
+        return pb.DropReason.Name(reason).removeprefix("DROP_").lower()
+    except ValueError:
+        return str(reason)
+
+
+def serve(shard_server: "ShardServer", port: int = 0, host: str = "127.0.0.1") -> int:
+    """Serves the shard server's metrics on http://host:port/metrics; returns the port actually bound.
+
+    The endpoint stops with `shard_server.stop()`.
+    """
+    return shard_server.metrics.serve(port, host)
+
+
+# ---------------------------------------------------------------------- state read at scrape time
+
+class _ShardStateCollector(Collector):
+    """Gauges read from the shard's cluster info at each scrape (one consistent snapshot under its lock)."""
+
+    def __init__(self, shard: "Shard", label: str) -> None:
+        self.shard = shard
+        self.label = label
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def _families(self) -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily("ps_step", "The shard's global step t", labels=["shard"]),
+            GaugeMetricFamily("ps_initialized", "1 once the parameters are initialized", labels=["shard"]),
+            GaugeMetricFamily("ps_parts", "Tensor parts held by this shard", labels=["shard"]),
+            GaugeMetricFamily("ps_parameter_bytes", "Bytes of parameter values held by this shard", labels=["shard"]),
+            GaugeMetricFamily("ps_workers_registered", "Workers this shard knows (live or not)", labels=["shard"]),
+            GaugeMetricFamily("ps_workers_live", "Workers holding an unexpired lease", labels=["shard"]),
+            GaugeMetricFamily("ps_worker_clock", "Pushes taken from each worker (its clock c_w)",
+                              labels=["shard", "worker"]),
+        )
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        info = self.shard.cluster_info()
+        step, initialized, parts, nbytes, registered, live, clocks = self._families()
+        parts_here, bytes_here = owned_parts_and_bytes(info)
+        step.add_metric([self.label], info.step)
+        initialized.add_metric([self.label], 1 if info.initialized else 0)
+        parts.add_metric([self.label], parts_here)
+        nbytes.add_metric([self.label], bytes_here)
+        registered.add_metric([self.label], len(info.workers))
+        live.add_metric([self.label], sum(1 for w in info.workers if w.live))
+        for w in info.workers:
+            clocks.add_metric([self.label, w.worker_id], w.clock)
+        yield from (step, initialized, parts, nbytes, registered, live, clocks)
+        if info.mode == pb.MODE_SYNC:
+            effective = GaugeMetricFamily("ps_effective_replicas", "sync: gradients a step waits for, "
+                                          "min(N, live workers), at least 1", labels=["shard"])
+            effective.add_metric([self.label], info.effective_replicas)
+            yield effective
+
+
+# ---------------------------------------------------------------------- rpc latency
+
+class RpcMetricsInterceptor(grpc.ServerInterceptor):
+    """Times every ps.v1 rpc (a streamed response until its last message) and records its status code."""
+
+    def __init__(self, observe: Callable[[str, str, float], None]) -> None:
+        self._observe = observe
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(RPC_PREFIX):
+            return handler
+        rpc = method[len(RPC_PREFIX):]
+        io = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._timed(rpc, handler.unary_unary), **io)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(self._timed(rpc, handler.stream_unary), **io)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._timed_stream(rpc, handler.unary_stream), **io)
+        return grpc.stream_stream_rpc_method_handler(self._timed_stream(rpc, handler.stream_stream), **io)
+
+    def _timed(self, rpc: str, behavior: Callable) -> Callable:
+        def timed(request, context):
+            start = time.perf_counter()
+            code = None
+            try:
+                return behavior(request, context)
+            except BaseException:
+                code = _code(context, grpc.StatusCode.UNKNOWN)
+                raise
+            finally:
+                self._observe(rpc, code or _code(context, grpc.StatusCode.OK), time.perf_counter() - start)
+
+        return timed
+
+    def _timed_stream(self, rpc: str, behavior: Callable) -> Callable:
+        def timed(request, context):
+            start = time.perf_counter()
+            code = None
+            try:
+                yield from behavior(request, context)
+            except GeneratorExit:   # the client went away mid-stream
+                code = grpc.StatusCode.CANCELLED.name
+                raise
+            except BaseException:
+                code = _code(context, grpc.StatusCode.UNKNOWN)
+                raise
+            finally:
+                self._observe(rpc, code or _code(context, grpc.StatusCode.OK), time.perf_counter() - start)
+
+        return timed
+
+
+def _code(context, default: grpc.StatusCode) -> str:
+    """The status code the handler set (abort or set_code), else default, as its name."""
+    try:
+        code = context.code()
+    except Exception:   # a context without code() (older grpc, test doubles)
+        code = None
+    return (code if isinstance(code, grpc.StatusCode) else default).name

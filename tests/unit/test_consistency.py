@@ -1,0 +1,264 @@
+"""The consistency modes (sync N of M, ssp with bound b, async with max_staleness) on a Shard, without sockets."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_common.errors import InvalidTensorError, WaitTimeoutError
+from tests.helpers.domain import LR, FakeClock, clocks, init_shard, make_shard, pull_values, push, values
+
+W0 = np.ones((4, 3), np.float32)
+B0 = np.zeros(3, np.float32)
+
+
+def grads(scale: float) -> dict[str, np.ndarray]:
+    return {"w": np.full((4, 3), scale, np.float32), "b": np.full(3, scale, np.float32)}
+
+
+def sync_shard(n: int = 2, m: int = 3, workers=("a", "b", "c"), now: FakeClock | None = None):
+    shard = make_shard("sync", replicas_to_aggregate=n, total_replicas=m, now=now)
+    init_shard(shard, {"w": W0, "b": B0})
+    for w in workers:
+        shard.register(w)
+    return shard
+
+
+# ------------------------------------------------------------------ sync
+
+
+def test_sync_accumulates_n_gradients_applies_their_mean_once_and_advances_the_step() -> None:
+    shard = sync_shard()
+    first = push(shard, "a", 0, 0, grads(1.0))
+    assert (first.accepted, first.step, first.aggregated) == (True, 0, 1)
+    np.testing.assert_array_equal(values(shard)[("w", 0)], W0)  # nothing applied with 1 of 2
+
+    second = push(shard, "b", 0, 0, grads(3.0))
+    assert (second.accepted, second.step, second.aggregated) == (True, 1, 0)
+    assert shard.step == 1
+    after = values(shard)
+    np.testing.assert_array_equal(after[("w", 0)], W0 - LR * 2.0)  # the mean of 1 and 3, applied once
+    np.testing.assert_array_equal(after[("b", 0)], B0 - LR * 2.0)
+    assert shard.applied_gradients == 2
+
+
+def test_sync_drops_a_gradient_read_at_an_older_step_as_stale_with_the_reason_and_the_step() -> None:
+    shard = sync_shard()
+    push(shard, "a", 0, 0, grads(1.0))
+    push(shard, "b", 0, 0, grads(1.0))
+    before = values(shard)
+
+    late = push(shard, "c", 0, 0, grads(100.0))  # the backup worker, read at step 0; the shard is at 1
+    assert not late.accepted
+    assert late.drop_reason == pb.DROP_STALE
+    assert late.step == 1
+    assert "step 0" in late.message and "step 1" in late.message
+    assert late.clock == 1  # a dropped push still counts on the worker's clock
+    assert shard.dropped == 1
+    for key, value in values(shard).items():
+        np.testing.assert_array_equal(value, before[key])
+
+
+def test_sync_drops_a_second_gradient_from_a_worker_for_the_same_step_as_already_contributed() -> None:
+    shard = sync_shard()
+    push(shard, "a", 0, 0, grads(1.0))
+    again = push(shard, "a", 1, 0, grads(50.0))
+    assert (again.accepted, again.drop_reason, again.step) == (False, pb.DROP_ALREADY_CONTRIBUTED, 0)
+    assert "'a'" in again.message and "step 0" in again.message
+
+    push(shard, "b", 0, 0, grads(3.0))
+    # the dropped gradient never entered the mean
+    np.testing.assert_array_equal(values(shard)[("w", 0)], W0 - LR * 2.0)
+
+
+def test_sync_backup_workers_never_hold_a_step_back() -> None:
+    shard = sync_shard(n=2, m=3)
+    for step in range(3):
+        push(shard, "a", step, step, grads(1.0))
+        done = push(shard, "b", step, step, grads(1.0))
+        assert done.step == step + 1  # "c" never pushed, and never needed to
+    assert shard.step == 3
+
+
+def test_sync_quorum_is_capped_by_the_live_workers_when_a_lease_expires() -> None:
+    now = FakeClock()
+    shard = sync_shard(n=2, m=2, workers=("a", "b"), now=now)   # both leases end at +10 s
+    now.advance(8)
+    push(shard, "a", 0, 0, grads(2.0))                            # renews a's lease to +18 s
+    assert shard.step == 0 and shard.cluster_info().effective_replicas == 2
+
+    now.advance(4)   # +12 s: b's lease has expired, a's has not
+    shard.tick()
+    info = shard.cluster_info()
+    assert {w.worker_id: w.live for w in info.workers} == {"a": True, "b": False}
+    assert info.effective_replicas == 1
+    assert shard.step == 1  # the step closed with the one live contribution
+    np.testing.assert_array_equal(values(shard)[("w", 0)], W0 - LR * 2.0)
+
+
+def test_sync_a_worker_that_deregisters_leaves_the_quorum_at_once() -> None:
+    shard = sync_shard(n=2, m=2, workers=("a", "b"))
+    push(shard, "a", 0, 0, grads(1.0))
+    shard.deregister("b")
+    assert shard.step == 1
+    assert shard.cluster_info().effective_replicas == 1
+
+
+def test_sync_refuses_a_push_that_lacks_one_of_the_shards_parts_and_records_nothing() -> None:
+    shard = sync_shard()
+    with pytest.raises(InvalidTensorError, match=r"'b' rows from 0"):
+        push(shard, "a", 0, 0, {"w": grads(1.0)["w"]})
+    assert clocks(shard)["a"] == 0
+    # "a" did not become a contributor: its full push is accepted and counted once
+    full = push(shard, "a", 0, 0, grads(1.0))
+    assert full.accepted and full.aggregated == 1
+
+
+def test_sync_pull_for_the_next_step_waits_until_the_step_completes() -> None:
+    shard = sync_shard()
+    push(shard, "a", 0, 0, grads(1.0))
+    result: dict = {}
+
+    def pull_next() -> None:
+        result["pull"] = pull_values(shard, min_step=1, timeout=10.0)
+
+    waiter = threading.Thread(target=pull_next)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "the pull for step 1 returned before the step completed"
+    push(shard, "b", 0, 0, grads(1.0))
+    waiter.join(10.0)
+    assert not waiter.is_alive()
+    step, pulled = result["pull"]
+    assert step == 1
+    np.testing.assert_array_equal(pulled["w"], W0 - LR)
+
+
+def test_sync_pull_for_a_step_that_never_completes_times_out_naming_the_missing_gradients() -> None:
+    shard = sync_shard()
+    push(shard, "a", 0, 0, grads(1.0))
+    with pytest.raises(WaitTimeoutError, match=r"step >= 1 .*1 of 2 gradients in for step 0"):
+        shard.pull([], min_step=1, worker_id="a", clock=1, timeout=0.2)
+
+
+# ------------------------------------------------------------------ ssp
+
+
+def ssp_shard(staleness: float, workers=("fast", "slow"), now: FakeClock | None = None):
+    shard = make_shard("ssp", staleness=staleness, now=now)
+    init_shard(shard, {"w": W0, "b": B0})
+    for w in workers:
+        shard.register(w)
+    return shard
+
+
+def test_ssp_applies_every_gradient_as_it_arrives() -> None:
+    shard = ssp_shard(2)
+    for clock in range(3):
+        result = push(shard, "fast", clock, 0, grads(1.0))  # even an old read step is applied
+        assert result.accepted and result.step == clock + 1
+    np.testing.assert_array_equal(values(shard)[("w", 0)], W0 - 3 * LR)
+
+
+def test_ssp_holds_a_pull_while_a_live_worker_is_more_than_b_clocks_behind() -> None:
+    shard = ssp_shard(1)
+    push(shard, "fast", 0, 0, grads(1.0))
+    assert shard.policy.pull_blocker(shard, "fast", 1) is None       # 1 ahead of "slow": within b = 1
+    push(shard, "fast", 1, 1, grads(1.0))
+    blocker = shard.policy.pull_blocker(shard, "fast", 2)            # 2 ahead: held
+    assert blocker is not None and "slow at 0" in blocker and ">= 1" in blocker
+    with pytest.raises(WaitTimeoutError, match="slow at 0"):
+        shard.pull([], min_step=0, worker_id="fast", clock=2, timeout=0.2)
+
+    result: dict = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("pull", pull_values(
+        shard, worker_id="fast", clock=2, timeout=10.0)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()
+    push(shard, "slow", 0, 0, grads(1.0))                           # slow reaches clock 1 = 2 - b
+    waiter.join(10.0)
+    assert not waiter.is_alive()
+    assert result["pull"][0] == 3
+
+
+def test_ssp_with_b_0_is_bulk_synchronous() -> None:
+    shard = ssp_shard(0)
+    push(shard, "fast", 0, 0, grads(1.0))
+    assert shard.policy.pull_blocker(shard, "fast", 1) is not None
+    push(shard, "slow", 0, 0, grads(1.0))
+    assert shard.policy.pull_blocker(shard, "fast", 1) is None
+
+
+def test_ssp_with_an_unbounded_b_never_holds_a_pull() -> None:
+    shard = ssp_shard(math.inf)
+    for clock in range(5):
+        push(shard, "fast", clock, 0, grads(1.0))
+    assert shard.policy.pull_blocker(shard, "fast", 5) is None
+    assert shard.cluster_info().staleness == -1
+
+
+def test_ssp_leaves_a_worker_whose_lease_expired_out_of_the_clock_minimum() -> None:
+    now = FakeClock()
+    shard = ssp_shard(1, now=now)
+    now.advance(8)
+    push(shard, "fast", 0, 0, grads(1.0))
+    push(shard, "fast", 1, 1, grads(1.0))
+    assert shard.policy.pull_blocker(shard, "fast", 2) is not None
+    now.advance(4)   # slow's lease (10 s from registration) has expired; fast's was renewed by its pushes
+    assert shard.policy.pull_blocker(shard, "fast", 2) is None
+    step, _ = pull_values(shard, worker_id="fast", clock=2, timeout=1.0)
+    assert step == 2
+
+
+def test_ssp_pull_without_a_worker_id_is_never_held() -> None:
+    shard = ssp_shard(0)
+    push(shard, "fast", 0, 0, grads(1.0))
+    step, _ = pull_values(shard, timeout=1.0)
+    assert step == 1
+
+
+# ------------------------------------------------------------------ async
+
+
+def async_shard(max_staleness: int = 0):
+    shard = make_shard("async", max_staleness=max_staleness)
+    init_shard(shard, {"w": W0, "b": B0})
+    shard.register("a")
+    shard.register("b")
+    return shard
+
+
+def test_async_applies_every_gradient_as_it_arrives() -> None:
+    shard = async_shard()
+    for clock in range(4):
+        result = push(shard, "a", clock, 0, grads(1.0))
+        assert result.accepted and result.step == clock + 1
+    np.testing.assert_array_equal(values(shard)[("w", 0)], W0 - 4 * LR)
+
+
+def test_async_without_max_staleness_never_drops_an_old_gradient() -> None:
+    shard = async_shard(0)
+    for clock in range(10):
+        push(shard, "a", clock, clock, grads(0.0))
+    assert push(shard, "b", 0, 0, grads(1.0)).accepted  # 10 steps behind
+
+
+def test_async_drops_a_gradient_that_lags_by_more_than_max_staleness_with_the_steps() -> None:
+    shard = async_shard(max_staleness=2)
+    for clock in range(2):
+        push(shard, "a", clock, clock, grads(1.0))
+    at_bound = push(shard, "b", 0, 0, grads(1.0))        # t - s = 2: within the bound
+    assert at_bound.accepted and at_bound.step == 3
+    before = values(shard)
+
+    over = push(shard, "b", 1, 0, grads(1.0))            # t - s = 3 > 2
+    assert (over.accepted, over.drop_reason, over.step) == (False, pb.DROP_STALE, 3)
+    assert "read at step 0" in over.message and "step 3" in over.message and "max_staleness 2" in over.message
+    assert shard.dropped == 1
+    for key, value in values(shard).items():
+        np.testing.assert_array_equal(value, before[key])

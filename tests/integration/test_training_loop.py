@@ -1,0 +1,143 @@
+"""The worker's training loop against real in-process shards: modes, stop conditions, restarts and bounded waits."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from models.builders import write_model
+from models.datasets import Dataset, load_dataset, num_batches
+from ps_server.config import ServerConfig
+from ps_server.server import ShardServer, create_server
+from worker_client.client import PSClient
+from worker_client.gradients import GradientEngine
+from worker_client.training import JsonLinesSink, Trainer, TrainingError, TrainingPlan
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model("mlp", tmp_path_factory.mktemp("model") / "mlp.onnx", seed=0)
+
+
+@pytest.fixture(scope="module")
+def digits() -> Dataset:
+    return load_dataset("digits", model="mlp")
+
+
+@pytest.fixture
+def start() -> Iterator[Any]:
+    servers: list[ShardServer] = []
+    clients: list[PSClient] = []
+
+    def shard(**settings: Any) -> ShardServer:
+        settings.setdefault("optimizer", "momentum")
+        settings.setdefault("optimizer_params", {"lr": 0.05})
+        server, _ = create_server(ServerConfig(**settings))
+        servers.append(server)
+        return server
+
+    def client(server: ShardServer, worker_id: str) -> PSClient:
+        c = PSClient([server.address], worker_id=worker_id, wait_timeout=30)
+        clients.append(c)
+        return c
+
+    yield shard, client
+    for c in clients:
+        c.close()
+    for s in servers:
+        s.stop()
+
+
+def trainer(client: PSClient, model: Path, data: Dataset, **plan: Any) -> Trainer:
+    options = {"worker_index": 0, "num_workers": 1, "batch_size": 32, "eval_every": 0, "start_timeout": 10.0,
+               "wait_timeout": 30.0, **plan}
+    engine = GradientEngine(model, batch_size=options["batch_size"], intra_op_threads=1)
+    return Trainer(client, engine, data, plan=TrainingPlan(**options))
+
+
+def test_a_worker_stops_after_its_epochs_over_its_share(start: Any, model: Path, digits: Dataset) -> None:
+    shard, client = start
+    server = shard(mode="async")
+    result = trainer(client(server, "w0"), model, digits, epochs=2).run()
+    per_epoch = num_batches(digits.num_train, 32)
+    assert result["iterations"] == 2 * per_epoch and result["steps"] == 2 * per_epoch
+    assert result["epochs_done"] == 2 and result["test_accuracy"] is not None
+
+
+def test_sync_workers_move_in_lockstep_and_drop_nothing(start: Any, model: Path, digits: Dataset) -> None:
+    shard, client = start
+    server = shard(mode="sync", replicas_to_aggregate=2, total_replicas=2)
+    results: dict[int, dict[str, Any]] = {}
+
+    def run(index: int) -> None:
+        results[index] = trainer(client(server, f"w{index}"), model, digits, worker_index=index, num_workers=2,
+                                 steps=20).run()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results) == [0, 1]
+    for r in results.values():
+        assert (r["steps"], r["iterations"], r["dropped"], r["mode"]) == (20, 20, 0, "sync")
+    assert results[0]["test_accuracy"] is not None and results[1]["test_accuracy"] is None
+
+
+def test_the_start_barrier_waits_only_until_the_start_timeout(start: Any, model: Path, digits: Dataset) -> None:
+    shard, client = start
+    server = shard(mode="async")
+    worker = trainer(client(server, "w0"), model, digits, num_workers=2, steps=10, start_timeout=0.5)
+    with pytest.raises(TrainingError, match=r"start barrier: not all 2 workers arrived within .* s"):
+        worker.run()
+    assert [w.live for w in server.shard.cluster_info().workers] == [False], "a worker that gave up leaves"
+
+
+def test_a_worker_that_comes_back_resumes_from_the_shards_state(start: Any, model: Path, digits: Dataset) -> None:
+    shard, client = start
+    server = shard(mode="async")
+    before = trainer(client(server, "w0"), model, digits, steps=10).run()
+    assert (before["resumed"], before["clock"]) == (False, 10)
+    after = trainer(client(server, "w0"), model, digits, steps=25).run()
+    assert after["resumed"] and after["iterations"] == 15 and after["clock"] == 25 and after["steps"] == 25
+
+
+def test_a_worker_refuses_a_mode_other_than_the_shards(start: Any, model: Path, digits: Dataset) -> None:
+    shard, client = start
+    server = shard(mode="async")
+    engine = GradientEngine(model, batch_size=32, intra_op_threads=1)
+    worker = Trainer(client(server, "w0"), engine, digits, expected_mode="sync",
+                     plan=TrainingPlan(worker_index=0, num_workers=1, batch_size=32, steps=5, start_timeout=5))
+    with pytest.raises(TrainingError, match="configured for mode 'sync', but the shards .* run mode 'async'"):
+        worker.run()
+
+
+def test_a_worker_waits_for_initialization_only_until_its_start_timeout(start: Any, model: Path,
+                                                                        digits: Dataset) -> None:
+    shard, client = start
+    server = shard(mode="async")
+    worker = trainer(client(server, "w1"), model, digits, worker_index=1, num_workers=2, steps=5, start_timeout=0.6)
+    with pytest.raises(TrainingError, match=r"waited .* s for worker 0 to initialize the parameters"):
+        worker.run()
+
+
+def test_events_are_json_lines_with_the_fields_the_launcher_reads(start: Any, model: Path, digits: Dataset,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import sys
+
+    shard, client = start
+    server = shard(mode="async")
+    engine = GradientEngine(model, batch_size=32, intra_op_threads=1)
+    plan = TrainingPlan(worker_index=0, num_workers=1, batch_size=32, steps=30, eval_every=10, progress_every=0.001)
+    Trainer(client(server, "w0"), engine, digits, plan=plan, report=JsonLinesSink(sys.stdout)).run()
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "done" and "progress" in kinds
+    assert [e["step"] for e in events if e["event"] == "eval"] == [0, 10, 20, 30]
+    progress = next(e for e in events if e["event"] == "progress")
+    assert {"step", "loss", "samples_per_second", "stale_drops", "worker"} <= set(progress)

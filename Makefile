@@ -43,3 +43,22 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+## The quick-start demo: the bundled MLP trained on digits by 2 shards and 2 workers in sync
+## mode, each a separate process (ps-launch). Prints the test accuracy (fails below 0.95),
+## writes runs/demo/plot.png and runs/demo/run.json; the last line is the run's JSON summary.
+demo: $(STAMP)
+	$(PY) -m models.build --model mlp --out runs/demo/mlp.onnx
+	$(PY) -m ps_server.launch --mode sync --shards 2 --workers 2 --optimizer momentum --lr 0.05 \
+		--model runs/demo/mlp.onnx --data digits --batch-size 32 --steps 500 --eval-every 25 \
+		--min-accuracy 0.95 --log-level WARNING --record runs/demo
+
+## Containers: lint the Dockerfiles, validate compose and the Kubernetes manifests, build the
+## image and train in containers (compose, the Kubernetes pods, the TFJob replicas). As root
+## on a fresh machine it installs podman and builds the stand-in base image first
+## (deploy/containers/setup-engine.sh; cache in /var/cache/onnx-ps). Without an engine the
+## engine tests skip with the reason, except under CI=true, where they fail.
+.PHONY: test-containers
+test-containers: $(STAMP)
+	-deploy/containers/setup-engine.sh
+	PS_CONTAINER_TESTS=1 $(PY) -m pytest tests/containers -rs $(PYTEST_ARGS)

@@ -1,0 +1,656 @@
+"""GradientEngine: torch-autograd and finite-difference agreement, losses, cache, and errors."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from worker_client import DeviceUnavailableError, GradientEngine, UnsupportedModelError
+from worker_client.conv_rewrites import gemm_large_kernel_convs, resize_window_spreads
+from worker_client.graph_rewrites import canonicalize_layout_ops, flatten_weight_matmuls
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
+TORCH_MODELS = ["mlp", "cnn", "embedding_bag", "transformer", "conv_bn_eval"]
+OPSET = 18
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+def _fixture(name: str) -> tuple[Path, dict[str, np.ndarray], str, float, dict[str, np.ndarray]]:
+    """(model path, inputs incl. labels, loss kind, torch loss, torch gradients)."""
+    data = np.load(FIXTURES / f"{name}.npz")
+    inputs = {key[len("input:"):]: data[key] for key in data.files if key.startswith("input:")}
+    inputs["labels"] = data["labels"]
+    grads = {key[len("grad:"):]: data[key] for key in data.files if key.startswith("grad:")}
+    return FIXTURES / f"{name}.onnx", inputs, str(data["loss_kind"]), float(data["loss"]), grads
+
+
+def _relative_error(value: np.ndarray, reference: np.ndarray) -> float:
+    """||value - reference|| / ||reference||: the error measured against the gradient's own
+    scale. Element-wise rtol is meaningless for entries that are ~0 through cancellation
+    (their float32 rounding error is the size of the larger terms that cancelled)."""
+    scale = max(float(np.linalg.norm(reference)), 1e-30)
+    return float(np.linalg.norm(value.astype(np.float64) - reference)) / scale
+
+
+def _save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def _model(nodes: Sequence[onnx.NodeProto], inputs: Sequence[onnx.ValueInfoProto],
+           outputs: Sequence[onnx.ValueInfoProto], initializers: Sequence[onnx.TensorProto],
+           *, ir_version: int = 9) -> onnx.ModelProto:
+    graph = helper.make_graph(list(nodes), "test", list(inputs), list(outputs),
+                              initializer=list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = ir_version
+    return model
+
+
+def _linear_model(path: Path, *, dtype: int = TensorProto.FLOAT, features: int = 3,
+                  outputs: int = 2, seed: int = 0, ir_version: int = 9) -> Path:
+    """y = x @ W + b with a symbolic batch axis."""
+    rng = np.random.default_rng(seed)
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    weight = rng.standard_normal((features, outputs)).astype(np_type)
+    bias = rng.standard_normal(outputs).astype(np_type)
+    return _save(_model(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["y"], name="linear")],
+        [helper.make_tensor_value_info("x", dtype, ["batch", features])],
+        [helper.make_tensor_value_info("y", dtype, ["batch", outputs])],
+        [numpy_helper.from_array(weight, "W"), numpy_helper.from_array(bias, "b")],
+        ir_version=ir_version), path)
+
+
+def _smooth_float64_model(path: Path) -> Path:
+    """A float64 model of smooth ops: embedding gather + mean, MatMul, LayerNorm, Tanh, Gemm."""
+    rng = np.random.default_rng(1)
+    double = TensorProto.DOUBLE
+    values = {
+        "table": rng.standard_normal((7, 4)),
+        "W1": rng.standard_normal((4, 5)) * 0.7,
+        "b1": rng.standard_normal(5) * 0.1,
+        "gamma": 1.0 + 0.1 * rng.standard_normal(5),
+        "beta": 0.1 * rng.standard_normal(5),
+        "W2": rng.standard_normal((5, 3)) * 0.7,
+        "b2": rng.standard_normal(3) * 0.1,
+    }
+    axes = helper.make_node("Constant", [], ["axes"], name="axes",
+                            value=numpy_helper.from_array(np.array([1], np.int64), "axes"))
+    nodes = [
+        axes,
+        helper.make_node("Gather", ["table", "ids"], ["embedded"], name="embed"),
+        helper.make_node("ReduceMean", ["embedded", "axes"], ["bag"], name="bag", keepdims=0),
+        helper.make_node("MatMul", ["bag", "W1"], ["projected"], name="project"),
+        helper.make_node("Add", ["projected", "b1"], ["hidden"], name="project_bias"),
+        helper.make_node("LayerNormalization", ["hidden", "gamma", "beta"], ["normed"],
+                         name="norm", axis=-1),
+        helper.make_node("Tanh", ["normed"], ["activated"], name="tanh"),
+        helper.make_node("Gemm", ["activated", "W2", "b2"], ["logits"], name="head"),
+    ]
+    return _save(_model(
+        nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 3])],
+        [helper.make_tensor_value_info("logits", double, ["batch", 3])],
+        [numpy_helper.from_array(v.astype(np.float64), k) for k, v in values.items()]), path)
+
+
+# --- agreement with torch and with finite differences -------------------------------------
+
+@pytest.mark.parametrize("name", TORCH_MODELS)
+def test_loss_and_gradients_match_torch_autograd_for_each_torch_fixture(
+        name: str, tmp_path: Path) -> None:
+    path, inputs, kind, torch_loss, torch_grads = _fixture(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither export recipe ties parameters
+        engine = GradientEngine(path, batch_size=len(inputs["labels"]), loss=kind,
+                                cache_dir=tmp_path)
+    assert sorted(engine.trainable_names) == sorted(torch_grads)
+    loss, grads = engine.gradients(engine.parameters(), inputs)
+    assert abs(loss - torch_loss) <= 1e-5 * abs(torch_loss)
+    for key, reference in torch_grads.items():
+        assert grads[key].shape == reference.shape
+        assert grads[key].dtype == np.float32
+        assert _relative_error(grads[key], reference) <= 1e-5, key
+
+
+def test_gradients_match_central_finite_differences_on_a_float64_model(
+        tmp_path: Path) -> None:
+    path = _smooth_float64_model(tmp_path / "smooth64.onnx")
+    rng = np.random.default_rng(2)
+    inputs = {"ids": rng.integers(0, 7, (6, 3)), "labels": rng.integers(0, 3, 6)}
+    inputs["ids"][0] = [2, 2, 5]  # a repeated id: its rows' contributions must add up
+    engine = GradientEngine(path, batch_size=6, cache_dir=tmp_path)
+    parameters = engine.parameters()
+    _, grads = engine.gradients(parameters, inputs)
+    step = 1e-6
+    for name, value in parameters.items():
+        assert grads[name].dtype == np.float64
+        numeric = np.zeros_like(value)
+        for index in np.ndindex(value.shape):
+            shifted = {k: v.copy() for k, v in parameters.items()}
+            shifted[name][index] = value[index] + step
+            above, _ = engine.gradients(shifted, inputs)
+            shifted[name][index] = value[index] - step
+            below, _ = engine.gradients(shifted, inputs)
+            numeric[index] = (above - below) / (2 * step)
+        # central differences in float64: truncation ~ step**2, rounding ~ 1e-16 / step
+        np.testing.assert_allclose(grads[name], numeric, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+def test_mse_loss_and_gradients_match_the_closed_form_for_a_linear_model(
+        tmp_path: Path) -> None:
+    path = _linear_model(tmp_path / "linear.onnx")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    target = rng.standard_normal((5, 2)).astype(np.float32)
+    engine = GradientEngine(path, batch_size=5, loss="mse", cache_dir=tmp_path)
+    parameters = engine.parameters()
+    loss, grads = engine.gradients(parameters, {"x": x, "labels": target})
+    residual = (x @ parameters["W"] + parameters["b"] - target).astype(np.float64)
+    assert loss == pytest.approx(float(np.mean(residual ** 2)), rel=1e-6)
+    np.testing.assert_allclose(grads["W"], 2 * x.T @ residual / residual.size, rtol=1e-5)
+    np.testing.assert_allclose(grads["b"], 2 * residual.sum(axis=0) / residual.size,
+                               rtol=1e-5)
+
+
+def test_output_loss_differentiates_the_models_own_scalar_output(tmp_path: Path) -> None:
+    """loss="output:NAME": no labels are added, and an input the graph itself calls
+    "labels" is fed like any other input."""
+    rng = np.random.default_rng(4)
+    weight = rng.standard_normal((3, 2)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["y"], name="linear"),
+        helper.make_node("Sub", ["y", "labels"], ["residual"], name="residual"),
+        helper.make_node("Mul", ["residual", "residual"], ["squared"], name="square"),
+        helper.make_node("ReduceMean", ["squared"], ["objective"], name="mean", keepdims=0),
+    ]
+    path = _save(_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
+                helper.make_tensor_value_info("labels", TensorProto.FLOAT, ["batch", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2]),
+         helper.make_tensor_value_info("objective", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(weight, "W")]), tmp_path / "own_loss.onnx")
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    target = rng.standard_normal((4, 2)).astype(np.float32)
+    engine = GradientEngine(path, batch_size=4, loss="output:objective", cache_dir=tmp_path)
+    assert engine.input_names == ["x", "labels"]
+    loss, grads = engine.gradients(engine.parameters(), {"x": x, "labels": target})
+    residual = (x @ weight - target).astype(np.float64)
+    assert loss == pytest.approx(float(np.mean(residual ** 2)), rel=1e-6)
+    np.testing.assert_allclose(grads["W"], 2 * x.T @ residual / residual.size, rtol=1e-5)
+
+
+# --- parameters, predict, selection ---------------------------------------------------------
+
+def test_parameters_returns_copies_of_the_initial_initializer_values(tmp_path: Path) -> None:
+    path, _, kind, _, _ = _fixture("mlp")
+    engine = GradientEngine(path, batch_size=16, loss=kind, cache_dir=tmp_path)
+    initial = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    parameters = engine.parameters()
+    assert list(parameters) == engine.trainable_names == list(initial)
+    for name, value in parameters.items():
+        np.testing.assert_array_equal(value, initial[name])
+    parameters["fc1.weight"][:] = 0.0
+    assert np.array_equal(engine.parameters()["fc1.weight"], initial["fc1.weight"])
+
+
+def test_predict_accepts_smaller_batches_and_agrees_with_the_gradient_loss(
+        tmp_path: Path) -> None:
+    path, inputs, kind, torch_loss, _ = _fixture("transformer")
+    engine = GradientEngine(path, batch_size=16, loss=kind, cache_dir=tmp_path)
+    parameters = engine.parameters()
+    full = engine.predict(parameters, {"ids": inputs["ids"]})["output"]
+    part = engine.predict(parameters, {"ids": inputs["ids"][:5]})["output"]
+    assert full.shape == (16, 5) and part.shape == (5, 5)
+    np.testing.assert_allclose(part, full[:5], rtol=1e-5, atol=1e-6)
+    shifted = full - full.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    cross_entropy = -log_probs[np.arange(16), inputs["labels"]].mean()
+    assert cross_entropy == pytest.approx(torch_loss, rel=1e-5)
+
+
+def test_predict_runs_a_fixed_batch_model_on_padded_chunks(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    weight = rng.standard_normal((3, 2)).astype(np.float32)
+    path = _save(_model(
+        [helper.make_node("MatMul", ["x", "W"], ["y"], name="linear")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 2])],
+        [numpy_helper.from_array(weight, "W")]), tmp_path / "fixed.onnx")
+    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path)
+    x = rng.standard_normal((7, 3)).astype(np.float32)
+    for rows in (3, 7):
+        y = engine.predict(engine.parameters(), {"x": x[:rows]})["y"]
+        np.testing.assert_allclose(y, x[:rows] @ weight, rtol=1e-5)
+
+
+def test_include_and_exclude_patterns_select_the_trainable_initializers(
+        tmp_path: Path) -> None:
+    path, inputs, kind, _, torch_grads = _fixture("mlp")
+    engine = GradientEngine(path, batch_size=16, loss=kind, include=["fc*"],
+                            exclude=["fc1.*"], cache_dir=tmp_path)
+    assert engine.trainable_names == ["fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
+    _, grads = engine.gradients(engine.parameters(), inputs)
+    assert sorted(grads) == sorted(engine.trainable_names)
+    for key, value in grads.items():  # fc1 stays at its initial, now constant, value
+        assert _relative_error(value, torch_grads[key]) <= 1e-5
+
+
+def test_float64_data_is_cast_to_the_float32_inputs_the_model_declares(
+        tmp_path: Path) -> None:
+    path, inputs, kind, torch_loss, _ = _fixture("mlp")
+    engine = GradientEngine(path, batch_size=16, loss=kind, cache_dir=tmp_path)
+    loss, _ = engine.gradients(engine.parameters(), {
+        "x": inputs["x"].astype(np.float64), "labels": inputs["labels"].astype(np.int32)})
+    assert loss == pytest.approx(torch_loss, rel=1e-5)
+
+
+def test_a_model_written_with_onnxs_newest_ir_version_still_loads(tmp_path: Path) -> None:
+    path = _linear_model(tmp_path / "newest_ir.onnx", ir_version=onnx.IR_VERSION)
+    engine = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)
+    loss, grads = engine.gradients(engine.parameters(), {
+        "x": np.ones((2, 3), np.float32), "labels": np.zeros((2, 2), np.float32)})
+    assert np.isfinite(loss) and grads["W"].shape == (3, 2)
+
+
+# --- the on-disk cache -----------------------------------------------------------------------
+
+def test_a_second_engine_reuses_the_cached_gradient_model(tmp_path: Path) -> None:
+    path, inputs, kind, _, _ = _fixture("cnn")
+    first = GradientEngine(path, batch_size=16, loss=kind, cache_dir=tmp_path / "cache")
+    assert not first.cache_hit and first.cache_path is not None and first.cache_path.is_file()
+    written = first.cache_path.stat().st_mtime_ns
+    second = GradientEngine(path, batch_size=16, loss=kind, cache_dir=tmp_path / "cache")
+    assert second.cache_hit and second.cache_path == first.cache_path
+    assert first.cache_path.stat().st_mtime_ns == written
+    assert list((tmp_path / "cache").iterdir()) == [first.cache_path]  # no temporary left
+    loss_first, grads_first = first.gradients(first.parameters(), inputs)
+    loss_second, grads_second = second.gradients(second.parameters(), inputs)
+    assert loss_first == loss_second
+    for key, value in grads_first.items():
+        np.testing.assert_array_equal(value, grads_second[key])
+
+
+def test_a_changed_model_or_batch_size_gets_a_new_cache_entry(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    original = GradientEngine(_linear_model(tmp_path / "a.onnx"), batch_size=2, loss="mse",
+                              cache_dir=cache)
+    changed = onnx.load(tmp_path / "a.onnx")
+    changed.graph.node[0].attribute.append(helper.make_attribute("alpha", 2.0))
+    edited = GradientEngine(_save(changed, tmp_path / "b.onnx"), batch_size=2, loss="mse",
+                            cache_dir=cache)
+    rebatched = GradientEngine(tmp_path / "a.onnx", batch_size=3, loss="mse", cache_dir=cache)
+    assert not edited.cache_hit and not rebatched.cache_hit
+    paths = {original.cache_path, edited.cache_path, rebatched.cache_path}
+    assert len(paths) == 3 and all(p is not None and p.is_file() for p in paths)
+
+
+def test_the_cache_directory_defaults_to_the_environment_variable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ONNX_PS_CACHE", str(tmp_path / "from_env"))
+    engine = GradientEngine(_linear_model(tmp_path / "a.onnx"), batch_size=2, loss="mse")
+    assert engine.cache_path is not None
+    assert engine.cache_path.parent == tmp_path / "from_env"
+
+
+def test_an_unwritable_cache_only_warns(tmp_path: Path) -> None:
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="could not cache the gradient model"):
+        engine = GradientEngine(_linear_model(tmp_path / "a.onnx"), batch_size=2, loss="mse",
+                                cache_dir=blocker / "cache")
+    loss, _ = engine.gradients(engine.parameters(), {
+        "x": np.ones((2, 3), np.float32), "labels": np.zeros((2, 2), np.float32)})
+    assert np.isfinite(loss)
+
+
+# --- refused models and warnings ------------------------------------------------------------
+
+def _dropout_model(path: Path) -> Path:
+    constants = [
+        helper.make_node("Constant", [], ["ratio"], name="ratio",
+                         value=numpy_helper.from_array(np.array(0.5, np.float32), "ratio")),
+        helper.make_node("Constant", [], ["training"], name="training",
+                         value=numpy_helper.from_array(np.array(True), "training")),
+    ]
+    nodes = constants + [
+        helper.make_node("Gemm", ["x", "W", "b"], ["hidden"], name="linear"),
+        helper.make_node("Dropout", ["hidden", "ratio", "training"], ["y"], name="dropout_1"),
+    ]
+    return _save(_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [numpy_helper.from_array(np.ones((3, 2), np.float32), "W"),
+         numpy_helper.from_array(np.zeros(2, np.float32), "b")]), path)
+
+
+def test_a_training_mode_dropout_is_refused_naming_the_node_and_op(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedModelError, match=r"'dropout_1' \(Dropout\).*training mode"):
+        GradientEngine(_dropout_model(tmp_path / "dropout.onnx"), batch_size=2,
+                       cache_dir=tmp_path)
+
+
+def test_a_training_mode_batch_norm_is_refused_naming_the_node_and_op(tmp_path: Path) -> None:
+    channels = 2
+    parameters = [numpy_helper.from_array(np.ones((channels, 1, 1, 1), np.float32), "conv_w")]
+    parameters += [numpy_helper.from_array(np.full(channels, v, np.float32), n)
+                   for n, v in (("scale", 1.0), ("shift", 0.0), ("mean", 0.0), ("var", 1.0))]
+    nodes = [
+        helper.make_node("Conv", ["x", "conv_w"], ["conv"], name="conv"),
+        helper.make_node("BatchNormalization", ["conv", "scale", "shift", "mean", "var"],
+                         ["normed", "new_mean", "new_var"], name="bn_1", training_mode=1),
+        helper.make_node("Flatten", ["normed"], ["y"], name="flatten"),
+    ]
+    path = _save(_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 1, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", channels])],
+        parameters), tmp_path / "bn.onnx")
+    with pytest.raises(UnsupportedModelError,
+                       match=r"'bn_1' \(BatchNormalization\).*training mode.*EVAL"):
+        GradientEngine(path, batch_size=2, cache_dir=tmp_path)
+
+
+def test_batch_norm_running_statistics_are_not_trainable(tmp_path: Path) -> None:
+    nodes = [helper.make_node("BatchNormalization", ["x", "scale", "shift", "mean", "var"],
+                              ["y"], name="bn")]
+    path = _save(_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(np.full(3, v, np.float32), n)
+         for n, v in (("scale", 2.0), ("shift", 0.5), ("mean", 0.1), ("var", 4.0))]),
+        tmp_path / "bn_eval.onnx")
+    engine = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)
+    assert engine.trainable_names == ["scale", "shift"]
+
+
+def test_an_op_without_a_reverse_rule_is_refused_naming_the_node_and_op(
+        tmp_path: Path) -> None:
+    rois = np.array([[0, 0, 0, 1, 1], [0, 1, 1, 3, 3]], np.float32)
+    nodes = [
+        helper.make_node("Constant", [], ["rois"], name="rois",
+                         value=numpy_helper.from_array(rois, "rois")),
+        helper.make_node("Mul", ["x", "w"], ["scaled"], name="scale"),
+        helper.make_node("MaxRoiPool", ["scaled", "rois"], ["pooled"], name="roi_pool_1",
+                         pooled_shape=[1, 1]),
+        helper.make_node("ReduceSum", ["pooled"], ["total"], name="total", keepdims=0),
+    ]
+    path = _save(_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.ones((1, 1, 4, 4), np.float32), "w")]),
+        tmp_path / "roi.onnx")
+    with pytest.raises(UnsupportedModelError, match=r"'roi_pool_1' \(MaxRoiPool\)"):
+        GradientEngine(path, batch_size=1, loss="output:total", cache_dir=tmp_path)
+
+
+def test_one_initializer_feeding_several_layers_warns_about_eval_mode_tying(
+        tmp_path: Path) -> None:
+    """What torch.onnx.export's eval-mode de-duplication produces from two fresh LayerNorms."""
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["h"],
+                         name="ln1"),
+        helper.make_node("Identity", ["ln.weight"], ["ln2.weight"], name="tie"),
+        helper.make_node("LayerNormalization", ["h", "ln2.weight", "ln.bias"], ["y"],
+                         name="ln2"),
+    ]
+    path = _save(_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [numpy_helper.from_array(np.ones(4, np.float32), "ln.weight"),
+         numpy_helper.from_array(np.zeros(4, np.float32), "ln.bias")]), tmp_path / "tied.onnx")
+    with pytest.warns(UserWarning) as caught:
+        GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)
+    messages = [str(w.message) for w in caught]
+    for name in ("ln.weight", "ln.bias"):
+        assert any(f"'{name}' feeds 2 layers: ln1 (LayerNormalization), ln2 "
+                   f"(LayerNormalization)" in m and "TrainingMode.TRAINING" in m
+                   for m in messages), messages
+
+
+# --- validation -------------------------------------------------------------------------------
+
+@pytest.fixture()
+def mlp_engine(tmp_path: Path) -> GradientEngine:
+    path, _, kind, _, _ = _fixture("mlp")
+    return GradientEngine(path, batch_size=16, loss=kind, cache_dir=tmp_path)
+
+
+def test_a_missing_input_is_named(mlp_engine: GradientEngine) -> None:
+    with pytest.raises(ValueError, match=r"input 'x' is missing; expected shape \(16, 64\)"):
+        mlp_engine.gradients(mlp_engine.parameters(), {"labels": np.zeros(16, np.int64)})
+
+
+def test_missing_labels_are_named(mlp_engine: GradientEngine) -> None:
+    with pytest.raises(ValueError, match=r"input 'labels' is missing; expected shape \(16,\)"):
+        mlp_engine.gradients(mlp_engine.parameters(), {"x": np.zeros((16, 64), np.float32)})
+
+
+def test_a_wrong_batch_size_names_the_input_and_both_shapes(
+        mlp_engine: GradientEngine) -> None:
+    inputs: dict[str, np.ndarray] = {"x": np.zeros((8, 64), np.float32),
+                                     "labels": np.zeros(16, np.int64)}
+    with pytest.raises(ValueError,
+                       match=r"input 'x': expected shape \(16, 64\), got \(8, 64\)"):
+        mlp_engine.gradients(mlp_engine.parameters(), inputs)
+
+
+def test_wrong_label_shapes_and_values_are_refused(mlp_engine: GradientEngine) -> None:
+    x = np.zeros((16, 64), np.float32)
+    with pytest.raises(ValueError, match=r"labels: expected shape \(16,\), got \(16, 1\)"):
+        mlp_engine.gradients(mlp_engine.parameters(),
+                             {"x": x, "labels": np.zeros((16, 1), np.int64)})
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\), got values in \[0, 10\]"):
+        mlp_engine.gradients(mlp_engine.parameters(),
+                             {"x": x, "labels": np.arange(16) % 11})
+    with pytest.raises(ValueError, match=r"labels: expected dtype int64, got float32"):
+        mlp_engine.gradients(mlp_engine.parameters(),
+                             {"x": x, "labels": np.zeros(16, np.float32)})
+
+
+def test_a_wrong_or_missing_parameter_is_named(mlp_engine: GradientEngine) -> None:
+    inputs: dict[str, np.ndarray] = {"x": np.zeros((16, 64), np.float32),
+                                     "labels": np.zeros(16, np.int64)}
+    parameters = mlp_engine.parameters()
+    parameters["fc2.bias"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError,
+                       match=r"parameter 'fc2.bias': expected shape \(128,\), got \(3,\)"):
+        mlp_engine.gradients(parameters, inputs)
+    del parameters["fc2.bias"]
+    with pytest.raises(ValueError, match=r"parameters are missing \['fc2.bias'\]"):
+        mlp_engine.gradients(parameters, inputs)
+
+
+def test_bad_options_are_refused_with_their_values(tmp_path: Path) -> None:
+    path = _linear_model(tmp_path / "a.onnx")
+    with pytest.raises(ValueError, match=r"batch_size must be a positive integer, got 0"):
+        GradientEngine(path, batch_size=0)
+    with pytest.raises(ValueError, match=r"loss must be .*, got 'hinge'"):
+        GradientEngine(path, batch_size=2, loss="hinge")
+    with pytest.raises(ValueError, match=r"device must be .*, got 'tpu'"):
+        GradientEngine(path, batch_size=2, device="tpu")
+    with pytest.raises(UnsupportedModelError, match=r"'output:nope' names no graph output"):
+        GradientEngine(path, batch_size=2, loss="output:nope", cache_dir=tmp_path)
+
+
+def test_loss_none_builds_a_predict_only_engine(tmp_path: Path) -> None:
+    engine = GradientEngine(_linear_model(tmp_path / "a.onnx"), batch_size=2, loss=None,
+                            cache_dir=tmp_path / "cache")
+    assert engine.cache_path is None and not (tmp_path / "cache").exists()
+    y = engine.predict(engine.parameters(), {"x": np.ones((3, 3), np.float32)})["y"]
+    assert y.shape == (3, 2)
+    with pytest.raises(RuntimeError, match="loss=None"):
+        engine.gradients(engine.parameters(), {"x": np.ones((2, 3), np.float32)})
+
+
+def test_the_io_binding_path_used_on_cuda_gives_the_same_results_on_cpu(
+        tmp_path: Path) -> None:
+    """CUDA runs bind inputs and preallocated host outputs; this exercises that code on CPU
+    (by flipping the engine's private switch), since no GPU is needed to check it."""
+    path, inputs, kind, _, _ = _fixture("cnn")
+    engine = GradientEngine(path, batch_size=16, loss=kind, cache_dir=tmp_path)
+    plain_loss, plain = engine.gradients(engine.parameters(), inputs)
+    engine._bind_outputs = True
+    bound_loss, bound = engine.gradients(engine.parameters(), inputs)
+    assert bound_loss == plain_loss
+    for key, value in plain.items():
+        np.testing.assert_array_equal(bound[key], value)
+
+
+# --- CUDA -------------------------------------------------------------------------------------
+
+CUDA_AVAILABLE = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.skipif(CUDA_AVAILABLE, reason="CUDAExecutionProvider is installed here")
+def test_cuda_without_the_cuda_provider_names_the_available_providers(
+        tmp_path: Path) -> None:
+    with pytest.raises(DeviceUnavailableError, match=r"CUDAExecutionProvider.*CPUExecution"):
+        GradientEngine(_linear_model(tmp_path / "a.onnx"), batch_size=2, device="cuda:0",
+                       cache_dir=tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA_AVAILABLE,
+                    reason="needs onnxruntime-gpu with CUDAExecutionProvider, which this "
+                           f"onnxruntime lacks (providers: {ort.get_available_providers()})")
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_cuda_gradients_match_torch_autograd(name: str, tmp_path: Path) -> None:
+    path, inputs, kind, torch_loss, torch_grads = _fixture(name)
+    engine = GradientEngine(path, batch_size=len(inputs["labels"]), loss=kind, device="cuda",
+                            cache_dir=tmp_path)
+    loss, grads = engine.gradients(engine.parameters(), inputs)
+    assert abs(loss - torch_loss) <= 1e-4 * abs(torch_loss)
+    for key, reference in torch_grads.items():  # TF32 and reordered sums: looser than CPU
+        assert _relative_error(grads[key], reference) <= 1e-3, key
+
+
+# --- the graph rewrites are exact -----------------------------------------------------------
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def _rewritten_agrees(model: onnx.ModelProto, rewrite: Callable[[onnx.ModelProto], int],
+                      feeds: dict[str, np.ndarray]) -> int:
+    """Apply `rewrite` to a copy of `model`; assert the outputs are unchanged."""
+    before = _run(model, feeds)
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    count = rewrite(changed)
+    for old, new in zip(before, _run(changed, feeds)):
+        np.testing.assert_allclose(new, old, rtol=1e-5, atol=1e-5)
+    return count
+
+
+@pytest.mark.parametrize("strides, dilations", [([1, 1], [1, 1]), ([2, 1], [1, 2])])
+def test_a_large_kernel_conv_rewritten_as_one_gemm_computes_the_same(
+        strides: list[int], dilations: list[int]) -> None:
+    """The shape of onnx-ad's Conv weight adjoint: a kernel spanning most of the feature
+    map; the strided, dilated case also leaves a remainder row."""
+    rng = np.random.default_rng(6)
+    model = _model(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="correlate", strides=strides,
+                          dilations=dilations)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5, 10, 10]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 5, 7, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
+    feeds = {"x": rng.standard_normal((3, 5, 10, 10)).astype(np.float32),
+             "w": rng.standard_normal((4, 5, 7, 5)).astype(np.float32)}
+    assert _rewritten_agrees(model, gemm_large_kernel_convs, feeds) == 1
+
+
+def test_an_all_ones_window_spread_rewritten_as_a_resize_computes_the_same() -> None:
+    """The shape of onnx-ad's AveragePool adjoint: a per-channel ConvTranspose of ones."""
+    model = _model(
+        [helper.make_node("ConvTranspose", ["g", "ones"], ["y"], name="spread", group=3,
+                          strides=[2, 3])],
+        [helper.make_tensor_value_info("g", TensorProto.FLOAT, [2, 3, 4, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones((3, 1, 2, 3), np.float32), "ones")])
+    feeds = {"g": np.random.default_rng(7).standard_normal((2, 3, 4, 5)).astype(np.float32)}
+    assert _rewritten_agrees(model, resize_window_spreads, feeds) == 1
+
+
+def test_layout_ops_over_size_one_axes_are_rewritten_exactly() -> None:
+    """Transposes, reductions and broadcasts on tensors with size-1 axes (the seed axis)."""
+    axes = helper.make_node("Constant", [], ["axes"], name="axes",
+                            value=numpy_helper.from_array(np.array([0, 2], np.int64), "axes"))
+    nodes = [
+        axes,
+        helper.make_node("Transpose", ["x"], ["moved"], name="move", perm=[2, 0, 3, 1]),
+        helper.make_node("Transpose", ["x"], ["seed_first"], name="seed", perm=[3, 0, 1, 2]),
+        helper.make_node("ReduceSum", ["x", "axes"], ["summed"], name="sum", keepdims=1),
+        helper.make_node("Mul", ["x", "scale"], ["scaled"], name="scale"),
+        helper.make_node("Add", ["x", "row"], ["shifted"], name="shift"),
+    ]
+    model = _model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 8, 16, 1]),
+                helper.make_tensor_value_info("row", TensorProto.FLOAT, [8, 1, 1])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+         for name in ("moved", "seed_first", "summed", "scaled", "shifted")],
+        [numpy_helper.from_array(np.array([3.0], np.float32), "scale")])
+    rng = np.random.default_rng(8)
+    feeds = {"x": rng.standard_normal((32, 8, 16, 1)).astype(np.float32),
+             "row": rng.standard_normal((8, 1, 1)).astype(np.float32)}
+    assert _rewritten_agrees(model, canonicalize_layout_ops, feeds) == 5
+
+
+def test_tied_max_pool_windows_route_the_gradient_to_the_first_maximum(
+        tmp_path: Path) -> None:
+    """As torch does: windows of equal values (constant image regions, whose zero-padded
+    borders give the tied elements different inputs) send it all to their first maximum."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["conv"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("MaxPool", ["conv"], ["pooled"], name="pool", kernel_shape=[2, 2],
+                         strides=[2, 2]),
+        helper.make_node("Flatten", ["pooled"], ["y"], name="flatten"),
+    ]
+    path = _save(_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        [numpy_helper.from_array(np.full((2, 1, 3, 3), 0.5, np.float32), "w"),
+         numpy_helper.from_array(np.array([0.25, -1.0], np.float32), "b")]),
+        tmp_path / "tied_pool.onnx")
+    x = np.zeros((2, 1, 4, 4), np.float32)
+    x[1, 0, :2, :2] = 1.0  # one bright corner; every other window is a tie
+    engine = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)
+    _, grads = engine.gradients(engine.parameters(), {"x": x, "labels": np.zeros((2, 8))})
+    # by hand, routing each window to its first maximum (torch's choice)
+    padded = np.pad(x[:, 0], ((0, 0), (1, 1), (1, 1)))
+    patches = np.stack([padded[:, i:i + 4, j:j + 4] for i in range(3) for j in range(3)], -1)
+    conv = patches @ np.full((9, 2), 0.5) + np.array([0.25, -1.0])      # (2, 4, 4, 2)
+    windows = conv.reshape(2, 2, 2, 2, 2, 2).transpose(0, 5, 1, 3, 2, 4).reshape(2, 2, 4, 4)
+    first = windows.argmax(-1)                                          # (2, 2, 4)
+    pooled = np.take_along_axis(windows, first[..., None], -1)[..., 0]
+    upstream = 2 * pooled / pooled.size                                 # d mse / d pooled
+    expected_w, expected_b = np.zeros((2, 9)), np.zeros(2)
+    for n, c, p in np.ndindex(2, 2, 4):
+        k = first[n, c, p]
+        row, col = 2 * (p // 2) + k // 2, 2 * (p % 2) + k % 2
+        expected_w[c] += upstream[n, c, p] * patches[n, row, col]
+        expected_b[c] += upstream[n, c, p]
+    np.testing.assert_allclose(grads["w"].reshape(2, 9), expected_w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grads["b"], expected_b, rtol=1e-5, atol=1e-7)
+
+
+def test_batched_weight_matmuls_are_flattened_exactly() -> None:
+    model = _model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="linear")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 5]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, [5, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
+    rng = np.random.default_rng(9)
+    feeds = {"x": rng.standard_normal((4, 3, 5)).astype(np.float32),
+             "w": rng.standard_normal((5, 6)).astype(np.float32)}
+    assert _rewritten_agrees(model, flatten_weight_matmuls, feeds) == 1

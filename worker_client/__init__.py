@@ -1,0 +1,5 @@
+"""The worker side: the gradient engine, the client library and the worker process."""
+
+from worker_client.gradients import DeviceUnavailableError, GradientEngine, UnsupportedModelError
+
+__all__ = ["DeviceUnavailableError", "GradientEngine", "UnsupportedModelError"]

@@ -1,0 +1,293 @@
+"""Cheaper equivalents, on onnxruntime's CPU kernels, of onnx-ad's conv and pool adjoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from worker_client.graph_rewrites import Emitter, constants, static_shapes
+
+__all__ = ["assign_unique_scatters", "gemm_large_kernel_convs", "resize_window_spreads",
+           "route_max_pool_adjoints"]
+
+#: Ops that pass integer indices on without reordering or repeating them.
+_INDEX_PASS_THROUGH = frozenset({"Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten",
+                                 "Expand", "Cast"})
+
+
+def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _replace(model: onnx.ModelProto, replacements: dict[int, list[onnx.NodeProto]],
+             emit: Emitter) -> None:
+    """Swap nodes (by position) for their replacements and add the new constants."""
+    nodes = []
+    for index, node in enumerate(model.graph.node):
+        nodes.extend(replacements.get(index, [node]))
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(emit.initializers)
+
+
+def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
+    """Rewrite each Conv whose kernel is larger than its output as one GEMM, in place.
+
+    onnx-ad's weight adjoint of a Conv is itself a Conv: the (transposed) input correlated
+    with the output adjoint as a filter bank, so the kernel spans the whole feature map and
+    the output is only the original kernel's size (3 x 3). onnxruntime runs that as one
+    im2col + skinny GEMM per input channel. Here the input window under each of the few
+    output positions (i, j) is sliced out, the windows are stacked, and a single GEMM with
+    the flattened filters computes every output at once -- the same multiply-adds in one
+    well-shaped GEMM. Matches ungrouped, unpadded, bias-free Convs with static shapes.
+    Returns the number rewritten.
+    """
+    shapes = static_shapes(model)
+    emit = Emitter(model, "conv_gemm")
+    replacements: dict[int, list[onnx.NodeProto]] = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "Conv" or (len(node.input) > 2 and node.input[2]):
+            continue
+        x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1],
+                                                  node.output[0]))
+        attributes = _attributes(node)
+        if x is None or w is None or y is None or len(x) != 4 or \
+                attributes.get("group", 1) != 1 or any(attributes.get("pads", [0])) or \
+                attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
+            continue
+        kernel = w[2] * w[3]
+        if kernel <= y[2] * y[3]:
+            continue  # an ordinary convolution: onnxruntime's own kernel is the right one
+        strides = list(attributes.get("strides", [1, 1]))
+        dilations = list(attributes.get("dilations", [1, 1]))
+        replacements[index] = _conv_as_gemm(node, x, w, y, strides, dilations, emit)
+    if replacements:
+        _replace(model, replacements, emit)
+    return len(replacements)
+
+
+def _conv_as_gemm(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...],
+                  y: tuple[int, ...], strides: list[int], dilations: list[int],
+                  emit: Emitter) -> list[onnx.NodeProto]:
+    batch, filters = x[0], w[0]
+    window = w[1] * w[2] * w[3]
+    positions = y[2] * y[3]
+    flat_filters, filters_2d = emit.reshape(node.input[1], [filters, window])
+    nodes = [flat_filters]
+    patches = []
+    for i in range(y[2]):
+        for j in range(y[3]):
+            start = [i * strides[0], j * strides[1]]
+            end = [start[0] + (w[2] - 1) * dilations[0] + 1,
+                   start[1] + (w[3] - 1) * dilations[1] + 1]
+            patch = emit.name()
+            nodes.append(helper.make_node(
+                "Slice", [node.input[0], emit.ints(start), emit.ints(end), emit.ints([2, 3]),
+                          emit.ints(dilations)], [patch], name=patch))
+            patches.append(patch)
+    stacked, product, grid = emit.name(), emit.name(), emit.name()
+    to_rows, rows = emit.reshape(stacked, [positions * batch, window])
+    nodes += [helper.make_node("Concat", patches, [stacked], name=stacked, axis=0), to_rows,
+              helper.make_node("Gemm", [rows, filters_2d], [product], name=product, transB=1),
+              emit.reshape(product, [y[2], y[3], batch, filters], out=grid)[0],
+              helper.make_node("Transpose", [grid], [node.output[0]],
+                               name=node.name or node.output[0], perm=[2, 3, 0, 1])]
+    return nodes
+
+
+def resize_window_spreads(model: onnx.ModelProto) -> int:
+    """Rewrite grouped all-ones ConvTransposes with stride == kernel as a nearest Resize.
+
+    onnx-ad's adjoint of a k x k AveragePool spreads each window's value back with a
+    per-channel ConvTranspose over a kernel of ones. When the stride equals the kernel and
+    nothing is padded, that is exactly a nearest-neighbour upsample by k, which
+    onnxruntime's Resize does in a fraction of the time. Returns the number rewritten.
+    """
+    shapes = static_shapes(model)
+    values = constants(model)
+    emit = Emitter(model, "spread")
+    replacements: dict[int, list[onnx.NodeProto]] = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "ConvTranspose" or (len(node.input) > 2 and node.input[2]):
+            continue
+        x, y = shapes.get(node.input[0]), shapes.get(node.output[0])
+        kernel = values.get(node.input[1])
+        attributes = _attributes(node)
+        if x is None or y is None or kernel is None or len(x) != 4 or \
+                kernel.shape != (x[1], 1) + kernel.shape[2:] or not np.all(kernel == 1):
+            continue
+        size = list(kernel.shape[2:])
+        plain = (attributes.get("group", 1) == x[1]
+                 and list(attributes.get("strides", [1, 1])) == size
+                 and not any(attributes.get("pads", [0]))
+                 and not any(attributes.get("output_padding", [0]))
+                 and list(attributes.get("dilations", [1, 1])) == [1, 1]
+                 and list(y) == [x[0], x[1], x[2] * size[0], x[3] * size[1]])
+        if not plain:
+            continue
+        scales = emit.name()
+        emit.initializers.append(onnx.numpy_helper.from_array(
+            np.array([1, 1] + size, np.float32), scales))
+        replacements[index] = [helper.make_node(
+            "Resize", [node.input[0], "", scales], [node.output[0]],
+            name=node.name or node.output[0], mode="nearest",
+            coordinate_transformation_mode="asymmetric", nearest_mode="floor")]
+    if replacements:
+        _replace(model, replacements, emit)
+    return len(replacements)
+
+
+def _indices_source(name: str, producers: dict[str, onnx.NodeProto],
+                    shapes: dict[str, tuple[int, ...]]) -> onnx.NodeProto | None:
+    """The MaxPool whose Indices output `name` carries, passed on by ops that neither
+    reorder nor repeat indices; None when it comes from anywhere else."""
+    while name in producers:
+        node = producers[name]
+        if node.op_type == "MaxPool":
+            return node if len(node.output) > 1 and node.output[1] == name else None
+        if node.op_type not in _INDEX_PASS_THROUGH:
+            return None
+        if node.op_type == "Expand":  # an Expand that adds elements repeats indices
+            source, target = shapes.get(node.input[0]), shapes.get(node.output[0])
+            if source is None or target is None or np.prod(source) != np.prod(target):
+                return None
+        name = node.input[0]
+    return None
+
+
+def _disjoint_windows(pool: onnx.NodeProto) -> bool:
+    """Whether no two of a MaxPool's windows overlap (so no argmax index repeats)."""
+    attributes = _attributes(pool)
+    kernel = list(attributes.get("kernel_shape", []))
+    strides = list(attributes.get("strides", [1] * len(kernel)))
+    dilations = list(attributes.get("dilations", [1] * len(kernel)))
+    return all(s >= k for s, k in zip(strides, kernel)) and all(d == 1 for d in dilations)
+
+
+def _tiling_window(pool: onnx.NodeProto, shape: tuple[int, ...] | None) -> list[int] | None:
+    """The kernel of a 2-D MaxPool whose windows tile its input exactly (stride = kernel,
+    no padding, dilation or ceil mode, sizes divisible), else None."""
+    attributes = _attributes(pool)
+    kernel = list(attributes.get("kernel_shape", []))
+    if shape is None or len(shape) != 4 or len(kernel) != 2:
+        return None
+    tiles = (list(attributes.get("strides", [1, 1])) == kernel
+             and not any(attributes.get("pads", [0]))
+             and list(attributes.get("dilations", [1, 1])) == [1, 1]
+             and attributes.get("auto_pad", b"NOTSET") in (b"NOTSET", b"VALID")
+             and not attributes.get("ceil_mode", 0)
+             and shape[2] % kernel[0] == 0 and shape[3] % kernel[1] == 0)
+    return kernel if tiles else None
+
+
+def _is_zeros(name: str, producers: dict[str, onnx.NodeProto],
+              values: dict[str, np.ndarray]) -> bool:
+    """Whether `name` is a constant, or a ConstantOfShape, that is all zeros."""
+    if name in values:
+        return not np.any(values[name])
+    node = producers.get(name)
+    if node is None or node.op_type != "ConstantOfShape":
+        return False
+    value = next((a.t for a in node.attribute if a.name == "value"), None)
+    return value is None or not np.any(onnx.numpy_helper.to_array(value))  # default: 0
+
+
+def route_max_pool_adjoints(model: onnx.ModelProto) -> int:
+    """Replace the argmax scatter of a tiling MaxPool's adjoint by masks, in place.
+
+    onnx-ad's MaxPool adjoint is a second MaxPool that also returns argmax Indices and a
+    ScatterND(add) of the output adjoint into zeros at those indices; onnxruntime runs
+    both single-threaded, the MaxPool-with-indices some 15 times slower than a plain one,
+    and together they were half the CNN fixture's step. Where the windows tile the input
+    (k x k, stride k, no padding) the same adjoint is built from cheap, parallel ops:
+    the elements equal to their window's maximum (a plain MaxPool, a nearest Resize back,
+    Equal); among those, the first in row-major window order -- the one torch's and
+    onnxruntime's argmax pick -- found by a second MaxPool over `mask * (k*k - position)`;
+    and the output adjoint spread back (Resize) onto that one element. Returns the number
+    replaced.
+    """
+    shapes = static_shapes(model)
+    producers = {out: node for node in model.graph.node for out in node.output}
+    values = constants(model)
+    emit = Emitter(model, "max_adjoint")
+    replacements: dict[int, list[onnx.NodeProto]] = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "ScatterND" or _attributes(node).get("reduction") != b"add" or \
+                not _is_zeros(node.input[0], producers, values):
+            continue
+        pool = _indices_source(node.input[1], producers, shapes)
+        x = shapes.get(pool.input[0]) if pool is not None else None
+        kernel = _tiling_window(pool, x) if pool is not None else None
+        if pool is None or x is None or kernel is None:
+            continue
+        y = (x[0], x[1], x[2] // kernel[0], x[3] // kernel[1])
+        numel = int(np.prod(x))
+        if shapes.get(node.input[2]) != y + (1,) or shapes.get(node.output[0]) != (numel, 1):
+            continue  # more than one seed direction: leave the scatter as it is
+        replacements[index] = _routed_spread(node, pool.input[0], kernel, y, numel, emit)
+    if replacements:
+        _replace(model, replacements, emit)
+    return len(replacements)
+
+
+def _routed_spread(scatter: onnx.NodeProto, x: str, kernel: list[int], y: tuple[int, ...],
+                   numel: int, emit: Emitter) -> list[onnx.NodeProto]:
+    area = kernel[0] * kernel[1]
+    scales, rank = emit.name(), emit.name()
+    # k*k - (row-major position in the window): larger for earlier elements, never 0
+    emit.initializers += [
+        onnx.numpy_helper.from_array(np.array([1, 1] + kernel, np.float32), scales),
+        onnx.numpy_helper.from_array(
+            (area - np.arange(area, dtype=np.float32)).reshape([1, 1] + kernel), rank)]
+    nearest: dict[str, Any] = {"mode": "nearest", "coordinate_transformation_mode":
+                               "asymmetric", "nearest_mode": "floor"}
+    window: dict[str, Any] = {"kernel_shape": kernel, "strides": kernel}
+    (peak, peak_up, maxima, mask, tiled, typed_rank, candidates, best, best_up, first,
+     route, spread, gradient) = (emit.name() for _ in range(13))
+    to_grid, grid = emit.reshape(scatter.input[2], list(y))
+    return [
+        helper.make_node("MaxPool", [x], [peak], name=peak, **window),
+        helper.make_node("Resize", [peak, "", scales], [peak_up], name=peak_up, **nearest),
+        helper.make_node("Equal", [x, peak_up], [maxima], name=maxima),
+        helper.make_node("CastLike", [maxima, x], [mask], name=mask),
+        helper.make_node("Tile", [rank, emit.ints([1, 1, y[2], y[3]])], [tiled], name=tiled),
+        helper.make_node("CastLike", [tiled, x], [typed_rank], name=typed_rank),
+        helper.make_node("Mul", [mask, typed_rank], [candidates], name=candidates),
+        helper.make_node("MaxPool", [candidates], [best], name=best, **window),
+        helper.make_node("Resize", [best, "", scales], [best_up], name=best_up, **nearest),
+        helper.make_node("Equal", [candidates, best_up], [first], name=first),
+        helper.make_node("CastLike", [first, x], [route], name=route),
+        to_grid,
+        helper.make_node("Resize", [grid, "", scales], [spread], name=spread, **nearest),
+        helper.make_node("Mul", [spread, route], [gradient], name=gradient),
+        emit.reshape(gradient, [numel, 1], out=scatter.output[0])[0],
+    ]
+
+
+def assign_unique_scatters(model: onnx.ModelProto) -> int:
+    """Turn ScatterND(reduction="add") into zeros at unique indices into a plain ScatterND.
+
+    The MaxPool adjoints `route_max_pool_adjoints` leaves alone (padded windows, say)
+    still scatter-add into zeros at the argmax indices. Where the windows do not overlap
+    no index repeats, so adding into zeros is assigning -- and onnxruntime's plain
+    ScatterND runs about twice as fast as its accumulating one. Returns the number
+    rewritten.
+    """
+    shapes = static_shapes(model)
+    producers = {out: node for node in model.graph.node for out in node.output}
+    values = constants(model)
+    rewritten = 0
+    for node in model.graph.node:
+        if node.op_type != "ScatterND" or _attributes(node).get("reduction") != b"add" or \
+                not _is_zeros(node.input[0], producers, values):
+            continue
+        pool = _indices_source(node.input[1], producers, shapes)
+        if pool is not None and _disjoint_windows(pool):
+            for attribute in node.attribute:
+                if attribute.name == "reduction":
+                    attribute.s = b"none"
+            rewritten += 1
+    return rewritten

@@ -15,6 +15,11 @@ class UnknownWorkerError(PSError):
     """A worker id that is not registered (or whose lease was dropped): NOT_FOUND."""
 
 
+#: Words every UnknownWorkerError message holds, so a client can tell it from an unknown
+#: tensor (both are NOT_FOUND) and register again, e.g. after a shard restart.
+UNKNOWN_WORKER_MARK = "is not registered on this shard"
+
+
 class InvalidTensorError(PSError):
     """Wrong dtype, shape, byte count or row range for a tensor: INVALID_ARGUMENT."""
 

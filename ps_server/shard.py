@@ -170,11 +170,14 @@ class Shard:
             record = self.membership.get(worker_id)
             if clock < record.clock:
                 return self._duplicate(record, clock)
-            if read_step > self.step:
-                raise InvalidRequestError(
-                    f"push from {worker_id!r} at clock {clock}: read_step {read_step} is ahead of the shard's step {self.step}")
             staleness = self.step - read_step   # on arrival, before this push can advance the step
-            decision: Decision = self.policy.on_push(self, worker_id, read_step, grads)
+            if read_step > self.step:
+                # Only a shard restored from an older checkpoint can be behind a worker's read.
+                decision = Decision.drop(pb.DROP_STEP_AHEAD, (
+                    f"gradient read at step {read_step}, but shard {self.config.shard_index} is at step {self.step} "
+                    f"(restored from an older checkpoint?): dropped; pull again"))
+            else:
+                decision = self.policy.on_push(self, worker_id, read_step, grads)
             record.clock = clock + 1
             self.membership.renew(worker_id)
             if not decision.accepted:

@@ -27,7 +27,7 @@ import numpy as np
 from protos.ps.v1 import parameter_server_pb2 as pb
 from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
-from ps_common.errors import InvalidTensorError, PSError
+from ps_common.errors import UNKNOWN_WORKER_MARK, InvalidTensorError, PSError
 from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 
 log = logging.getLogger(__name__)
@@ -359,18 +359,45 @@ class PSClient:
             if tuple(np.shape(grad)) != tuple(spec.shape) or np.asarray(grad).dtype != np.dtype(spec.dtype):
                 raise InvalidTensorError(f"gradient for {name!r} is {np.asarray(grad).dtype}{list(np.shape(grad))}, "
                                          f"the parameter is {spec.dtype}{list(spec.shape)}")
+        fresh = clock is None or clock >= self.clock   # never sent before (not a caller's retry)
         clock = self.clock if clock is None else clock
         steps = list(self.steps if read_steps is None else read_steps)
 
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.PushResponse:
-            header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=steps[shard])
-            messages = codec.pack(self._part_chunks(shard_map, shard, gradients), pb.PushRequest,
-                                  chunk_bytes=self.chunk_bytes)
-            return stub.Push(_with_header(messages, lambda m: m.header.CopyFrom(header)),
-                             timeout=self.rpc_timeout, metadata=self.metadata)
+            response = send_once(shard, stub)
+            if fresh and response.duplicate and response.clock > clock + 1:
+                # The shard's record is ahead of a clock we never sent: it restarted and took
+                # this worker back at a later clock. Resend at the shard's clock, or the
+                # gradient would be acknowledged and silently not applied.
+                log.info("shard %d is at clock %d for %s, ahead of %d: resending there", shard, response.clock,
+                         self.worker_id, clock)
+                response = send_once(shard, stub, at_clock=response.clock)
+            return response
+
+        def send_once(shard: int, stub: pb_grpc.ParameterServerStub, at_clock: int | None = None) -> pb.PushResponse:
+            header = pb.PushHeader(worker_id=self.worker_id, clock=clock if at_clock is None else at_clock,
+                                   read_step=steps[shard])
+
+            def call() -> pb.PushResponse:
+                messages = codec.pack(self._part_chunks(shard_map, shard, gradients), pb.PushRequest,
+                                      chunk_bytes=self.chunk_bytes)
+                return stub.Push(_with_header(messages, lambda m: m.header.CopyFrom(header)),
+                                 timeout=self.rpc_timeout, metadata=self.metadata)
+
+            try:
+                return call()
+            except grpc.RpcError as exc:
+                # A restarted shard may not know this worker (it registered after the shard's
+                # last checkpoint): register again and send once more. The push was not taken.
+                if exc.code() != grpc.StatusCode.NOT_FOUND or UNKNOWN_WORKER_MARK not in (exc.details() or ""):
+                    raise
+                log.info("shard %d forgot worker %s; registering again", shard, self.worker_id)
+                stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout,
+                                    metadata=self.metadata)
+                return call()
 
         responses = self._on_all("Push", send)
-        self.clock = max(self.clock, clock + 1)
+        self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         return PushReport(responses, clock)
 
     def close(self) -> None:

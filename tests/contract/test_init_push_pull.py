@@ -202,7 +202,7 @@ def test_every_malformed_push_is_refused_with_its_status_and_values_and_changes_
         assert good.outcome == pb.PUSH_ACCEPTED and not good.duplicate and good.clock == clock + 1
 
 
-def test_a_push_from_an_unregistered_or_unnamed_worker_or_from_a_future_step_is_refused(ready: Target,
+def test_a_push_from_an_unregistered_or_unnamed_worker_is_refused(ready: Target,
                                                                                        workers: Workers) -> None:
     worker = workers.new()
     ghost = new_id("contract-ghost")
@@ -214,11 +214,19 @@ def test_a_push_from_an_unregistered_or_unnamed_worker_or_from_a_future_step_is_
                       lambda: ready.push_raw(shard, ready.push_messages(ghost, 0, step, chunks)), repr(ghost))
         expect_status(grpc.StatusCode.INVALID_ARGUMENT,
                       lambda: ready.push_raw(shard, ready.push_messages("", 0, step, chunks)), "worker_id")
-        clock = workers.start_clocks[worker][shard]
-        expect_status(grpc.StatusCode.INVALID_ARGUMENT,
-                      lambda: ready.push_raw(shard, ready.push_messages(worker, clock, step + 5, chunks)),
-                      f"read_step {step + 5}", f"step {step}")
         assert ready.snapshot(shard, [worker]) == before
+
+
+def test_a_push_read_at_a_step_the_shard_has_not_reached_is_dropped_as_step_ahead(ready: Target,
+                                                                                  workers: Workers) -> None:
+    worker = workers.new()
+    for shard in ready.shards_with_parts():
+        step = ready.info(shard).step
+        clock = workers.start_clocks[worker][shard]
+        response = ready.push(shard, worker, clock, step + 5)
+        assert (response.outcome, response.drop_reason, response.step) == (pb.PUSH_DROPPED, pb.DROP_STEP_AHEAD, step)
+        assert f"read at step {step + 5}" in response.message and response.clock == clock + 1
+        assert ready.info(shard).step == step
 
 
 def test_a_retried_push_is_acknowledged_as_a_duplicate_with_its_first_outcome_and_not_applied_again(

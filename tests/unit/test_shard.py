@@ -186,11 +186,18 @@ def test_a_push_holding_nan_is_refused_and_changes_nothing() -> None:
     assert snapshot(shard) == before
 
 
-def test_a_push_read_at_a_step_from_the_future_is_refused_with_both_steps() -> None:
+def test_a_push_read_at_a_step_from_the_future_is_dropped_as_step_ahead_with_both_steps() -> None:
+    shard = ready_shard()
+    before_values = {k: v.tolist() for k, v in values(shard).items()}
+    result = push(shard, "a", 0, 5, MODEL)
+    assert (result.accepted, result.drop_reason, result.step, result.clock) == (False, pb.DROP_STEP_AHEAD, 0, 1)
+    assert "read at step 5" in result.message and "at step 0" in result.message
+    assert {k: v.tolist() for k, v in values(shard).items()} == before_values and shard.step == 0
+
+
+def test_a_push_with_an_empty_worker_or_negative_clock_is_refused_and_changes_nothing() -> None:
     shard = ready_shard()
     before = snapshot(shard)
-    with pytest.raises(InvalidRequestError, match="read_step 5 is ahead of the shard's step 0"):
-        push(shard, "a", 0, 5, MODEL)
     with pytest.raises(InvalidRequestError, match="must not be empty"):
         push(shard, "", 0, 0, MODEL)
     with pytest.raises(InvalidRequestError, match="clock -1"):

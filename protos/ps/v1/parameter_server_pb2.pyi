@@ -36,6 +36,7 @@ class DropReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DROP_REASON_UNSPECIFIED: _ClassVar[DropReason]
     DROP_STALE: _ClassVar[DropReason]
     DROP_ALREADY_CONTRIBUTED: _ClassVar[DropReason]
+    DROP_STEP_AHEAD: _ClassVar[DropReason]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
@@ -54,6 +55,7 @@ PUSH_DROPPED: PushOutcome
 DROP_REASON_UNSPECIFIED: DropReason
 DROP_STALE: DropReason
 DROP_ALREADY_CONTRIBUTED: DropReason
+DROP_STEP_AHEAD: DropReason
 
 class ParameterSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")

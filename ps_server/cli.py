@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
+import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
+from types import FrameType
 
-from ps_server.config import MODES, ServerConfig
-from ps_server.optimizers import OPTIMIZERS
+from ps_common import jobconfig
+from ps_common.jobconfig import JobConfig, JobConfigError
+from ps_common.logs import configure_logging
+from ps_common.tls import ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, token_from
+from ps_server.config import ServerConfig
+from ps_server.optimizers import make_optimizer
 from ps_server.server import create_server
 
 log = logging.getLogger("ps_server")
@@ -19,81 +25,86 @@ log = logging.getLogger("ps_server")
 #: The line a started shard prints on stdout, for launchers and tests that bind port 0.
 READY_PREFIX = "PS_SERVER_READY "
 
+#: Kept for callers of the old helper; the parser lives with the job config now.
+parse_value = jobconfig.parse_value
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ps-server", description="Run one parameter-server shard (ps.v1 over gRPC).")
-    p.add_argument("--shard-index", type=int, default=0, help="this shard's index, 0-based (default 0)")
-    p.add_argument("--num-shards", type=int, default=1, help="shards in the job (default 1)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default 0)")
-    p.add_argument("--mode", choices=MODES, default="async", help="consistency mode (default async)")
-    p.add_argument("--replicas-to-aggregate", type=int, default=1, help="sync: gradients per step, N (default 1)")
-    p.add_argument("--total-replicas", type=int, default=None, help="sync: workers in the job, M >= N (default N)")
-    p.add_argument("--staleness", type=float, default=0, help="ssp: staleness bound b; 'inf' for none (default 0)")
-    p.add_argument("--max-staleness", type=int, default=0, help="async: drop gradients older than this many steps; 0 = never (default 0)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="server-side optimizer (default sgd)")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="another optimizer hyperparameter, e.g. --opt momentum=0.9 --opt nesterov=true (repeatable)")
-    p.add_argument("--partition-min-bytes", type=int, default=None, help="split tensors larger than this over shards")
-    p.add_argument("--lease-seconds", type=float, default=10.0, help="worker lease (default 10)")
-    p.add_argument("--wait-timeout", type=float, default=300.0, help="longest pull/barrier wait in seconds (default 300)")
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p = argparse.ArgumentParser(
+        prog="ps-server", description="Run one parameter-server shard (ps.v1 over gRPC). Settings come from "
+                                      "the defaults, then --config JOB.toml, then TF_CONFIG, then these flags; "
+                                      "see docs/settings.md.")
+    jobconfig.add_arguments(p, scope="server")
     return p
 
 
-def parse_value(text: str):
-    """A hyperparameter value from text: bool, int, float, or the string itself."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+def server_config(job: JobConfig, *, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """The shard's ServerConfig from the job's settings (ValueError naming a bad value).
 
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    params = {"lr": args.lr}
-    for item in args.opt:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"Invalid --opt {item!r}: expected KEY=VALUE")
-        params[key.strip()] = parse_value(value.strip())
-    extra = {}
-    if args.partition_min_bytes is not None:
-        extra["partition_min_bytes"] = args.partition_min_bytes
+    Tokens come from the token files when set, else from $PS_AUTH_TOKEN / $PS_ADMIN_TOKEN
+    in `env` (default os.environ), never from flags.
+    """
+    s = job.server
+    params = job.optimizer_hyperparameters()
+    make_optimizer(s.optimizer, **params)   # validates the optimizer's name and hyperparameters up front
     return ServerConfig(
-        shard_index=args.shard_index, num_shards=args.num_shards, host=args.host, port=args.port, mode=args.mode,
-        replicas_to_aggregate=args.replicas_to_aggregate,
-        total_replicas=args.total_replicas if args.total_replicas is not None else args.replicas_to_aggregate,
-        staleness=math.inf if args.staleness == math.inf else args.staleness, max_staleness=args.max_staleness,
-        optimizer=args.optimizer, optimizer_params=params, lease_seconds=args.lease_seconds,
-        wait_timeout_seconds=args.wait_timeout, **extra)
+        shard_index=s.shard_index, num_shards=job.job.shards, host=s.host, port=s.port, mode=job.job.mode,
+        replicas_to_aggregate=job.job.replicas_to_aggregate or 1, total_replicas=job.job.workers or 1,
+        staleness=job.job.staleness, max_staleness=job.job.max_staleness, optimizer=s.optimizer,
+        optimizer_params=params, partition_min_bytes=s.partition_min_bytes, chunk_bytes=s.chunk_bytes,
+        lease_seconds=s.lease_seconds, wait_timeout_seconds=job.job.wait_timeout, max_workers=s.rpc_threads,
+        checkpoint_dir=s.checkpoint_dir, checkpoint_every_steps=s.checkpoint_every_steps,
+        checkpoint_every_seconds=s.checkpoint_every_seconds, checkpoint_keep=s.checkpoint_keep,
+        metrics_port=s.metrics_port, log_json=job.job.log_json, tls_cert=s.tls_cert, tls_key=s.tls_key,
+        tls_client_ca=s.tls_client_ca, auth_token=token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV, environ=env),
+        admin_token=token_from(s.admin_token_file, env_var=ADMIN_TOKEN_ENV, environ=env), insecure=s.insecure,
+        max_receive_message_bytes=s.max_receive_message_bytes, max_concurrent_rpcs=s.max_concurrent_rpcs)
+
+
+def config_from_args(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """The ServerConfig for parsed flags, the job file they name and TF_CONFIG from env (default os.environ)."""
+    return server_config(jobconfig.load_config(args, scope="server", env=env), env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent = os.getppid()   # read first: --stop-with-parent watches for it to change
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = config_from_args(args)
+        job = jobconfig.load_config(args, scope="server")
+        config = server_config(job)
+    except (JobConfigError, ValueError) as exc:
+        print(f"ps-server: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(job.job.log_level, job.job.log_json, fields={"shard": config.shard_index})
+    try:
         server, port = create_server(config)
     except (ValueError, OSError) as exc:
         print(f"ps-server: {exc}", file=sys.stderr)
         return 2
+    ready = {"address": server.address, "port": port, "shard_index": config.shard_index}
+    if config.metrics_port is not None:
+        try:
+            ready["metrics_port"] = server.metrics.serve(config.metrics_port, config.host)
+        except OSError as exc:
+            print(f"ps-server: {exc}", file=sys.stderr)
+            server.stop()
+            return 2
     stop = threading.Event()
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received %s, stopping", signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(READY_PREFIX + json.dumps({"address": server.address, "port": port, "shard_index": config.shard_index}), flush=True)
-    while not stop.wait(0.5):
-        pass
+    print(READY_PREFIX + json.dumps(ready), flush=True)
+    while not stop.is_set():
+        if not server.wait(timeout=0.5):   # False: the gRPC server ended (ps.v1.Admin Shutdown stopped it)
+            log.info("shard %d was shut down", config.shard_index)
+            return 0                       # the stopping thread finishes (final checkpoint) before exit
+        if job.job.stop_with_parent and os.getppid() != parent:
+            log.warning("parent process %d is gone, stopping", parent)
+            break
     server.stop()
     return 0
 

@@ -141,3 +141,4 @@ def test_events_are_json_lines_with_the_fields_the_launcher_reads(start: Any, mo
     assert [e["step"] for e in events if e["event"] == "eval"] == [0, 10, 20, 30]
     progress = next(e for e in events if e["event"] == "progress")
     assert {"step", "loss", "samples_per_second", "stale_drops", "worker"} <= set(progress)
+

@@ -1,0 +1,300 @@
+"""The declarations of every job setting: section, key, type, default, flags, commands, TF_CONFIG mapping, help.
+
+Each setting is a dataclass field whose metadata holds its flags, the commands (scopes)
+that take it, its TF_CONFIG mapping, its checks and its help; `ps_common.jobconfig` derives
+the flags, the job-file checks, the launcher's child command lines and docs/settings.md
+from these declarations, so a setting is added in one place: here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ps_common.codec import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from ps_common.shard_map import DEFAULT_PARTITION_MIN_BYTES
+
+#: The commands that read settings; each setting says which of them take it.
+SCOPES: tuple[str, ...] = ("server", "worker", "launch")
+#: The consistency modes (the same tuple as ps_server.config.MODES, which ps_common may not import).
+MODES: tuple[str, ...] = ("sync", "ssp", "async")
+LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Global steps a worker trains for when neither `steps` nor `epochs` is set.
+DEFAULT_STEPS = 300
+
+_ALL = frozenset(SCOPES)
+_SERVER = frozenset({"server", "launch"})
+_WORKER = frozenset({"worker", "launch"})
+_LAUNCH = frozenset({"launch"})
+
+
+class JobConfigError(ValueError):
+    """A setting, job file or TF_CONFIG that cannot be used; the message names it and the value."""
+
+
+def _setting(default: Any, *flags: str, help: str, scopes: frozenset[str] = _ALL, toml: bool = True,
+             tf_config: str = "", choices: Sequence[str] | None = None, minimum: float | None = None,
+             positive: bool = False, metavar: str | None = None, default_doc: str | None = None) -> Any:
+    """A dataclass field carrying a setting's flags, scopes, TF_CONFIG mapping and checks."""
+    meta = {"flags": flags, "help": help, "scopes": scopes, "toml": toml, "tf_config": tf_config,
+            "choices": tuple(choices) if choices else None, "minimum": minimum, "positive": positive,
+            "metavar": metavar, "default_doc": default_doc}
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class JobSettings:
+    """[job]: what every process of the job must agree on."""
+
+    mode: str = _setting("async", "--mode", choices=MODES,
+                         help="consistency mode: sync (N of M replicas per step), ssp (bounded staleness) "
+                              "or async; a worker follows the shards' mode, and refuses to run when it was "
+                              "given a different one")
+    workers: int | None = _setting(None, "--workers", "--num-workers", "--total-replicas", minimum=1,
+                                   tf_config="len(cluster.chief) + len(cluster.worker)",
+                                   default_doc="replicas_to_aggregate, else 1",
+                                   help="workers in the job (M); sync mode's total_replicas")
+    shards: int = _setting(1, "--shards", "--num-shards", minimum=1, tf_config="len(cluster.ps)",
+                           default_doc="1, or the number of `servers`",
+                           help="parameter-server shards (processes) in the job")
+    replicas_to_aggregate: int | None = _setting(None, "--replicas-to-aggregate", minimum=1, default_doc="workers",
+                                                 help="sync: gradients averaged into each step (N <= M); the "
+                                                      "other M - N workers are backups whose late gradients "
+                                                      "are dropped")
+    staleness: float = _setting(0.0, "--staleness", minimum=0,
+                                help="ssp: staleness bound b in clocks (a whole number, or inf for unbounded); "
+                                     "0 is bulk synchronous")
+    max_staleness: int = _setting(0, "--max-staleness", minimum=0,
+                                  help="async: drop a gradient read more than this many steps ago; 0 never drops")
+    seed: int = _setting(0, "--seed", scopes=_WORKER, minimum=0,
+                         help="seed of the data order (per epoch) and of synthetic datasets")
+    wait_timeout: float = _setting(300.0, "--wait-timeout", positive=True, metavar="SECONDS",
+                                   help="longest wait of a pull (sync step, SSP hold) or barrier, in seconds: "
+                                        "the shard's cap and the worker's pull and end-barrier timeout")
+    log_level: str = _setting("INFO", "--log-level", choices=LOG_LEVELS,
+                              help="logging level of every process (logs go to stderr)")
+    log_json: bool = _setting(False, "--log-json",
+                              help="log one JSON object a line (ts, level, logger, msg, ...) instead of text")
+    auth_token_file: str | None = _setting(None, "--auth-token-file", metavar="FILE",
+                                           default_doc="$PS_AUTH_TOKEN, else none",
+                                           help="file holding the worker token: shards require it on every "
+                                                "ps.v1.ParameterServer call, workers present it")
+    stop_with_parent: bool = _setting(False, "--stop-with-parent", scopes=frozenset({"server", "worker"}),
+                                      toml=False, help="exit when the parent process exits (ps-launch sets it "
+                                                       "on its children)")
+
+
+@dataclass
+class ServerSettings:
+    """[server]: one shard process (`ps-server`)."""
+
+    shard_index: int = _setting(0, "--shard-index", scopes=frozenset({"server"}), toml=False, minimum=0,
+                                tf_config="task.index (task.type ps)", help="this shard's index, 0-based")
+    host: str = _setting("127.0.0.1", "--host", scopes=frozenset({"server"}),
+                         tf_config="0.0.0.0, or the host of cluster.ps[task.index] when it is a loopback host",
+                         help="address to bind")
+    port: int = _setting(0, "--port", scopes=frozenset({"server"}), minimum=0,
+                         tf_config="the port of cluster.ps[task.index]",
+                         help="port to bind; 0 picks a free one (the READY line on stdout says which)")
+    optimizer: str = _setting("sgd", "--optimizer",
+                              help="server-side optimizer: sgd, momentum (sgd with momentum 0.9), adam, adamw, "
+                                   "adagrad or rmsprop (torch.optim semantics)", scopes=_SERVER)
+    lr: float = _setting(0.01, "--lr", scopes=_SERVER, minimum=0, help="learning rate")
+    momentum: float | None = _setting(None, "--momentum", scopes=_SERVER, minimum=0,
+                                      default_doc="the optimizer's", help="sgd/momentum/rmsprop: momentum")
+    nesterov: bool | None = _setting(None, "--nesterov", scopes=_SERVER, default_doc="the optimizer's",
+                                     help="sgd/momentum: Nesterov momentum")
+    weight_decay: float | None = _setting(None, "--weight-decay", scopes=_SERVER, minimum=0,
+                                          default_doc="the optimizer's", help="L2 (adamw: decoupled) weight decay")
+    beta1: float | None = _setting(None, "--beta1", scopes=_SERVER, minimum=0, default_doc="the optimizer's",
+                                   help="adam/adamw: first-moment decay")
+    beta2: float | None = _setting(None, "--beta2", scopes=_SERVER, minimum=0, default_doc="the optimizer's",
+                                   help="adam/adamw: second-moment decay")
+    eps: float | None = _setting(None, "--eps", scopes=_SERVER, minimum=0, default_doc="the optimizer's",
+                                 help="adam/adamw/adagrad/rmsprop: epsilon")
+    optimizer_params: dict[str, Any] = _setting({}, "--opt", scopes=_SERVER, metavar="KEY=VALUE",
+                                                help="any other optimizer hyperparameter (TOML: a "
+                                                     "[server.optimizer_params] table; flag: repeatable), "
+                                                     "e.g. dampening=0.1, amsgrad=true, alpha=0.9, centered=true")
+    partition_min_bytes: int = _setting(DEFAULT_PARTITION_MIN_BYTES, "--partition-min-bytes", scopes=_SERVER,
+                                        minimum=1, help="tensors larger than this many bytes are split by rows "
+                                                        "over the shards")
+    chunk_bytes: int = _setting(CHUNK_BYTES, "--chunk-bytes", scopes=_SERVER, minimum=1024,
+                                help="size of the chunks tensors are streamed in, in bytes")
+    lease_seconds: float = _setting(10.0, "--lease-seconds", scopes=_SERVER, positive=True,
+                                    help="a worker not heard from for this many seconds leaves the quorum")
+    rpc_threads: int = _setting(64, "--rpc-threads", scopes=_SERVER, minimum=4,
+                                help="server threads: bounds concurrent rpcs, blocked waits included")
+    checkpoint_dir: str | None = _setting(None, "--checkpoint-dir", scopes=_SERVER, metavar="DIR",
+                                          help="where the shard writes its checkpoints and restores from on start "
+                                               "(ps-launch: DIR/shard<i> for shard i); unset: no checkpoints")
+    checkpoint_every_steps: int = _setting(0, "--checkpoint-every-steps", scopes=_SERVER, minimum=0,
+                                           help="checkpoint every this many global steps; 0: not by steps")
+    checkpoint_every_seconds: float = _setting(0.0, "--checkpoint-every-seconds", scopes=_SERVER, minimum=0,
+                                               help="checkpoint every this many seconds; 0: not by time")
+    checkpoint_keep: int = _setting(3, "--checkpoint-keep", scopes=_SERVER, minimum=1,
+                                    help="newest checkpoints kept in checkpoint_dir")
+    metrics_port: int | None = _setting(None, "--metrics-port", scopes=frozenset({"server"}), minimum=0,
+                                        help="serve Prometheus metrics on this port (the READY line says which); "
+                                             "0 picks one; unset: none. A job file's port goes to ps-launch's "
+                                             "shard i as port + i")
+    tls_cert: str | None = _setting(None, "--tls-cert", scopes=frozenset({"server"}), metavar="PEM",
+                                    help="the shard's certificate chain; with tls_key the port serves TLS "
+                                         "(docs/security.md)")
+    tls_key: str | None = _setting(None, "--tls-key", scopes=frozenset({"server"}), metavar="PEM",
+                                   help="the private key of tls_cert")
+    tls_client_ca: str | None = _setting(None, "--tls-client-ca", scopes=frozenset({"server"}), metavar="PEM",
+                                         help="CA bundle client certificates must chain to: mutual TLS")
+    admin_token_file: str | None = _setting(None, "--admin-token-file", scopes=_SERVER, metavar="FILE",
+                                            default_doc="$PS_ADMIN_TOKEN, else none",
+                                            help="file holding the admin token (ps.v1.Admin needs it); never a flag "
+                                                 "value, so it stays out of process listings")
+    insecure: bool = _setting(False, "--insecure", scopes=frozenset({"server"}),
+                              help="allow plaintext gRPC on a non-loopback host (e.g. 0.0.0.0 from TF_CONFIG) "
+                                   "without TLS")
+    max_receive_message_bytes: int = _setting(MAX_MESSAGE_BYTES, "--max-receive-message-bytes", scopes=_SERVER,
+                                              minimum=MAX_MESSAGE_BYTES,
+                                              help="larger requests get RESOURCE_EXHAUSTED")
+    max_concurrent_rpcs: int | None = _setting(None, "--max-concurrent-rpcs", scopes=_SERVER, minimum=1,
+                                               default_doc="4 x rpc_threads",
+                                               help="more rpcs at once get RESOURCE_EXHAUSTED")
+
+
+@dataclass
+class WorkerSettings:
+    """[worker]: one worker process (`ps-worker`)."""
+
+    index: int = _setting(0, "--worker-index", scopes=frozenset({"worker"}), toml=False, minimum=0,
+                          tf_config="0 for task.type chief/master; len(cluster.chief) + task.index for worker",
+                          help="this worker's index, 0-based; worker 0 initializes the parameters and evaluates")
+    worker_id: str | None = _setting(None, "--worker-id", scopes=frozenset({"worker"}), toml=False,
+                                     default_doc="worker<index>",
+                                     help="the id the shards know this worker by; a restarted worker with the "
+                                          "same id resumes at its clock")
+    servers: list[str] = _setting([], "--servers", scopes=frozenset({"worker"}), metavar="HOST:PORT,...",
+                                  tf_config="cluster.ps", help="the shards' addresses, in shard order")
+    model: str = _setting("mlp", "--model", scopes=_WORKER, metavar="PATH|NAME",
+                          help="an ONNX model file, or a bundled model's name (mlp, lenet, embedding, transformer)")
+    loss: str = _setting("cross_entropy", "--loss", scopes=_WORKER,
+                         help="loss attached to the model's first output: cross_entropy, mse or output:NAME")
+    data: str = _setting("digits", "--data", scopes=_WORKER, metavar="SPEC",
+                         help="dataset: digits, synthetic:<kind>[?key=value&...], or a .npz file "
+                              "(docs/data-format.md); each worker trains on its own strided share")
+    batch_size: int = _setting(32, "--batch-size", scopes=_WORKER, minimum=1, help="examples per gradient")
+    steps: int | None = _setting(None, "--steps", scopes=_WORKER, minimum=1,
+                                 default_doc=f"{DEFAULT_STEPS} when epochs is unset",
+                                 help="stop when the shards' global step reaches this")
+    epochs: int | None = _setting(None, "--epochs", scopes=_WORKER, minimum=1,
+                                  help="stop after this many passes over the worker's share (and at `steps`, "
+                                       "when both are set)")
+    eval_every: int = _setting(100, "--eval-every", scopes=_WORKER, minimum=0,
+                               help="worker 0 evaluates on the test split every this many global steps; "
+                                    "0: only at the end")
+    device: str = _setting("cpu", "--device", scopes=_WORKER, help="cpu, cuda or cuda:N (needs onnxruntime-gpu)")
+    intra_op_threads: int | None = _setting(None, "--intra-op-threads", scopes=_WORKER, minimum=1,
+                                            default_doc="onnxruntime's (ps-launch: cores / workers)",
+                                            help="onnxruntime threads per gradient computation")
+    start_timeout: float = _setting(300.0, "--start-timeout", scopes=_WORKER, positive=True, metavar="SECONDS",
+                                    help="longest wait for the shards to answer, be initialized, and for all "
+                                         "workers at the start barrier")
+    rpc_timeout: float = _setting(120.0, "--rpc-timeout", scopes=_WORKER, positive=True, metavar="SECONDS",
+                                  help="deadline of one rpc (on top of any wait it carries)")
+    tls_ca: str | None = _setting(None, "--tls-ca", scopes=frozenset({"worker"}), metavar="PEM",
+                                  help="connect with TLS, trusting this CA bundle (the shards' issuer)")
+    tls_cert: str | None = _setting(None, "--tls-cert", scopes=frozenset({"worker"}), metavar="PEM",
+                                    help="client certificate for mutual TLS (with tls_key); turns TLS on")
+    tls_key: str | None = _setting(None, "--tls-key", scopes=frozenset({"worker"}), metavar="PEM",
+                                   help="the private key of the client certificate")
+    progress_every: float = _setting(1.0, "--progress-every", scopes=_WORKER, positive=True, metavar="SECONDS",
+                                     help="seconds between progress reports")
+    events: bool = _setting(False, "--events", scopes=frozenset({"worker"}), toml=False,
+                            help="report progress as JSON lines on stdout (for ps-launch) instead of text")
+
+
+@dataclass
+class LaunchSettings:
+    """[launch]: the local launcher (`ps-launch`)."""
+
+    record: str | None = _setting(None, "--record", scopes=_LAUNCH, metavar="DIR",
+                                  help="write DIR/run.json (summary, settings, events) and DIR/plot.png "
+                                       "(loss and accuracy over steps)")
+    timeout: float = _setting(1800.0, "--timeout", scopes=_LAUNCH, positive=True, metavar="SECONDS",
+                              help="longest run of the whole job; then everything is stopped")
+    ready_timeout: float = _setting(60.0, "--ready-timeout", scopes=_LAUNCH, positive=True, metavar="SECONDS",
+                                    help="longest wait for each shard's READY line")
+    stop_timeout: float = _setting(10.0, "--stop-timeout", scopes=_LAUNCH, positive=True, metavar="SECONDS",
+                                   help="grace between SIGTERM and SIGKILL when stopping a process")
+    print_every: float = _setting(10.0, "--print-every", scopes=_LAUNCH, positive=True, metavar="SECONDS",
+                                  help="seconds between progress lines when stderr is not a terminal")
+    min_accuracy: float | None = _setting(None, "--min-accuracy", scopes=_LAUNCH, minimum=0,
+                                          help="exit with status 1 when the final test accuracy is below this")
+
+
+SECTIONS: dict[str, type] = {"job": JobSettings, "server": ServerSettings, "worker": WorkerSettings,
+                             "launch": LaunchSettings}
+
+
+@dataclass(frozen=True)
+class SettingInfo:
+    """One declared setting: section, key, type and the field metadata."""
+
+    section: str
+    key: str
+    hint: Any
+    default: Any
+    flags: tuple[str, ...]
+    help: str
+    scopes: frozenset[str]
+    toml: bool
+    tf_config: str
+    choices: tuple[str, ...] | None
+    minimum: float | None
+    positive: bool
+    metavar: str | None
+    default_doc: str | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.section}.{self.key}"
+
+    @property
+    def base(self) -> type:
+        """The type without Optional: int, float, str, bool, list or dict."""
+        hint = self.hint
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if args and typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = args[0]
+        origin = typing.get_origin(hint)
+        return origin if origin is not None else hint
+
+    @property
+    def optional(self) -> bool:
+        return type(None) in typing.get_args(self.hint)
+
+    def where(self) -> str:
+        """How a user refers to it: "[section] key (--flag)"."""
+        flag = f" ({self.flags[0]})" if self.flags else ""
+        return f"[{self.section}] {self.key}{flag}"
+
+
+def iter_settings() -> Iterator[SettingInfo]:
+    """Every declared setting, section by section, in declaration order."""
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            yield SettingInfo(section, f.name, hints[f.name], default, m["flags"], m["help"], m["scopes"], m["toml"],
+                              m["tf_config"], m["choices"], m["minimum"], m["positive"], m["metavar"],
+                              m["default_doc"])
+
+
+def settings_by_name() -> dict[str, SettingInfo]:
+    return {info.name: info for info in iter_settings()}

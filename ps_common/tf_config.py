@@ -1,0 +1,122 @@
+"""TF_CONFIG, as TensorFlow and Kubeflow's TFJob write it, read into the settings of a ps or worker task.
+
+``{"cluster": {"ps": [...], "chief": [...], "worker": [...]}, "task": {"type": ..., "index": i}}``.
+A ``ps`` task is shard ``index`` of ``len(cluster.ps)`` shards; it binds the port of its own
+address and, because that address is how *other* pods reach it (a service name or IP that
+need not be a local interface), binds ``0.0.0.0`` unless the address's host is a loopback
+one (``localhost``, ``127.0.0.0/8``, ``::1``), which it binds as given. A ``chief`` (or
+``master``) task is worker 0 and ``worker`` task i is worker ``len(chief) + i``; the job
+has ``len(chief) + len(worker)`` workers, and the workers' servers are ``cluster.ps`` in
+order. ``evaluator`` tasks are refused.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ps_common.settings import JobConfigError
+
+#: The environment variable TensorFlow (and Kubeflow's TFJob) uses to describe the cluster.
+TF_CONFIG_ENV = "TF_CONFIG"
+
+
+@dataclass(frozen=True)
+class TFConfig:
+    """The parts of TF_CONFIG this project reads."""
+
+    cluster: dict[str, list[str]]
+    task_type: str
+    task_index: int
+
+    @property
+    def ps(self) -> list[str]:
+        return list(self.cluster.get("ps", []))
+
+    @property
+    def workers(self) -> list[str]:
+        """The training workers: chief (or master) first, then the workers."""
+        return [*self.cluster.get("chief", []), *self.cluster.get("master", []), *self.cluster.get("worker", [])]
+
+    def worker_index(self) -> int:
+        """This task's index among `workers`."""
+        if self.task_type in ("chief", "master"):
+            return self.task_index
+        chiefs = len(self.cluster.get("chief", [])) + len(self.cluster.get("master", []))
+        return chiefs + self.task_index
+
+
+def parse_tf_config(text: str) -> TFConfig:
+    """Reads and checks a TF_CONFIG value; JobConfigError naming the bad part and its value."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JobConfigError(f"TF_CONFIG is not valid JSON ({exc}): {text[:200]!r}") from exc
+    if not isinstance(data, dict):
+        raise JobConfigError(f"TF_CONFIG must be a JSON object, got {text[:200]!r}")
+    cluster, task = data.get("cluster"), data.get("task")
+    if not isinstance(cluster, dict) or not cluster:
+        raise JobConfigError(f"TF_CONFIG needs a non-empty \"cluster\" object, got {cluster!r}")
+    for kind, addresses in cluster.items():
+        if not isinstance(addresses, list) or not all(isinstance(a, str) and a for a in addresses):
+            raise JobConfigError(f"TF_CONFIG cluster.{kind} must be a list of \"host:port\" strings, got {addresses!r}")
+    if not isinstance(task, dict):
+        raise JobConfigError(f"TF_CONFIG needs a \"task\" object ({{\"type\": ..., \"index\": ...}}), got {task!r}")
+    task_type, index = task.get("type"), task.get("index", 0)
+    if not isinstance(task_type, str) or not task_type:
+        raise JobConfigError(f"TF_CONFIG task.type must be a non-empty string, got {task_type!r}")
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise JobConfigError(f"TF_CONFIG task.index must be an integer >= 0, got {index!r}")
+    members = cluster.get(task_type)
+    if members is None:
+        raise JobConfigError(f"TF_CONFIG task.type {task_type!r} has no cluster.{task_type} list "
+                             f"(cluster has {', '.join(sorted(cluster))})")
+    if index >= len(members):
+        raise JobConfigError(f"TF_CONFIG task.index {index} is out of range for cluster.{task_type} "
+                             f"({len(members)} entries)")
+    return TFConfig({k: list(v) for k, v in cluster.items()}, task_type, index)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """("host", port) from "host:port" or "[v6]:port"; JobConfigError otherwise."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) <= 65535:
+        raise JobConfigError(f"address {address!r} is not host:port with a port in 1..65535")
+    return host.strip("[]"), int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost, 127.0.0.0/8 and ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tf_config_settings(tf: TFConfig, *, scope: str) -> dict[str, Any]:
+    """The settings ("section.key" -> value) TF_CONFIG gives a ps (scope "server") or worker (scope "worker") task."""
+    out: dict[str, Any] = {}
+    if tf.workers:
+        out["job.workers"] = len(tf.workers)
+    if scope == "server":
+        if tf.task_type != "ps":
+            raise JobConfigError(f"TF_CONFIG task.type is {tf.task_type!r}, but ps-server runs a 'ps' task")
+        host, port = split_address(tf.ps[tf.task_index])
+        out.update({"server.shard_index": tf.task_index, "job.shards": len(tf.ps), "server.port": port,
+                    "server.host": host if is_loopback(host) else "0.0.0.0"})
+    elif scope == "worker":
+        if tf.task_type not in ("worker", "chief", "master"):
+            raise JobConfigError(f"TF_CONFIG task.type is {tf.task_type!r}, but ps-worker runs a 'worker' or "
+                                 f"'chief' task")
+        if not tf.ps:
+            raise JobConfigError("TF_CONFIG has no cluster.ps: a worker needs the parameter servers' addresses")
+        for address in tf.ps:
+            split_address(address)
+        out.update({"worker.index": tf.worker_index(), "worker.servers": tf.ps, "job.shards": len(tf.ps)})
+    else:
+        raise ValueError(f"TF_CONFIG applies to scope 'server' or 'worker', not {scope!r}")
+    return out

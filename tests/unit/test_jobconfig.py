@@ -1,0 +1,259 @@
+"""The job config: defaults, TOML job file, TF_CONFIG and flags, their precedence, and the errors they raise."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ps_common import jobconfig, settings_doc
+from ps_common.jobconfig import JobConfig, JobConfigError
+from ps_server.cli import server_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+TF_PS_1 = json.dumps({"cluster": {"ps": ["ps-0.job:2222", "ps-1.job:2223"], "chief": ["chief-0:2222"],
+                                  "worker": ["worker-0:2222", "worker-1:2222"]},
+                      "task": {"type": "ps", "index": 1}})
+
+
+def load(argv: list[str], *, scope: str, env: dict[str, str] | None = None) -> JobConfig:
+    parser = argparse.ArgumentParser()
+    jobconfig.add_arguments(parser, scope=scope)
+    return jobconfig.load_config(parser.parse_args(argv), scope=scope, env=env or {})
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_give_the_server_config_defaults() -> None:
+    config = server_config(load([], scope="server"))
+    assert (config.mode, config.num_shards, config.shard_index, config.host, config.port) == \
+        ("async", 1, 0, "127.0.0.1", 0)
+    assert (config.replicas_to_aggregate, config.total_replicas, config.optimizer) == (1, 1, "sgd")
+    assert config.optimizer_params == {"lr": 0.01}
+    assert config.wait_timeout_seconds == 300.0 and config.lease_seconds == 10.0
+
+
+def test_a_job_file_sets_every_section(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+[job]
+mode = "sync"
+workers = 3
+shards = 2
+replicas_to_aggregate = 2
+[server]
+optimizer = "adam"
+lr = 0.003
+checkpoint_dir = "/ckpt"
+[server.optimizer_params]
+amsgrad = true
+[worker]
+model = "lenet"
+batch_size = 16
+epochs = 2
+[launch]
+record = "runs/x"
+""")
+    config = load(["--config", path], scope="launch")
+    assert (config.job.mode, config.job.workers, config.job.shards, config.job.replicas_to_aggregate) == \
+        ("sync", 3, 2, 2)
+    assert config.optimizer_hyperparameters() == {"lr": 0.003, "amsgrad": True}
+    assert (config.server.checkpoint_dir, config.worker.model, config.worker.batch_size) == ("/ckpt", "lenet", 16)
+    assert config.worker.epochs == 2 and config.worker.steps is None
+    assert config.launch.record == "runs/x"
+    assert config.source("worker.batch_size") == path
+
+
+def test_flags_override_the_job_file(tmp_path: Path) -> None:
+    path = write(tmp_path, '[job]\nmode = "sync"\n[server]\nlr = 0.5\n[server.optimizer_params]\nmomentum = 0.5\n')
+    config = load(["--config", path, "--lr", "0.1", "--opt", "momentum=0.9", "--opt", "nesterov=true"],
+                  scope="server")
+    assert config.job.mode == "sync"
+    assert config.optimizer_hyperparameters() == {"lr": 0.1, "momentum": 0.9, "nesterov": True}
+    assert config.source("server.lr") == "--lr"
+
+
+def test_tf_config_overrides_the_job_file_and_flags_override_tf_config(tmp_path: Path) -> None:
+    path = write(tmp_path, "[job]\nshards = 5\n[server]\nport = 9999\n")
+    config = load(["--config", path], scope="server", env={"TF_CONFIG": TF_PS_1})
+    assert (config.job.shards, config.server.port, config.server.shard_index) == (2, 2223, 1)
+    config = load(["--config", path, "--port", "7000"], scope="server", env={"TF_CONFIG": TF_PS_1})
+    assert config.server.port == 7000 and config.source("server.port") == "--port"
+
+
+def test_tf_config_ps_task_binds_all_interfaces_for_a_remote_host() -> None:
+    config = load([], scope="server", env={"TF_CONFIG": TF_PS_1})
+    server = server_config(config)
+    assert (server.host, server.port, server.shard_index, server.num_shards) == ("0.0.0.0", 2223, 1, 2)
+    assert server.total_replicas == 3   # chief + 2 workers
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "127.0.0.2"])
+def test_tf_config_ps_task_keeps_a_loopback_host(host: str) -> None:
+    tf = json.dumps({"cluster": {"ps": [f"{host}:2222"]}, "task": {"type": "ps", "index": 0}})
+    assert load([], scope="server", env={"TF_CONFIG": tf}).server.host == host
+
+
+def test_tf_config_worker_tasks_count_the_chief_as_worker_zero() -> None:
+    tf = json.loads(TF_PS_1)
+    tf["task"] = {"type": "worker", "index": 1}
+    config = load([], scope="worker", env={"TF_CONFIG": json.dumps(tf)})
+    assert (config.worker.index, config.job.workers, config.job.shards) == (2, 3, 2)
+    assert config.worker.servers == ["ps-0.job:2222", "ps-1.job:2223"]
+    assert config.worker.worker_id == "worker2"
+    tf["task"] = {"type": "chief", "index": 0}
+    assert load([], scope="worker", env={"TF_CONFIG": json.dumps(tf)}).worker.index == 0
+
+
+def test_tf_config_is_ignored_by_the_launcher() -> None:
+    assert load([], scope="launch", env={"TF_CONFIG": "not json"}).job.shards == 1
+
+
+@pytest.mark.parametrize("tf, scope, fragment", [
+    ("{not json", "server", "TF_CONFIG is not valid JSON"),
+    ('{"cluster": {"ps": ["a:1"]}, "task": {"type": "worker", "index": 0}}', "server", "task.type 'worker'"),
+    ('{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 3}}', "server", "task.index 3 is out of range"),
+    ('{"cluster": {"ps": ["a:1"], "evaluator": ["e:1"]}, "task": {"type": "evaluator", "index": 0}}', "worker",
+     "task.type is 'evaluator'"),
+    ('{"cluster": {"ps": ["a"]}, "task": {"type": "ps", "index": 0}}', "server", "address 'a' is not host:port"),
+    ('{"cluster": {"worker": ["w:1"]}, "task": {"type": "worker", "index": 0}}', "worker", "no cluster.ps"),
+])
+def test_bad_tf_config_errors_name_the_part_and_value(tf: str, scope: str, fragment: str) -> None:
+    with pytest.raises(JobConfigError, match="TF_CONFIG|address") as info:
+        load([], scope=scope, env={"TF_CONFIG": tf})
+    assert fragment in str(info.value)
+
+
+def test_unknown_job_file_key_is_named_with_the_known_keys(tmp_path: Path) -> None:
+    path = write(tmp_path, "[worker]\nbatchsize = 3\n")
+    with pytest.raises(JobConfigError, match=r"\[worker\] batchsize is not a setting; the \[worker\] keys are .*batch_size"):
+        load(["--config", path], scope="worker")
+
+
+def test_unknown_job_file_table_is_named(tmp_path: Path) -> None:
+    with pytest.raises(JobConfigError, match=r"unknown table \[trainer\]"):
+        load(["--config", write(tmp_path, "[trainer]\nx = 1\n")], scope="worker")
+
+
+def test_per_process_settings_are_refused_in_a_job_file(tmp_path: Path) -> None:
+    with pytest.raises(JobConfigError, match=r"\[server\] shard_index is set per process"):
+        load(["--config", write(tmp_path, "[server]\nshard_index = 1\n")], scope="server")
+
+
+def test_wrong_type_in_the_job_file_names_key_and_value(tmp_path: Path) -> None:
+    path = write(tmp_path, '[worker]\nbatch_size = "32"\n')
+    with pytest.raises(JobConfigError, match=r"\[worker\] batch_size = '32': expected an integer"):
+        load(["--config", path], scope="worker")
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[job\nmode = 1\n")
+    with pytest.raises(JobConfigError, match="is not valid TOML"):
+        load(["--config", path], scope="server")
+
+
+def test_missing_job_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(JobConfigError, match="does not exist"):
+        load(["--config", str(tmp_path / "nope.toml")], scope="server")
+
+
+def test_out_of_range_values_name_the_setting_the_value_and_its_source(tmp_path: Path) -> None:
+    with pytest.raises(JobConfigError, match=r"\[worker\] batch_size \(--batch-size\): 0 \(from --batch-size\): "
+                                             r"must be >= 1"):
+        load(["--batch-size", "0"], scope="launch")
+    path = write(tmp_path, '[job]\nmode = "bsp"\n')
+    with pytest.raises(JobConfigError, match=rf"\[job\] mode \(--mode\): 'bsp' \(from {path}\): choose one of sync"):
+        load(["--config", path], scope="launch")
+
+
+def test_more_replicas_than_workers_is_an_error() -> None:
+    with pytest.raises(JobConfigError, match=r"replicas_to_aggregate.*: 3 .*must be <= workers \(2, from --workers\)"):
+        load(["--workers", "2", "--replicas-to-aggregate", "3"], scope="launch")
+
+
+def test_replicas_alone_set_the_worker_count_as_before() -> None:
+    config = server_config(load(["--mode", "sync", "--replicas-to-aggregate", "2"], scope="server"))
+    assert (config.replicas_to_aggregate, config.total_replicas) == (2, 2)
+    config = server_config(load(["--mode", "sync", "--replicas-to-aggregate", "2", "--total-replicas", "3"],
+                                scope="server"))
+    assert (config.replicas_to_aggregate, config.total_replicas) == (2, 3)
+
+
+def test_staleness_accepts_inf_from_flags_and_toml(tmp_path: Path) -> None:
+    assert math.isinf(load(["--staleness", "inf"], scope="server").job.staleness)
+    assert math.isinf(load(["--config", write(tmp_path, "[job]\nstaleness = inf\n")], scope="server").job.staleness)
+    with pytest.raises(JobConfigError, match="whole number or inf"):
+        load(["--staleness", "1.5"], scope="server")
+
+
+def test_worker_needs_as_many_servers_as_shards() -> None:
+    with pytest.raises(JobConfigError, match=r"servers.*a worker needs the shards' addresses"):
+        load([], scope="worker")
+    config = load(["--servers", "a:1,b:2"], scope="worker")
+    assert config.job.shards == 2
+    with pytest.raises(JobConfigError, match=r"2 addresses for shards = 3 \(from --shards\)"):
+        load(["--servers", "a:1,b:2", "--shards", "3"], scope="worker")
+
+
+def test_steps_default_only_when_epochs_is_unset() -> None:
+    assert load([], scope="launch").worker.steps == jobconfig.DEFAULT_STEPS
+    config = load(["--epochs", "2"], scope="launch")
+    assert (config.worker.steps, config.worker.epochs) == (None, 2)
+
+
+def test_flag_parse_errors_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load(["--batch-size", "many"], scope="worker")
+    assert "--batch-size: expected an integer, got 'many'" in capsys.readouterr().err
+
+
+def test_commands_take_only_their_flags() -> None:
+    with pytest.raises(SystemExit):
+        load(["--servers", "a:1"], scope="server")
+    with pytest.raises(SystemExit):
+        load(["--shard-index", "1"], scope="launch")
+
+
+def test_log_level_is_case_insensitive() -> None:
+    assert load(["--log-level", "debug"], scope="server").job.log_level == "DEBUG"
+
+
+def test_to_argv_reproduces_the_settings_in_a_child_command(tmp_path: Path) -> None:
+    path = write(tmp_path, '[job]\nmode = "ssp"\nstaleness = inf\nworkers = 2\n[server]\noptimizer = "momentum"\n'
+                           '[server.optimizer_params]\nnesterov = true\n[worker]\nbatch_size = 8\nepochs = 3\n')
+    parent = load(["--config", path, "--lr", "0.2", "--log-json"], scope="launch")
+    child = load(jobconfig.to_argv(parent, scope="server"), scope="server")
+    assert server_config(child) == server_config(parent)
+    worker = load([*jobconfig.to_argv(parent, scope="worker"), "--servers", "h:1"], scope="worker")
+    for name in ("job.mode", "job.staleness", "job.workers", "worker.batch_size", "worker.epochs",
+                 "worker.steps", "job.log_json"):
+        assert worker.get(name) == parent.get(name), name
+
+
+def test_every_setting_has_a_flag_help_and_scope() -> None:
+    flags: dict[str, set[str]] = {}
+    for info in jobconfig.iter_settings():
+        assert info.flags and info.help and info.scopes, info.name
+        for scope in info.scopes:
+            for flag in info.flags:
+                assert flag not in flags.setdefault(scope, set()), f"{flag} twice in {scope}"
+                flags[scope].add(flag)
+
+
+def test_settings_doc_is_up_to_date() -> None:
+    doc = REPO / "docs" / "settings.md"
+    assert settings_doc.documented_block(doc) == settings_doc.settings_markdown(), \
+        "docs/settings.md is stale: run python -m ps_common.settings_doc --write-docs docs/settings.md"
+
+
+def test_the_modes_are_the_servers_modes() -> None:
+    from ps_server.config import MODES
+
+    assert jobconfig.MODES == MODES

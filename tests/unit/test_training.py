@@ -1,0 +1,42 @@
+"""The training loop's pure parts: what a sync worker waits for, plan validation, event wording."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos.ps.v1 import parameter_server_pb2 as pb
+from worker_client.client import PushReport
+from worker_client.training import TrainingPlan, format_event, sync_min_steps
+
+
+def _report(*responses: tuple[int, int, int]) -> PushReport:
+    return PushReport([pb.PushResponse(outcome=o, drop_reason=r, step=t) for o, r, t in responses], clock=0)
+
+
+def test_a_sync_worker_waits_for_the_next_step_only_where_its_gradient_was_taken() -> None:
+    accepted, dropped = pb.PUSH_ACCEPTED, pb.PUSH_DROPPED
+    report = _report((accepted, pb.DROP_REASON_UNSPECIFIED, 5), (dropped, pb.DROP_STALE, 9),
+                     (dropped, pb.DROP_ALREADY_CONTRIBUTED, 7), (dropped, pb.DROP_STEP_AHEAD, 2))
+    assert sync_min_steps([5, 8, 7, 4], report) == [6, 0, 8, 0]
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"worker_index": 2, "num_workers": 2, "steps": 1}, "Invalid worker_index: 2 (must be in [0, 2))"),
+    ({"batch_size": 0, "steps": 1}, "Invalid batch_size: 0"),
+    ({}, "set steps or epochs"),
+    ({"epochs": 0}, "Invalid epochs: 0"),
+    ({"steps": 5, "wait_timeout": 0}, "Invalid wait_timeout: 0"),
+])
+def test_a_bad_plan_names_the_option_and_value(options: dict, fragment: str) -> None:
+    base = {"worker_index": 0, "num_workers": 1, "batch_size": 8}
+    with pytest.raises(ValueError) as info:
+        TrainingPlan(**{**base, **options})
+    assert fragment in str(info.value)
+
+
+def test_events_read_as_one_line_of_text() -> None:
+    line = format_event("eval", {"worker": 0, "step": 40, "test_accuracy": 0.97123, "test_loss": 0.1, "final": True})
+    assert line == "worker 0 step 40 (final): test accuracy 0.9712, test loss 0.1000"
+    line = format_event("progress", {"worker": 1, "step": 3, "loss": None, "samples_per_second": 12.3,
+                                     "stale_drops": 2})
+    assert line == "worker 1 step 3: loss n/a, 12 samples/s, 2 stale drop(s)"

@@ -1,0 +1,147 @@
+"""The `ps-worker` command: one training worker (model, data, shards from flags, a job file or TF_CONFIG)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+
+from models.builders import BUILDERS, write_model
+from models.datasets import Dataset, DatasetError, load_dataset
+from ps_common import jobconfig
+from ps_common.jobconfig import JobConfig, JobConfigError
+from ps_common.logs import configure_logging
+from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
+from worker_client.client import PSClient, ServerError
+from worker_client.gradients import DeviceUnavailableError, GradientEngine, UnsupportedModelError
+from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingError, TrainingPlan
+
+log = logging.getLogger("worker_client")
+
+#: Models whose data layout models.datasets.reshape_for knows.
+_LAYOUTS = frozenset(BUILDERS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ps-worker", description="Run one training worker against the shards of a job. Settings come from "
+                                      "the defaults, then --config JOB.toml, then TF_CONFIG, then these flags; the "
+                                      "learning rate and optimizer are the shards'. See docs/settings.md.")
+    jobconfig.add_arguments(p, scope="worker")
+    return p
+
+
+def resolve_model(spec: str, workdir: Path) -> tuple[Path, str | None]:
+    """(ONNX file, bundled model kind or None) for a path or a bundled model's name (written into workdir)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        model = onnx.load(str(path), load_external_data=False)
+        kind = next((p.value for p in model.metadata_props if p.key == "model"), None)
+        return path, kind if kind in _LAYOUTS else None
+    if spec in BUILDERS:
+        return write_model(spec, workdir / f"{spec}.onnx"), spec
+    raise JobConfigError(f"Invalid [worker] model (--model): {spec!r}: no such file ({path.resolve()}) and not a "
+                         f"bundled model ({', '.join(sorted(BUILDERS))})")
+
+
+def load_data(spec: str, *, seed: int, kind: str | None) -> Dataset:
+    """The dataset, laid out for the bundled model kind when there is one."""
+    return load_dataset(spec, seed=seed, model=kind)
+
+
+def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threading.Event | None = None,
+               workdir: Path | None = None) -> dict[str, Any]:
+    """Builds the engine, data and client from the settings and runs one worker's training; returns its result."""
+    w = job.worker
+    with tempfile.TemporaryDirectory(prefix="ps-worker-") as scratch:
+        model_path, kind = resolve_model(w.model, workdir or Path(scratch))
+        dataset = load_data(w.data, seed=job.job.seed, kind=kind)
+        engine = GradientEngine(model_path, batch_size=w.batch_size, loss=w.loss, device=w.device,
+                                intra_op_threads=w.intra_op_threads)
+        plan = TrainingPlan(worker_index=w.index, num_workers=job.job.workers or 1, batch_size=w.batch_size,
+                            steps=w.steps, epochs=w.epochs, seed=job.job.seed, eval_every=w.eval_every,
+                            progress_every=w.progress_every, start_timeout=w.start_timeout,
+                            wait_timeout=job.job.wait_timeout)
+        log.info("worker %d of %d (%s): model %s, %s, shards %s", w.index, plan.num_workers, w.worker_id, model_path,
+                 dataset.describe(), w.servers)
+        credentials, metadata = client_security(w.tls_ca, w.tls_cert, w.tls_key,
+                                                token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
+        client = PSClient(w.servers, worker_id=w.worker_id, rpc_timeout=w.rpc_timeout, wait_timeout=job.job.wait_timeout,
+                          channel_credentials=credentials, call_metadata=metadata)
+        try:
+            expected_mode = job.job.mode if "job.mode" in job.sources else None   # else: follow the shards
+            return Trainer(client, engine, dataset, plan=plan, report=report, stop=stop,
+                           expected_mode=expected_mode).run()
+        finally:
+            client.close()
+
+
+#: After its parent is gone, the seconds a worker has to stop on its own before it is ended.
+ORPHAN_GRACE = 10.0
+
+
+def _watch_parent(parent: int) -> None:
+    """Once the parent is gone (polled every 0.5 s): SIGTERM to this process, then exit after ORPHAN_GRACE s."""
+    pause = threading.Event()
+    while os.getppid() == parent:
+        pause.wait(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    pause.wait(ORPHAN_GRACE)
+    os._exit(128 + signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parent = os.getppid()   # read first: --stop-with-parent watches for it to change
+    args = build_parser().parse_args(argv)
+    try:
+        job = jobconfig.load_config(args, scope="worker")
+    except JobConfigError as exc:
+        print(f"ps-worker: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(job.job.log_level, job.job.log_json, fields={"worker": job.worker.index})
+    if job.job.log_level != "DEBUG":   # onnxruntime's own warnings (e.g. unused initializers) are noise here
+        ort.set_default_logger_severity(3)
+    received: list[int] = []
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        # The first signal asks the loop to stop after the current step (and deregister); a
+        # second one ends the process at once. No exception is raised from here: one raised
+        # inside a gRPC call could leave the channel's locks held.
+        if received:
+            os._exit(128 + signum)
+        received.append(signum)
+        log.info("received %s: stopping after this step (again to stop at once)", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if job.job.stop_with_parent:
+        threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+    sink: EventSink = JsonLinesSink(sys.stdout) if job.worker.events else TextSink(sys.stdout)
+    try:
+        run_worker(job, report=sink, stop=stop)
+    except (JobConfigError, TrainingError, ServerError, DatasetError, UnsupportedModelError,
+            DeviceUnavailableError, ValueError) as exc:
+        if received:
+            return 128 + received[0]
+        log.debug("worker failed", exc_info=True)
+        print(f"ps-worker: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if received:
+        return 128 + received[0]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

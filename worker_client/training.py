@@ -1,0 +1,481 @@
+"""The worker's training loop: pull, compute, push under the job's consistency mode, with evaluation and progress.
+
+One `Trainer` is one worker of a job. `Trainer.run()`:
+
+1. waits (at most `start_timeout`) until every shard answers; worker 0 initializes the
+   parameters from the model's initializers (idempotent: a restarted worker 0 changes
+   nothing), the others wait until every shard is initialized;
+2. registers on every shard (leases kept alive by heartbeats) and adopts the clock the
+   shards hold for it, then waits at the start barrier for all workers -- unless the job
+   is already running (a restarted worker), which simply rejoins: nothing a worker holds
+   has to survive a restart;
+3. trains on its own strided share of the training split: gradients of one batch at the
+   parameters it pulled, pushed with the steps it read them at; then it pulls again as
+   the shards' mode says (read from GetClusterInfo): sync waits for the next step of every
+   shard (min_step = read step + 1), ssp pulls with its clock (the shards hold the pull
+   while it is more than the staleness bound ahead), async does not wait;
+4. stops when the shards' global step reaches `steps`, or after `epochs` passes over its
+   share (the position is its clock, so a restarted worker continues where it was);
+5. deregisters (so no sync step waits for it), meets the other workers at the end
+   barrier, and worker 0 evaluates the final parameters on the test split.
+
+Worker 0 also evaluates every `eval_every` global steps. Progress, evaluations and the
+result are reported as events (`JsonLinesSink` for launchers, `TextSink` for people).
+Every wait is bounded: start_timeout for joining, the client's wait timeout for pulls and
+the end barrier. Not thread-safe: one thread runs a Trainer (set `stop` from another).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TextIO
+
+import grpc
+import numpy as np
+
+from models.datasets import Dataset, iterate_batches, num_batches, worker_shard
+from protos.ps.v1 import parameter_server_pb2 as pb
+from worker_client.client import PSClient, PushReport, ServerError
+from worker_client.gradients import GradientEngine
+
+log = logging.getLogger(__name__)
+
+#: The wire's consistency modes by name.
+MODE_NAMES: dict[int, str] = {pb.MODE_SYNC: "sync", pb.MODE_SSP: "ssp", pb.MODE_ASYNC: "async"}
+#: The barriers every worker of a job meets at.
+START_BARRIER = "training-start"
+END_BARRIER = "training-end"
+#: How often a worker polls the shards while it waits for them to be reachable or initialized.
+POLL_SECONDS = 0.2
+
+
+class TrainingError(RuntimeError):
+    """The training run cannot go on; the message says what was awaited or what differs."""
+
+
+class EventSink(Protocol):
+    """Where a trainer reports events: "start", "progress", "eval", "done"."""
+
+    def __call__(self, event: str, fields: Mapping[str, Any]) -> None: ...
+
+
+class JsonLinesSink:
+    """One JSON object a line, {"event": ..., "time": unix seconds, ...fields}, flushed at once (for ps-launch)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def __call__(self, event: str, fields: Mapping[str, Any]) -> None:
+        record = {"event": event, "time": round(time.time(), 3), **fields}
+        self.stream.write(json.dumps(record, default=_jsonable) + "\n")
+        self.stream.flush()
+
+
+class TextSink:
+    """One human-readable line per event (`format_event`)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def __call__(self, event: str, fields: Mapping[str, Any]) -> None:
+        self.stream.write(format_event(event, fields) + "\n")
+        self.stream.flush()
+
+
+def format_event(event: str, fields: Mapping[str, Any]) -> str:
+    """An event as one line of text for people."""
+    f = fields
+    who = f"worker {f.get('worker')}"
+    if event == "start":
+        how = "rejoined" if f["resumed"] else "started"
+        return (f"{who} ({f['worker_id']}) {how}: {f['mode']} on {f['shards']} shard(s), {f['workers']} "
+                f"worker(s); {f['train_examples']} training examples, batch {f['batch_size']}; "
+                f"at step {f['step']}, clock {f['clock']}")
+    if event == "progress":
+        return (f"{who} step {f['step']}: loss {_num(f['loss'])}, {f['samples_per_second']:.0f} samples/s, "
+                f"{f['stale_drops']} stale drop(s)")
+    if event == "eval":
+        final = " (final)" if f.get("final") else ""
+        return (f"{who} step {f['step']}{final}: test accuracy {_num(f['test_accuracy'])}, "
+                f"test loss {_num(f['test_loss'])}")
+    if event == "done":
+        text = (f"{who} done at step {f['steps']}: {f['iterations']} pushes in {f['seconds']:.1f} s "
+                f"({f['samples_per_second']:.0f} samples/s), {f['dropped']} dropped")
+        if f.get("test_accuracy") is not None:
+            text += f"; test accuracy {_num(f['test_accuracy'])}, test loss {_num(f['test_loss'])}"
+        return text
+    return f"{who} {event}: {json.dumps(dict(f), default=_jsonable)}"
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, np.generic):
+        return value.item()
+    return repr(value)
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def evaluate(engine: GradientEngine, parameters: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray, *,
+             input_name: str, num_classes: int) -> dict[str, float | None]:
+    """Test loss and accuracy (classification: cross-entropy of the first output; regression: MSE, no accuracy)."""
+    outputs = engine.predict(parameters, {input_name: x})
+    prediction = np.asarray(outputs[engine.output_names[0]], dtype=np.float64)
+    if num_classes > 0:
+        logits = prediction.reshape(len(x), -1)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        labels = np.asarray(y, dtype=np.int64).reshape(-1)
+        loss = float(-log_probs[np.arange(len(labels)), labels].mean())
+        accuracy = float((logits.argmax(axis=1) == labels).mean())
+        return {"test_loss": _finite(loss), "test_accuracy": accuracy}
+    target = np.asarray(y, dtype=np.float64).reshape(prediction.shape)
+    return {"test_loss": _finite(float(((prediction - target) ** 2).mean())), "test_accuracy": None}
+
+
+def sync_min_steps(read_steps: list[int], outcome: PushReport) -> list[int]:
+    """Per shard, the step a sync worker's next pull waits for after its push.
+
+    Accepted: the step after the one it read (its gradient is in that step). Dropped as
+    stale: nothing to wait for, the shard is past it already. Already contributed: the
+    step after the shard's current one. Step ahead (the shard rolled back to a
+    checkpoint): nothing -- pull the shard's state as it is now and compute again.
+    """
+    mins = []
+    for read, response in zip(read_steps, outcome.responses):
+        if response.outcome == pb.PUSH_ACCEPTED:
+            mins.append(read + 1)
+        elif response.drop_reason == pb.DROP_ALREADY_CONTRIBUTED:
+            mins.append(response.step + 1)
+        else:
+            mins.append(0)
+    return mins
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """What one worker does; see the module docstring and docs/settings.md ([worker], [job])."""
+
+    worker_index: int
+    num_workers: int
+    batch_size: int
+    steps: int | None = None          # stop when the shards' global step reaches this
+    epochs: int | None = None         # stop after this many passes over the worker's share
+    seed: int = 0
+    eval_every: int = 100             # global steps between evaluations by worker 0; 0: only at the end
+    progress_every: float = 1.0       # seconds between progress events
+    start_timeout: float = 300.0      # joining: shards reachable, initialized, start barrier
+    wait_timeout: float = 300.0       # one pull's wait (sync step, SSP hold), and the end barrier
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.worker_index < self.num_workers:
+            raise ValueError(f"Invalid worker_index: {self.worker_index} (must be in [0, {self.num_workers}))")
+        if self.batch_size < 1:
+            raise ValueError(f"Invalid batch_size: {self.batch_size} (must be >= 1)")
+        if self.steps is None and self.epochs is None:
+            raise ValueError("Invalid plan: set steps or epochs (or both)")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"Invalid steps: {self.steps} (must be >= 1)")
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"Invalid epochs: {self.epochs} (must be >= 1)")
+        if self.eval_every < 0:
+            raise ValueError(f"Invalid eval_every: {self.eval_every} (must be >= 0)")
+        for name in ("progress_every", "start_timeout", "wait_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Invalid {name}: {getattr(self, name)} (must be > 0)")
+
+    @property
+    def is_chief(self) -> bool:
+        return self.worker_index == 0
+
+
+class _Window:
+    """Loss sum and sample count since the window was last read."""
+
+    def __init__(self) -> None:
+        self.loss_sum, self.count, self.samples, self.started = 0.0, 0, 0, time.monotonic()
+
+    def add(self, loss: float, samples: int) -> None:
+        self.loss_sum += loss
+        self.count += 1
+        self.samples += samples
+
+    def take(self) -> tuple[float | None, float]:
+        """(mean loss, samples per second) since the last take, and starts over."""
+        now = time.monotonic()
+        loss = _finite(self.loss_sum / self.count) if self.count else None
+        rate = self.samples / max(now - self.started, 1e-9)
+        self.loss_sum, self.count, self.samples, self.started = 0.0, 0, 0, now
+        return loss, rate
+
+
+@dataclass
+class _Tally:
+    """What one worker did in this run: pushes and their outcomes, the last loss, where in the data it is."""
+
+    start_clock: int                  # the clock this run started at (0, or where a restarted worker resumes)
+    epoch: int = 0
+    iterations: int = 0               # pushes in this run
+    accepted: int = 0                 # ... accepted by every shard
+    dropped: int = 0                  # ... dropped by at least one shard
+    stale: int = 0                    # ... dropped as stale by at least one shard
+    loss: float = math.nan
+
+    def count(self, outcome: PushReport) -> None:
+        self.iterations += 1
+        if outcome.accepted:
+            self.accepted += 1
+            return
+        self.dropped += 1
+        if any(r.drop_reason == pb.DROP_STALE for _, r in outcome.dropped):
+            self.stale += 1
+        log.debug("push at clock %d dropped: %s", outcome.clock,
+                  "; ".join(f"shard {i}: {r.message}" for i, r in outcome.dropped))
+
+
+class Trainer:
+    """One worker's training run against the shards `client` talks to."""
+
+    def __init__(self, client: PSClient, engine: GradientEngine, dataset: Dataset, *, plan: TrainingPlan,
+                 report: EventSink | None = None, stop: threading.Event | None = None,
+                 expected_mode: str | None = None) -> None:
+        if engine.batch_size != plan.batch_size:
+            raise ValueError(f"the engine's batch_size {engine.batch_size} differs from the plan's {plan.batch_size}")
+        self.client = client
+        self.engine = engine
+        self.dataset = dataset
+        self.plan = plan
+        self.report: EventSink = report or (lambda event, fields: None)
+        self.stop = stop or threading.Event()
+        self.expected_mode = expected_mode   # when set, the shards' mode must be this one
+        if len(engine.input_names) == 1:
+            self.input_name = engine.input_names[0]
+        elif dataset.input_name in engine.input_names:
+            self.input_name = dataset.input_name
+        else:
+            raise ValueError(f"dataset {dataset.name!r} feeds input {dataset.input_name!r}, but the model's inputs "
+                             f"are {engine.input_names}")
+        self.share = worker_shard(dataset, plan.worker_index, plan.num_workers)
+        self.batches_per_epoch = num_batches(self.share.num_train, plan.batch_size)
+        self.mode = "?"
+        self.resumed = False
+        self.evaluations: list[dict[str, Any]] = []
+        self._last_eval_bucket = -1
+        self._eval_window = _Window()
+
+    # ------------------------------------------------------------------ joining
+
+    def _wait_until(self, what: str, deadline: float, check: Callable[[], bool]) -> None:
+        """Polls check() (True when done) until the deadline; TrainingError naming what was awaited."""
+        started = time.monotonic()
+        last_error = ""
+        while True:
+            try:
+                if check():
+                    return
+            except ServerError as exc:
+                if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                last_error = f"; last error: {exc}"
+            if self.stop.is_set():
+                raise TrainingError(f"stopped while waiting for {what}")
+            if time.monotonic() >= deadline:
+                raise TrainingError(f"waited {time.monotonic() - started:.1f} s for {what}{last_error}")
+            time.sleep(POLL_SECONDS)
+
+    def join(self) -> None:
+        """Steps 1 and 2 of the module docstring: shards ready and initialized, registered, start barrier."""
+        plan, client = self.plan, self.client
+        deadline = time.monotonic() + plan.start_timeout
+        self._check_stop("joining the job")
+        try:
+            client.wait_ready(timeout=plan.start_timeout)
+        except TimeoutError as exc:
+            raise TrainingError(str(exc)) from exc
+        info = client.cluster_info(0)
+        if info.num_shards != client.num_shards:
+            raise TrainingError(f"shard 0 ({client.addresses[0]}) says the job has {info.num_shards} shards, but this "
+                                f"worker was given {client.num_shards} addresses: {client.addresses}")
+        self.mode = MODE_NAMES.get(info.mode, f"mode {info.mode}")
+        if self.expected_mode is not None and self.mode != self.expected_mode:
+            raise TrainingError(f"this worker was configured for mode {self.expected_mode!r}, but the shards at "
+                                f"{client.addresses} run mode {self.mode!r}")
+        known = {w.worker_id for w in info.workers}
+        if plan.is_chief:
+            already = client.initialize(self.engine.parameters())
+            log.info("parameters %s on %d shard(s)", "were already initialized" if already else "initialized",
+                     client.num_shards)
+        else:
+            def initialized() -> bool:
+                return all(client.cluster_info(i).initialized for i in range(client.num_shards))
+            self._wait_until(f"worker 0 to initialize the parameters on shards {client.addresses}", deadline,
+                             initialized)
+        self._check_parameters(client.fetch_shard_map())
+        steps_before = [client.cluster_info(i).step for i in range(client.num_shards)]
+        self.resumed = client.worker_id in known or any(s > 0 for s in steps_before)
+        client.register(heartbeat=True)
+        if self.resumed:
+            log.info("rejoining a running job as %s at clock %d (steps %s): no start barrier", client.worker_id,
+                     client.clock, client.steps)
+            return
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            self._check_stop("the start barrier")
+            client.barrier(START_BARRIER, plan.num_workers, timeout=left)
+        except TrainingError:
+            client.deregister()
+            raise
+        except ServerError as exc:
+            client.deregister()
+            raise TrainingError(f"start barrier: not all {plan.num_workers} workers arrived within {left:.1f} s: "
+                                f"{exc}") from exc
+
+    def _check_stop(self, what: str) -> None:
+        if self.stop.is_set():
+            raise TrainingError(f"stopped before {what}")
+
+    def _check_parameters(self, shard_map: Any) -> None:
+        mine = self.engine.parameters()
+        theirs = shard_map.specs
+        problems = [f"{n!r} is not on the shards" for n in mine if n not in theirs]
+        problems += [f"the shards hold {n!r}, the model does not" for n in theirs if n not in mine]
+        problems += [f"{n!r} is {theirs[n].dtype}{list(theirs[n].shape)} on the shards, "
+                     f"{mine[n].dtype}{list(mine[n].shape)} in the model"
+                     for n in mine if n in theirs and (tuple(theirs[n].shape) != mine[n].shape
+                                                       or np.dtype(theirs[n].dtype) != mine[n].dtype)]
+        if problems:
+            raise TrainingError(f"the shards' parameters differ from model {self.engine.model_path}: "
+                                + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+
+    # ------------------------------------------------------------------ training
+
+    def _batches(self, start: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(epoch, x, y) from iteration `start` on: epoch start // per_epoch, skipping that epoch's first batches."""
+        epoch, skip = divmod(start, self.batches_per_epoch)
+        while True:
+            for i, (x, y) in enumerate(iterate_batches(self.share.x_train, self.share.y_train, self.plan.batch_size,
+                                                       seed=self.plan.seed, epoch=epoch)):
+                if i >= skip:
+                    yield epoch, x, y
+            skip, epoch = 0, epoch + 1
+
+    def _pull(self, read_steps: list[int] | None, outcome: PushReport | None = None) -> dict[str, np.ndarray]:
+        """The next parameters as the mode says: sync waits for the next step (`sync_min_steps`), ssp for the bound."""
+        if self.mode == "sync" and read_steps is not None and outcome is not None:
+            return self.client.pull(min_steps=sync_min_steps(read_steps, outcome), timeout=self.plan.wait_timeout)
+        return self.client.pull(ssp=self.mode == "ssp", timeout=self.plan.wait_timeout)
+
+    def _maybe_evaluate(self, parameters: Mapping[str, np.ndarray], step: int, elapsed: float,
+                        *, final: bool = False) -> dict[str, Any] | None:
+        plan = self.plan
+        if not plan.is_chief:
+            return None
+        if not final:
+            if plan.eval_every <= 0 or (plan.steps is not None and step >= plan.steps):
+                return None   # the final evaluation covers the last step
+            bucket = step // plan.eval_every
+            if bucket <= self._last_eval_bucket:
+                return None
+            self._last_eval_bucket = bucket
+        train_loss, _ = self._eval_window.take()
+        metrics = evaluate(self.engine, parameters, self.dataset.x_test, self.dataset.y_test,
+                           input_name=self.input_name, num_classes=self.dataset.num_classes)
+        record = {"worker": plan.worker_index, "step": step, "train_loss": train_loss, **metrics,
+                  "elapsed": round(elapsed, 3), "final": final}
+        self.evaluations.append(record)
+        self.report("eval", record)
+        return record
+
+    def run(self) -> dict[str, Any]:
+        """Joins, trains and leaves (see the module docstring); returns the result (also reported as "done")."""
+        plan, client = self.plan, self.client
+        self.join()
+        tally = _Tally(start_clock=client.clock, epoch=client.clock // self.batches_per_epoch)
+        self.report("start", {
+            "worker": plan.worker_index, "worker_id": client.worker_id, "mode": self.mode,
+            "shards": client.num_shards, "workers": plan.num_workers, "step": min(client.steps),
+            "clock": tally.start_clock, "resumed": self.resumed, "train_examples": self.share.num_train,
+            "batch_size": plan.batch_size, "batches_per_epoch": self.batches_per_epoch,
+            "target_steps": plan.steps, "epochs": plan.epochs})
+        started = time.monotonic()
+        try:
+            stopped = self._train(tally, started)
+        finally:
+            seconds = time.monotonic() - started
+            client.deregister()   # at once, so no sync step waits for this worker
+        final: dict[str, Any] | None = None
+        if not stopped:
+            self._meet_at_end()
+            if plan.is_chief:
+                parameters = client.pull(timeout=plan.wait_timeout)
+                final = self._maybe_evaluate(parameters, min(client.steps), time.monotonic() - started, final=True)
+        samples = tally.iterations * plan.batch_size
+        result: dict[str, Any] = {
+            "worker": plan.worker_index, "worker_id": client.worker_id, "mode": self.mode,
+            "shards": client.num_shards, "workers": plan.num_workers, "steps": min(client.steps),
+            "iterations": tally.iterations, "clock": client.clock, "samples": samples, "seconds": round(seconds, 3),
+            "samples_per_second": round(samples / max(seconds, 1e-9), 1), "accepted": tally.accepted,
+            "dropped": tally.dropped, "stale_drops": tally.stale, "loss": _finite(tally.loss),
+            "epochs_done": round((tally.start_clock + tally.iterations) / self.batches_per_epoch, 3),
+            "resumed": self.resumed, "stopped": stopped,
+            "test_accuracy": final["test_accuracy"] if final else None,
+            "test_loss": final["test_loss"] if final else None}
+        self.report("done", result)
+        return result
+
+    def _done(self, tally: _Tally) -> bool:
+        """True once the shards reached `steps` or this worker finished its `epochs`."""
+        plan = self.plan
+        if plan.steps is not None and min(self.client.steps) >= plan.steps:
+            return True
+        return plan.epochs is not None and tally.start_clock + tally.iterations >= plan.epochs * self.batches_per_epoch
+
+    def _train(self, tally: _Tally, started: float) -> bool:
+        """Step 3 of the module docstring until `_done` (False) or `stop` is set (True)."""
+        plan, client = self.plan, self.client
+        window = _Window()
+        last_progress = started
+        parameters = self._pull(None)
+        self._maybe_evaluate(parameters, min(client.steps), 0.0)
+        batches = self._batches(tally.start_clock)
+        while not self._done(tally):
+            if self.stop.is_set():
+                return True
+            tally.epoch, x, y = next(batches)
+            tally.loss, grads = self.engine.gradients(parameters, {self.input_name: x, "labels": y})
+            read_steps = list(client.steps)
+            outcome = client.push(grads, read_steps=read_steps)
+            tally.count(outcome)
+            window.add(tally.loss, plan.batch_size)
+            self._eval_window.add(tally.loss, plan.batch_size)
+            parameters = self._pull(read_steps, outcome)
+            now = time.monotonic()
+            self._maybe_evaluate(parameters, min(client.steps), now - started)
+            if now - last_progress >= plan.progress_every:
+                last_progress = now
+                mean_loss, rate = window.take()
+                self.report("progress", {
+                    "worker": plan.worker_index, "step": min(client.steps), "iteration": tally.iterations,
+                    "clock": client.clock, "epoch": tally.epoch, "loss": mean_loss,
+                    "samples_per_second": round(rate, 1), "samples": tally.iterations * plan.batch_size,
+                    "accepted": tally.accepted, "dropped": tally.dropped, "stale_drops": tally.stale,
+                    "elapsed": round(now - started, 3)})
+        return False
+
+    def _meet_at_end(self) -> None:
+        """The end barrier, so worker 0 evaluates the parameters every worker finished with; a timeout only warns."""
+        try:
+            self.client.barrier(END_BARRIER, self.plan.num_workers, timeout=self.plan.wait_timeout)
+        except ServerError as exc:
+            log.warning("end barrier: not all %d workers arrived (%s); going on", self.plan.num_workers, exc)

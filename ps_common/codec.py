@@ -128,7 +128,7 @@ class _PartBuffer:
     shape: tuple[int, ...]
     nbytes: int
     ranges: list[tuple[int, int]] = field(default_factory=list)   # (byte offset, length) per chunk
-    whole: bytes | None = None          # the one chunk that covers the part (zero-copy case)
+    whole: bytes | memoryview | None = None   # the one chunk that covers the part (zero-copy case)
     array: np.ndarray | None = None     # where chunks are copied as they arrive
 
     def write(self, start: int, data: bytes) -> None:
@@ -161,7 +161,7 @@ class PartAssembler:
         self._destination = destination
         self._parts: dict[tuple[str, int], _PartBuffer] = {}
 
-    def add(self, chunk: pb.TensorChunk) -> None:
+    def add(self, chunk: "pb.TensorChunk | ChunkView") -> None:
         """Adds one received chunk: keeps its bytes when it is the whole part, else copies them into place."""
         key = (chunk.name, chunk.row_start)
         buf = self._parts.get(key)
@@ -234,6 +234,100 @@ class PartAssembler:
             else:  # a zero-size part
                 out[(name, row_start)] = np.empty(buf.shape, dtype=buf.dtype)
         return out
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """A TensorChunk decoded by `decode_pull_response`: its fields, with `data` a view into the message."""
+
+    name: str
+    dtype: int
+    shape: tuple[int, ...]
+    row_start: int
+    byte_offset: int
+    data: memoryview
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise InvalidTensorError("malformed message: varint longer than 10 bytes")
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _fields(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int | memoryview]]:
+    """(field number, wire type, value) of each field in buf[start:end]; LEN values are views."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            value, pos = _varint(buf, pos)
+        elif wire_type == 2:
+            length, pos = _varint(buf, pos)
+            if pos + length > end:
+                raise InvalidTensorError(f"malformed message: field {number} runs past the end ({pos + length} > {end})")
+            value, pos = buf[pos:pos + length], pos + length
+        elif wire_type == 1:
+            value, pos = int.from_bytes(buf[pos:pos + 8], "little"), pos + 8
+        elif wire_type == 5:
+            value, pos = int.from_bytes(buf[pos:pos + 4], "little"), pos + 4
+        else:
+            raise InvalidTensorError(f"malformed message: wire type {wire_type} of field {number} is not supported")
+        yield number, wire_type, value
+
+
+def decode_pull_response(raw: bytes) -> tuple[int, list[ChunkView]]:
+    """(step, chunks) of a serialized PullResponse, without copying any tensor bytes.
+
+    protobuf's own parser copies every bytes field when it is read (`chunk.data`); this
+    walks the wire format of the two messages involved instead, so that each chunk's data
+    is a view into the received message and a whole part can be used without a copy.
+    Field numbers follow parameter_server.proto; unknown fields are skipped, as protobuf
+    does, so newer servers that add fields still decode.
+    """
+    buf = memoryview(raw)
+    step = 0
+    chunks: list[ChunkView] = []
+    for number, wire_type, value in _fields(buf, 0, len(buf)):
+        if number == 1 and wire_type == 0:
+            step = _signed(value)
+        elif number == 2 and wire_type == 2:
+            chunks.append(_chunk_view(value))
+    return step, chunks
+
+
+def _chunk_view(msg: memoryview) -> ChunkView:
+    name, dtype, shape, row_start, byte_offset, data = "", 0, [], 0, 0, memoryview(b"")
+    for number, wire_type, value in _fields(msg, 0, len(msg)):
+        if number == 1 and wire_type == 2:
+            name = bytes(value).decode("utf-8")
+        elif number == 2 and wire_type == 0:
+            dtype = value
+        elif number == 3 and wire_type == 2:   # packed repeated int64
+            pos = 0
+            while pos < len(value):
+                dim, pos = _varint(value, pos)
+                shape.append(_signed(dim))
+        elif number == 3 and wire_type == 0:   # unpacked repeated int64
+            shape.append(_signed(value))
+        elif number == 4 and wire_type == 0:
+            row_start = _signed(value)
+        elif number == 5 and wire_type == 0:
+            byte_offset = _signed(value)
+        elif number == 6 and wire_type == 2:
+            data = value
+    return ChunkView(name, dtype, tuple(shape), row_start, byte_offset, data)
 
 
 def spec_to_wire(name: str, dtype: np.dtype | str, shape: Sequence[int]) -> pb.ParameterSpec:

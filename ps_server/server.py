@@ -18,6 +18,7 @@ from ps_server.admin import AdminServicer
 from ps_server.checkpoint import Checkpointer
 from ps_server.config import ServerConfig
 from ps_server.metrics import ShardMetrics
+from ps_server import service
 from ps_server.service import ParameterServerServicer
 from ps_server.shard import Shard
 
@@ -50,7 +51,7 @@ class ShardServer:
             maximum_concurrent_rpcs=config.max_concurrent_rpcs or config.max_workers * 4,
             interceptors=[self.metrics.interceptor, *security.interceptors(config)],
         )
-        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(self.shard), self.server)
+        service.add_to_server(ParameterServerServicer(self.shard), self.server)
         pb_grpc.add_AdminServicer_to_server(AdminServicer(self), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

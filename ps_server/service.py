@@ -83,6 +83,34 @@ def _chunks(first, requests: Iterator) -> Iterator[pb.TensorChunk]:
         yield from message.chunks
 
 
+def _pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
+    """A response serializer that sends already-serialized messages (bytes) as they are."""
+
+    def serializer(message: object) -> bytes:
+        return message if isinstance(message, bytes) else serialize(message)
+
+    return serializer
+
+
+def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
+    """Registers ps.v1.ParameterServer, as the generated add_ParameterServerServicer_to_server
+    does, except that Pull may yield pre-serialized bytes: a part's large chunks are
+    serialized once per version (ps_server/store.py), not once per pull."""
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    handlers = {}
+    for method in service.methods:
+        request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        serialize = response.SerializeToString
+        if method.name == "Pull":
+            serialize = _pass_bytes(serialize)
+        handlers[method.name] = kinds[(method.client_streaming, method.server_streaming)](
+            getattr(servicer, method.name), request_deserializer=request.FromString, response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """ps.v1.ParameterServer over one Shard."""
 

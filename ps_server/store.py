@@ -16,6 +16,21 @@ from ps_server.optimizers import Optimizer
 PartKey = tuple[str, int]  # (tensor name, row_start)
 
 
+#: Chunks smaller than this are served as messages, grouped per pull; larger ones are
+#: cached already serialized and sent as they are.
+SMALL_CHUNK_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    """One chunk of a part, ready to send: a small chunk as a TensorChunk to be grouped into a
+    message per pull; a large one as a whole PullResponse serialized once per version."""
+
+    step: int                            # PullResponse.step inside `wire` (0 but for a part's first chunk)
+    chunk: pb.TensorChunk | None = None  # small chunks
+    wire: bytes | None = None            # large chunks: a serialized PullResponse holding just this chunk
+
+
 @dataclass
 class PartState:
     """One owned part: its value, its optimizer slots, and a cache of its encoded chunks."""
@@ -24,23 +39,29 @@ class PartState:
     value: np.ndarray
     slots: dict[str, np.ndarray]
     version: int = 0
-    _encoded: tuple[int, int, list[pb.PullResponse]] | None = field(default=None, repr=False)
+    _encoded: tuple[int, int, list[EncodedChunk]] | None = field(default=None, repr=False)
 
-    def messages(self, chunk_bytes: int) -> list[pb.PullResponse]:
-        """The value as pull messages of one chunk each, encoded once per version.
+    def encoded(self, chunk_bytes: int, step: int) -> list[EncodedChunk]:
+        """The value as chunks ready to send, encoded (and serialized) once per version.
 
-        Every pull of this version shares these messages, so they are never mutated
-        after they are built.
+        A part's first large chunk carries `step`, the shard's step when this version was
+        encoded, so it can lead a pull stream by itself while the step has not moved.
+        Serializing once per version instead of once per pull saves a copy of the part's
+        bytes on every pull of an unchanged version (every worker's pull in sync mode).
         """
         cached = self._encoded
         if cached is None or cached[0] != self.version or cached[1] != chunk_bytes:
-            chunks = codec.chunk_fields(self.part.name, self.value, row_start=self.part.row_start, chunk_bytes=chunk_bytes)
-            messages = []
-            for fields in chunks:
-                message = pb.PullResponse()
+            out: list[EncodedChunk] = []
+            for fields in codec.chunk_fields(self.part.name, self.value, row_start=self.part.row_start,
+                                             chunk_bytes=chunk_bytes):
+                if len(fields["data"]) < SMALL_CHUNK_BYTES:
+                    out.append(EncodedChunk(0, chunk=pb.TensorChunk(**fields)))
+                    continue
+                lead = step if not out else 0
+                message = pb.PullResponse(step=lead)
                 message.chunks.add(**fields)
-                messages.append(message)
-            cached = self._encoded = (self.version, chunk_bytes, messages)
+                out.append(EncodedChunk(lead, wire=message.SerializeToString()))
+            cached = self._encoded = (self.version, chunk_bytes, out)
         return cached[2]
 
 

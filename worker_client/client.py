@@ -33,6 +33,9 @@ from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: gRPC's reconnect backoff of a channel whose shard went away: first and largest, in milliseconds.
+RECONNECT_BACKOFF_MS = (200, 2000)
+
 
 class ServerError(PSError):
     """A shard answered with a non-OK status (after retries, for UNAVAILABLE)."""
@@ -45,17 +48,30 @@ class ServerError(PSError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries of UNAVAILABLE: attempts in all, first backoff and its cap (seconds), doubled each time with jitter."""
+    """Retries of UNAVAILABLE: attempts in all, first backoff and its cap (seconds), doubled each time with jitter.
+
+    With a `window` (seconds, > 0) the retries also go on, past `attempts`, until that long
+    after the first try: the time a restarting shard has to come back (the worker's
+    `reconnect_timeout`). Either way the retries end, with ServerError naming the shard,
+    the attempts and the seconds spent.
+    """
 
     attempts: int = 6
     initial_backoff: float = 0.2
     max_backoff: float = 3.0
+    window: float = 0.0
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"Invalid retry attempts: {self.attempts}")
         if not 0 < self.initial_backoff <= self.max_backoff:
             raise ValueError(f"Invalid backoff: initial {self.initial_backoff}, max {self.max_backoff}")
+        if not self.window >= 0:
+            raise ValueError(f"Invalid retry window: {self.window} (must be >= 0 seconds)")
+
+    def should_retry(self, attempt: int, elapsed: float, backoff: float) -> bool:
+        """Whether to try again after `attempt` failed tries, `elapsed` s after the first, sleeping `backoff` s."""
+        return attempt < self.attempts or elapsed + backoff < self.window
 
 
 @dataclass
@@ -93,7 +109,7 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], *, worker_id: str | None = None, rpc_timeout: float = 120.0,
                  wait_timeout: float = 300.0, retry: RetryPolicy = RetryPolicy(), chunk_bytes: int = codec.CHUNK_BYTES,
                  channel_credentials: grpc.ChannelCredentials | None = None,
-                 call_metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 call_metadata: Sequence[tuple[str, str]] = (), duplicate_pushes: bool = False) -> None:
         if not addresses:
             raise ValueError("PSClient needs at least one shard address")
         self.addresses = list(addresses)
@@ -103,14 +119,22 @@ class PSClient:
         self.retry = retry
         self.chunk_bytes = chunk_bytes
         self.metadata = tuple(call_metadata)
+        self.duplicate_pushes = duplicate_pushes   # testing: resend every push at its clock (see push)
         options = [("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-                   ("grpc.enable_retries", 0)]   # retries are ours (below): streams outgrow gRPC's retry buffer
+                   ("grpc.enable_retries", 0),   # retries are ours (below): streams outgrow gRPC's retry buffer
+                   # a restarted shard is found again within a second or two (gRPC's default backoff grows to 120 s)
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
         if channel_credentials is None:
             self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         else:
             self._channels = [grpc.secure_channel(a, channel_credentials, options=options) for a in self.addresses]
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+        # Pull without protobuf's parser: the raw messages are walked by codec.decode_pull_response,
+        # which leaves tensor bytes where they arrived instead of copying them out.
+        self._raw_pulls = [c.unary_stream("/ps.v1.ParameterServer/Pull", request_serializer=pb.PullRequest.SerializeToString,
+                                          response_deserializer=None) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="ps-client")
         self.shard_map: ShardMap | None = None
         self.steps: list[int] = [0] * len(self.addresses)   # step of each shard at the last pull
@@ -124,23 +148,33 @@ class PSClient:
         return len(self.addresses)
 
     def _call(self, shard: int, what: str, fn: Callable[[pb_grpc.ParameterServerStub], T]) -> T:
-        """Runs fn(stub) for one shard, retrying UNAVAILABLE with bounded backoff."""
+        """Runs fn(stub) for one shard, retrying UNAVAILABLE with bounded backoff (self.retry)."""
         backoff = self.retry.initial_backoff
-        for attempt in range(1, self.retry.attempts + 1):
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return fn(self._stubs[shard])
             except grpc.RpcError as exc:
                 code = exc.code()
-                if code == grpc.StatusCode.UNAVAILABLE and attempt < self.retry.attempts:
-                    log.warning("%s on shard %d (%s) unavailable (attempt %d/%d), retrying in %.2f s: %s", what, shard,
-                                self.addresses[shard], attempt, self.retry.attempts, backoff, exc.details())
+                elapsed = time.monotonic() - started
+                if code == grpc.StatusCode.UNAVAILABLE and self.retry.should_retry(attempt, elapsed, backoff):
+                    log.warning("%s on shard %d (%s) unavailable (attempt %d, %.1f s), retrying in %.2f s: %s", what,
+                                shard, self.addresses[shard], attempt, elapsed, backoff, exc.details())
                     time.sleep(backoff * (0.5 + random.random() / 2))
                     backoff = min(backoff * 2, self.retry.max_backoff)
                     continue
-                suffix = f" after {attempt} attempts" if code == grpc.StatusCode.UNAVAILABLE else ""
-                raise ServerError(f"{what} on shard {shard} ({self.addresses[shard]}) failed{suffix}: "
-                                  f"{code.name}: {exc.details()}", code, self.addresses[shard]) from exc
-        raise AssertionError("unreachable")
+                details = exc.details()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    window = f", reconnect window {self.retry.window:g} s" if self.retry.window else ""
+                    prefix, details = f" after {attempt} attempts", f"{details} (gave up after {elapsed:.1f} s{window})"
+                elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    prefix = f" after {elapsed:.1f} s"
+                else:
+                    prefix = ""
+                raise ServerError(f"{what} on shard {shard} ({self.addresses[shard]}) failed{prefix}: "
+                                  f"{code.name}: {details}", code, self.addresses[shard]) from exc
 
     def _on_all(self, what: str, fn: Callable[[int, pb_grpc.ParameterServerStub], T]) -> list[T]:
         """fn(shard, stub) on every shard concurrently, each with retries; results in shard order."""
@@ -326,10 +360,11 @@ class PSClient:
             def call(stub: pb_grpc.ParameterServerStub):
                 assembler = codec.PartAssembler(destination=destination)
                 step = None
-                for message in stub.Pull(request, timeout=wait + self.rpc_timeout, metadata=self.metadata):
+                for raw in self._raw_pulls[shard](request, timeout=wait + self.rpc_timeout, metadata=self.metadata):
+                    message_step, chunks = codec.decode_pull_response(raw)
                     if step is None:
-                        step = message.step
-                    for chunk in message.chunks:
+                        step = message_step
+                    for chunk in chunks:
                         assembler.add(chunk)
                 return step or 0, assembler.finish()
 
@@ -349,7 +384,9 @@ class PSClient:
 
         clock defaults to this client's clock (then advanced by one); read_steps default to
         the steps recorded by the last pull. A retry of the same clock is safe: the shard
-        acknowledges it without applying it again.
+        acknowledges it without applying it again. With `duplicate_pushes` (a test of that
+        promise) every push is sent a second time at the same clock, as a retry after a lost
+        answer would be; a shard that does not answer it as a duplicate fails the push.
         """
         shard_map = self._require_map()
         for name, grad in gradients.items():
@@ -364,6 +401,7 @@ class PSClient:
         steps = list(self.steps if read_steps is None else read_steps)
 
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.PushResponse:
+            sent_at = clock
             response = send_once(shard, stub)
             if fresh and response.duplicate and response.clock > clock + 1:
                 # The shard's record is ahead of a clock we never sent: it restarted and took
@@ -371,7 +409,15 @@ class PSClient:
                 # gradient would be acknowledged and silently not applied.
                 log.info("shard %d is at clock %d for %s, ahead of %d: resending there", shard, response.clock,
                          self.worker_id, clock)
-                response = send_once(shard, stub, at_clock=response.clock)
+                sent_at = response.clock
+                response = send_once(shard, stub, at_clock=sent_at)
+            if self.duplicate_pushes:
+                again = send_once(shard, stub, at_clock=sent_at)
+                if not again.duplicate:
+                    raise ServerError(f"shard {shard} ({self.addresses[shard]}) took a resent push of {self.worker_id} "
+                                      f"at clock {sent_at} as a new one (step {again.step}): a retried push must be "
+                                      "acknowledged, not applied again", grpc.StatusCode.INTERNAL,
+                                      self.addresses[shard])
             return response
 
         def send_once(shard: int, stub: pb_grpc.ParameterServerStub, at_clock: int | None = None) -> pb.PushResponse:
@@ -399,6 +445,29 @@ class PSClient:
         responses = self._on_all("Push", send)
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         return PushReport(responses, clock)
+
+    def lost_progress(self) -> dict[int, str]:
+        """The shards that lost steps or pushes this worker saw or made, each with why; {} when none did.
+
+        A shard restarted from a checkpoint older than what this worker saw lost progress:
+        its step is below the one recorded here at the last pull, it does not know this
+        worker, or its clock for this worker is below this client's (the pushes it took
+        after the checkpoint are gone). A worker waiting for such a shard's next step or for
+        its SSP bound would wait for gradients nobody sends again: it should pull what the
+        shard holds now (min_step 0) and push from there. One GetClusterInfo per shard.
+        """
+        infos = self._on_all("GetClusterInfo", lambda i, s: s.GetClusterInfo(
+            pb.ClusterInfoRequest(), timeout=self.rpc_timeout, metadata=self.metadata))
+        lost: dict[int, str] = {}
+        for i, info in enumerate(infos):
+            record = next((w for w in info.workers if w.worker_id == self.worker_id), None)
+            if info.step < self.steps[i]:
+                lost[i] = f"its step went down to {info.step} from {self.steps[i]}"
+            elif record is None:
+                lost[i] = f"it does not know worker {self.worker_id!r}"
+            elif record.clock < self.clock:
+                lost[i] = f"its clock for {self.worker_id!r} went down to {record.clock} from {self.clock}"
+        return lost
 
     def close(self) -> None:
         """Stops heartbeats and closes the channels (does not deregister)."""

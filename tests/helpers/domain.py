@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from protos.ps.v1 import parameter_server_pb2 as pb
 from ps_common import codec
 from ps_common.shard_map import ParamSpec, build_shard_map
 from ps_server.config import ServerConfig
@@ -71,7 +72,8 @@ def push(shard: Shard, worker_id: str, clock: int, read_step: int, grads: Mappin
 def pull_values(shard: Shard, names=(), *, min_step: int = 0, worker_id: str = "", clock: int = 0,
                 timeout: float = 5.0) -> tuple[int, dict[str, np.ndarray]]:
     """Pull, decoded: (step, {name: part value}) for a shard that holds whole tensors."""
-    messages = shard.pull(list(names), min_step=min_step, worker_id=worker_id, clock=clock, timeout=timeout)
+    messages = [pb.PullResponse.FromString(m) if isinstance(m, bytes) else m   # large chunks come serialized
+                for m in shard.pull(list(names), min_step=min_step, worker_id=worker_id, clock=clock, timeout=timeout)]
     assembler = codec.PartAssembler()
     for message in messages:
         for chunk in message.chunks:

@@ -96,3 +96,30 @@ def test_pack_groups_small_chunks_and_always_yields_a_message() -> None:
     big = list(codec.chunk_fields("big", np.zeros(1000, np.float32), chunk_bytes=1000))
     assert len(list(codec.pack(big, pb.PushRequest, chunk_bytes=1000))) == 4
     assert len(list(codec.pack([], pb.PushRequest))) == 1
+
+
+def test_the_pull_response_walker_agrees_with_protobuf_and_copies_no_tensor_bytes() -> None:
+    message = pb.PullResponse(step=-3 + 10**12)
+    for i, array in enumerate([np.arange(7, dtype=np.float64).reshape(7, 1), np.zeros((0, 4), np.float32),
+                               np.float32(1.5).reshape(())]):
+        for fields in codec.chunk_fields(f"t{i}", array, row_start=5 * i, chunk_bytes=16):
+            message.chunks.add(**fields)
+    raw = message.SerializeToString()
+    step, views = codec.decode_pull_response(raw)
+    assert step == message.step
+    assert len(views) == len(message.chunks)
+    for view, chunk in zip(views, message.chunks):
+        assert (view.name, view.dtype, view.shape, view.row_start, view.byte_offset, bytes(view.data)) == \
+            (chunk.name, chunk.dtype, tuple(chunk.shape), chunk.row_start, chunk.byte_offset, chunk.data)
+        if len(view.data):
+            assert view.data.obj is raw  # a view into the received message, not a copy
+
+
+def test_the_pull_response_walker_skips_unknown_fields_and_refuses_truncated_messages() -> None:
+    chunk = pb.TensorChunk(name="w", dtype=pb.DTYPE_FLOAT32, shape=[2], data=b"\0" * 8)
+    unknown = bytes([0x78, 0x05, 0x82, 0x01, 0x02, 0xAA, 0xBB])  # field 15 varint 5; field 16 LEN 2
+    raw = pb.PullResponse(step=4, chunks=[chunk]).SerializeToString() + unknown
+    step, [view] = codec.decode_pull_response(raw)
+    assert (step, view.name, bytes(view.data)) == (4, "w", b"\0" * 8)
+    with pytest.raises(InvalidTensorError, match="runs past the end"):
+        codec.decode_pull_response(raw[:-len(unknown) - 3])

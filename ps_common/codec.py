@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+
 
 import numpy as np
 
@@ -35,7 +35,6 @@ _TO_WIRE: dict[np.dtype, int] = {
 }
 _FROM_WIRE: dict[int, np.dtype] = {v: k for k, v in _TO_WIRE.items()}
 
-M = TypeVar("M")
 
 
 def dtype_to_wire(dtype: np.dtype | str) -> int:
@@ -71,12 +70,15 @@ def as_wire_array(array: np.ndarray) -> np.ndarray:
     return np.asarray(array, order="C")  # not ascontiguousarray: it turns a 0-d array into 1-d
 
 
-def chunk_fields(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[dict]:
+def chunk_fields(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes: int = CHUNK_BYTES,
+                 copy: bool = True) -> Iterator[dict]:
     """Cuts one part (a whole tensor or a row range starting at row_start) into chunks.
 
     Yields the keyword arguments of each TensorChunk rather than the message, so that
-    `pack` can build the chunk in place inside its request (protobuf copies a message
-    appended to a repeated field; building it there saves one copy of the bytes).
+    a message can be built with the chunk in place inside its request (protobuf copies a message
+    appended to a repeated field; building it there saves one copy of the bytes). With
+    copy=False, data are memoryviews into the array (for `encode_message`, which copies
+    them once, straight into the serialized message).
     """
     if chunk_bytes <= 0:
         raise ValueError(f"Invalid chunk size: {chunk_bytes}")
@@ -89,7 +91,7 @@ def chunk_fields(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes
     while True:
         end = min(offset + chunk_bytes, total)
         yield {"name": name, "dtype": wire_dtype, "shape": shape, "row_start": row_start,
-               "byte_offset": offset, "data": raw[offset:end].tobytes()}
+               "byte_offset": offset, "data": raw[offset:end].tobytes() if copy else raw[offset:end]}
         offset = end
         if offset >= total:
             return
@@ -99,25 +101,6 @@ def part_chunks(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes:
     """The chunks of one part as TensorChunk messages."""
     for fields in chunk_fields(name, part, row_start=row_start, chunk_bytes=chunk_bytes):
         yield pb.TensorChunk(**fields)
-
-
-def pack(chunks: Iterable[dict], make: Callable[[], M], *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[M]:
-    """Builds messages (``make()``, with a repeated ``chunks`` field) of at most about chunk_bytes of data.
-
-    ``chunks`` are TensorChunk keyword arguments (``chunk_fields``). Small tensors share a
-    message (one message for a whole small model); a full-size chunk travels alone.
-    Always yields at least one message, so a header can ride on it even with no chunks.
-    """
-    message = make()
-    size = 0
-    for fields in chunks:
-        n = len(fields["data"])
-        if size and size + n > chunk_bytes:
-            yield message
-            message, size = make(), 0
-        message.chunks.add(**fields)
-        size += n
-    yield message
 
 
 @dataclass
@@ -287,24 +270,97 @@ def _fields(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, i
         yield number, wire_type, value
 
 
-def decode_pull_response(raw: bytes) -> tuple[int, list[ChunkView]]:
-    """(step, chunks) of a serialized PullResponse, without copying any tensor bytes.
+def decode_message(raw: bytes) -> tuple[int | memoryview | None, list[ChunkView]]:
+    """(field 1, chunks) of a serialized PullResponse, PushRequest or InitRequest, copying no tensor bytes.
 
-    protobuf's own parser copies every bytes field when it is read (`chunk.data`); this
-    walks the wire format of the two messages involved instead, so that each chunk's data
-    is a view into the received message and a whole part can be used without a copy.
-    Field numbers follow parameter_server.proto; unknown fields are skipped, as protobuf
-    does, so newer servers that add fields still decode.
+    The three messages share a shape: field 1 is the step (PullResponse) or the header
+    (PushRequest, InitRequest: a view of its bytes, None when absent) and field 2 the
+    repeated TensorChunk. protobuf's own parser copies every bytes field when it is read
+    (`chunk.data`); walking the wire format instead leaves each chunk's data as a view
+    into the received message, so a whole part is used where it arrived. Field numbers
+    follow parameter_server.proto; unknown fields are skipped, as protobuf does, so peers
+    that add fields still decode. Malformed bytes raise InvalidTensorError.
     """
     buf = memoryview(raw)
-    step = 0
+    first: int | memoryview | None = None
     chunks: list[ChunkView] = []
     for number, wire_type, value in _fields(buf, 0, len(buf)):
-        if number == 1 and wire_type == 0:
-            step = _signed(value)
+        if number == 1:
+            first = _signed(value) if wire_type == 0 else value
         elif number == 2 and wire_type == 2:
             chunks.append(_chunk_view(value))
-    return step, chunks
+    return first, chunks
+
+
+def decode_pull_response(raw: bytes) -> tuple[int, list[ChunkView]]:
+    """(step, chunks) of a serialized PullResponse (see decode_message)."""
+    step, chunks = decode_message(raw)
+    return (step if isinstance(step, int) else 0), chunks
+
+
+def _varint_bytes(value: int) -> bytes:
+    value &= (1 << 64) - 1   # negative int64 as protobuf writes them: 10 bytes, two's complement
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _len_field(number: int, length: int) -> bytes:
+    return _varint_bytes(number << 3 | 2) + _varint_bytes(length)
+
+
+def _scalar_field(number: int, value: int) -> bytes:
+    return _varint_bytes(number << 3) + _varint_bytes(value) if value else b""
+
+
+def encode_message(header: bytes | None, chunks: Iterable[dict]) -> bytes:
+    """A serialized PushRequest or InitRequest: `header` (a serialized header message) and chunks.
+
+    The mirror of decode_message: each chunk's data (bytes or a memoryview into the
+    array, see chunk_fields(copy=False)) is copied once, into the result, where building
+    protobuf messages would copy it three times (out of the array, into the message, into
+    the serialization). The bytes are exactly what protobuf would write for the message.
+    """
+    pieces: list[bytes | memoryview] = []
+    if header is not None:
+        pieces += [_len_field(1, len(header)), header]
+    for f in chunks:
+        name = f["name"].encode("utf-8")
+        packed = b"".join(_varint_bytes(int(d)) for d in f["shape"])
+        data = f["data"]
+        prefix = b"".join([
+            _len_field(1, len(name)) + name if name else b"",
+            _scalar_field(2, f["dtype"]),
+            _len_field(3, len(packed)) + packed if packed else b"",
+            _scalar_field(4, f["row_start"]),
+            _scalar_field(5, f["byte_offset"]),
+            _len_field(6, len(data)) if len(data) else b"",
+        ])
+        pieces += [_len_field(2, len(prefix) + len(data)), prefix, data]
+    return b"".join(pieces)
+
+
+def pack_encoded(chunks: Iterable[dict], header: bytes, *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Serialized request messages (encode_message) of at most about chunk_bytes of data each.
+
+    Small tensors share a message (one message for a whole small model); a full-size chunk
+    travels alone. The header rides in the first message, and there is always one.
+    """
+    batch: list[dict] = []
+    size = 0
+    first = True
+    for fields in chunks:
+        n = len(fields["data"])
+        if batch and size + n > chunk_bytes:
+            yield encode_message(header if first else None, batch)
+            first, batch, size = False, [], 0
+        batch.append(fields)
+        size += n
+    if batch or first:
+        yield encode_message(header if first else None, batch)
 
 
 def _chunk_view(msg: memoryview) -> ChunkView:

@@ -69,18 +69,28 @@ def translate_errors(method: Callable) -> Callable:
     return wrapper
 
 
-def _first_header(requests: Iterator, rpc: str):
-    """The first message of a client stream, which must carry a header."""
+def _header_and_chunks(requests: Iterator[bytes], rpc: str, header_type):
+    """(header, chunks) of a client stream of serialized requests (PushRequest, InitRequest).
+
+    The requests arrive as bytes (see add_to_server) and are walked by
+    codec.decode_message, so the tensor bytes are used where they arrived. The first
+    message must carry the header; headers in later messages are ignored.
+    """
     first = next(requests, None)
-    if first is None or not first.HasField("header"):
+    header, chunks = codec.decode_message(first) if first is not None else (None, [])
+    if not isinstance(header, memoryview):
         raise InvalidRequestError(f"{rpc}: the first message must carry a header")
-    return first
+    try:
+        parsed = header_type.FromString(bytes(header))
+    except Exception as exc:  # protobuf's DecodeError
+        raise InvalidRequestError(f"{rpc}: malformed header: {exc}") from exc
 
+    def all_chunks() -> Iterator[codec.ChunkView]:
+        yield from chunks
+        for raw in requests:
+            yield from codec.decode_message(raw)[1]
 
-def _chunks(first, requests: Iterator) -> Iterator[pb.TensorChunk]:
-    yield from first.chunks
-    for message in requests:
-        yield from message.chunks
+    return parsed, all_chunks()
 
 
 def _pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
@@ -103,10 +113,13 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
     for method in service.methods:
         request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
         serialize = response.SerializeToString
+        deserialize = request.FromString
         if method.name == "Pull":
             serialize = _pass_bytes(serialize)
+        if method.name in ("Push", "InitParameters"):
+            deserialize = None   # raw bytes: _header_and_chunks walks them without copying tensor data
         handlers[method.name] = kinds[(method.client_streaming, method.server_streaming)](
-            getattr(servicer, method.name), request_deserializer=request.FromString, response_serializer=serialize)
+            getattr(servicer, method.name), request_deserializer=deserialize, response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
 
@@ -119,19 +132,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @translate_errors
     def InitParameters(self, request_iterator, context):
-        first = _first_header(request_iterator, "InitParameters")
+        header, chunks = _header_and_chunks(request_iterator, "InitParameters", pb.InitHeader)
         specs = []
-        for s in first.header.parameters:
+        for s in header.parameters:
             specs.append(ParamSpec(name=s.name, dtype=codec.dtype_from_wire(s.dtype, name=s.name).name,
                                    shape=tuple(int(d) for d in s.shape)))
-        already, step, nparts = self.shard.initialize(specs, _chunks(first, request_iterator), first.header.worker_id)
+        already, step, nparts = self.shard.initialize(specs, chunks, header.worker_id)
         return pb.InitResponse(already_initialized=already, step=step, num_parts=nparts)
 
     @translate_errors
     def Push(self, request_iterator, context):
-        first = _first_header(request_iterator, "Push")
-        h = first.header
-        grads = self.shard.decode(_chunks(first, request_iterator))
+        h, chunks = _header_and_chunks(request_iterator, "Push", pb.PushHeader)
+        grads = self.shard.decode(chunks)
         r = self.shard.push(h.worker_id, h.clock, h.read_step, grads)
         return pb.PushResponse(outcome=pb.PUSH_ACCEPTED if r.accepted else pb.PUSH_DROPPED, drop_reason=r.drop_reason,
                                message=r.message, step=r.step, clock=r.clock, duplicate=r.duplicate, aggregated=r.aggregated)

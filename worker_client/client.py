@@ -51,9 +51,9 @@ class RetryPolicy:
     """Retries of UNAVAILABLE: attempts in all, first backoff and its cap (seconds), doubled each time with jitter.
 
     With a `window` (seconds, > 0) the retries also go on, past `attempts`, until that long
-    after the first try: the time a restarting shard has to come back (the worker's
-    `reconnect_timeout`). Either way the retries end, with ServerError naming the shard,
-    the attempts and the seconds spent.
+    after the first try (the last sleep is cut to end there): the time a restarting shard
+    has to come back (the worker's `reconnect_timeout`). Either way the retries end, with
+    ServerError naming the shard, the attempts and the seconds spent.
     """
 
     attempts: int = 6
@@ -69,9 +69,17 @@ class RetryPolicy:
         if not self.window >= 0:
             raise ValueError(f"Invalid retry window: {self.window} (must be >= 0 seconds)")
 
-    def should_retry(self, attempt: int, elapsed: float, backoff: float) -> bool:
-        """Whether to try again after `attempt` failed tries, `elapsed` s after the first, sleeping `backoff` s."""
-        return attempt < self.attempts or elapsed + backoff < self.window
+    def pause(self, attempt: int, elapsed: float, backoff: float) -> float | None:
+        """Seconds to sleep before trying again after `attempt` failed tries, `elapsed` s after the first; None: give up.
+
+        `backoff` is the current backoff (before jitter: half to all of it is slept).
+        """
+        sleep = backoff * (0.5 + random.random() / 2)
+        if attempt < self.attempts:
+            return sleep
+        if elapsed < self.window:
+            return min(sleep, self.window - elapsed)
+        return None
 
 
 @dataclass
@@ -135,6 +143,12 @@ class PSClient:
         # which leaves tensor bytes where they arrived instead of copying them out.
         self._raw_pulls = [c.unary_stream("/ps.v1.ParameterServer/Pull", request_serializer=pb.PullRequest.SerializeToString,
                                           response_deserializer=None) for c in self._channels]
+        # Push and init send requests serialized by codec.encode_message: tensor bytes are
+        # copied once, from the array into the request, instead of three times via protobuf.
+        self._raw_pushes = [c.stream_unary("/ps.v1.ParameterServer/Push", request_serializer=None,
+                                           response_deserializer=pb.PushResponse.FromString) for c in self._channels]
+        self._raw_inits = [c.stream_unary("/ps.v1.ParameterServer/InitParameters", request_serializer=None,
+                                          response_deserializer=pb.InitResponse.FromString) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="ps-client")
         self.shard_map: ShardMap | None = None
         self.steps: list[int] = [0] * len(self.addresses)   # step of each shard at the last pull
@@ -159,10 +173,11 @@ class PSClient:
             except grpc.RpcError as exc:
                 code = exc.code()
                 elapsed = time.monotonic() - started
-                if code == grpc.StatusCode.UNAVAILABLE and self.retry.should_retry(attempt, elapsed, backoff):
+                pause = self.retry.pause(attempt, elapsed, backoff) if code == grpc.StatusCode.UNAVAILABLE else None
+                if pause is not None:
                     log.warning("%s on shard %d (%s) unavailable (attempt %d, %.1f s), retrying in %.2f s: %s", what,
-                                shard, self.addresses[shard], attempt, elapsed, backoff, exc.details())
-                    time.sleep(backoff * (0.5 + random.random() / 2))
+                                shard, self.addresses[shard], attempt, elapsed, pause, exc.details())
+                    time.sleep(pause)
                     backoff = min(backoff * 2, self.retry.max_backoff)
                     continue
                 details = exc.details()
@@ -229,10 +244,9 @@ class PSClient:
         header = pb.InitHeader(parameters=[codec.spec_to_wire(s.name, s.dtype, s.shape) for s in specs], worker_id=self.worker_id)
 
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.InitResponse:
-            chunks = self._part_chunks(shard_map, shard, parameters)
-            messages = codec.pack(chunks, pb.InitRequest, chunk_bytes=self.chunk_bytes)
-            return stub.InitParameters(_with_header(messages, lambda m: m.header.CopyFrom(header)),
-                                       timeout=self.rpc_timeout, metadata=self.metadata)
+            messages = codec.pack_encoded(self._part_chunks(shard_map, shard, parameters), header.SerializeToString(),
+                                          chunk_bytes=self.chunk_bytes)
+            return self._raw_inits[shard](messages, timeout=self.rpc_timeout, metadata=self.metadata)
 
         responses = self._on_all("InitParameters", send)
         self.shard_map = shard_map
@@ -245,7 +259,8 @@ class PSClient:
                 continue
             array = np.asarray(arrays[part.name])
             piece = array if part.whole else array[part.row_start:part.row_end]
-            yield from codec.chunk_fields(part.name, piece, row_start=part.row_start, chunk_bytes=self.chunk_bytes)
+            yield from codec.chunk_fields(part.name, piece, row_start=part.row_start, chunk_bytes=self.chunk_bytes,
+                                          copy=False)
 
     def _require_map(self) -> ShardMap:
         if self.shard_map is None:
@@ -425,10 +440,9 @@ class PSClient:
                                    read_step=steps[shard])
 
             def call() -> pb.PushResponse:
-                messages = codec.pack(self._part_chunks(shard_map, shard, gradients), pb.PushRequest,
-                                      chunk_bytes=self.chunk_bytes)
-                return stub.Push(_with_header(messages, lambda m: m.header.CopyFrom(header)),
-                                 timeout=self.rpc_timeout, metadata=self.metadata)
+                messages = codec.pack_encoded(self._part_chunks(shard_map, shard, gradients), header.SerializeToString(),
+                                              chunk_bytes=self.chunk_bytes)
+                return self._raw_pushes[shard](messages, timeout=self.rpc_timeout, metadata=self.metadata)
 
             try:
                 return call()
@@ -481,13 +495,3 @@ class PSClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _with_header(messages: Iterator[T], set_header: Callable[[T], None]) -> Iterator[T]:
-    """Sets the header on the first message of a request stream."""
-    first = True
-    for message in messages:
-        if first:
-            set_header(message)
-            first = False
-        yield message

@@ -89,15 +89,6 @@ def test_unknown_wire_dtype_is_refused() -> None:
         codec.dtype_to_wire(np.complex64)
 
 
-def test_pack_groups_small_chunks_and_always_yields_a_message() -> None:
-    small = [c for i in range(10) for c in codec.chunk_fields(f"t{i}", np.zeros(10, np.float32))]
-    messages = list(codec.pack(small, pb.PushRequest, chunk_bytes=1000))
-    assert len(messages) == 1 and [c.name for c in messages[0].chunks] == [f"t{i}" for i in range(10)]
-    big = list(codec.chunk_fields("big", np.zeros(1000, np.float32), chunk_bytes=1000))
-    assert len(list(codec.pack(big, pb.PushRequest, chunk_bytes=1000))) == 4
-    assert len(list(codec.pack([], pb.PushRequest))) == 1
-
-
 def test_the_pull_response_walker_agrees_with_protobuf_and_copies_no_tensor_bytes() -> None:
     message = pb.PullResponse(step=-3 + 10**12)
     for i, array in enumerate([np.arange(7, dtype=np.float64).reshape(7, 1), np.zeros((0, 4), np.float32),
@@ -123,3 +114,30 @@ def test_the_pull_response_walker_skips_unknown_fields_and_refuses_truncated_mes
     assert (step, view.name, bytes(view.data)) == (4, "w", b"\0" * 8)
     with pytest.raises(InvalidTensorError, match="runs past the end"):
         codec.decode_pull_response(raw[:-len(unknown) - 3])
+
+
+def test_encoded_requests_are_byte_for_byte_what_protobuf_writes_and_decode_back() -> None:
+    header = pb.PushHeader(worker_id="w-1", clock=7, read_step=3)
+    arrays = [np.arange(10, dtype=np.float32).reshape(5, 2), np.zeros((0, 3), np.float64), np.float32(2.0).reshape(())]
+    fields = [f for i, a in enumerate(arrays)
+              for f in codec.chunk_fields(f"p{i}", a, row_start=3 * i, chunk_bytes=12, copy=False)]
+    raw = codec.encode_message(header.SerializeToString(), fields)
+    expected = pb.PushRequest(header=header)
+    for f in fields:
+        expected.chunks.add(**{**f, "data": bytes(f["data"])})
+    assert raw == expected.SerializeToString()
+    got_header, views = codec.decode_message(raw)
+    assert pb.PushHeader.FromString(bytes(got_header)) == header
+    assert [bytes(v.data) for v in views] == [bytes(f["data"]) for f in fields]
+
+
+def test_pack_encoded_groups_small_chunks_and_puts_the_header_in_the_first_message_only() -> None:
+    small = [c for i in range(10) for c in codec.chunk_fields(f"t{i}", np.zeros(10, np.float32))]
+    [message] = [pb.PushRequest.FromString(m) for m in codec.pack_encoded(small, b"", chunk_bytes=1000)]
+    assert [c.name for c in message.chunks] == [f"t{i}" for i in range(10)]
+    fields = codec.chunk_fields("big", np.zeros(1000, np.float32), chunk_bytes=1000, copy=False)
+    messages = [pb.PushRequest.FromString(m) for m in codec.pack_encoded(fields, b"\x0a\x01w", chunk_bytes=1000)]
+    assert len(messages) == 4
+    assert [m.HasField("header") for m in messages] == [True, False, False, False]
+    assert messages[0].header.worker_id == "w"
+    assert len(list(codec.pack_encoded([], b""))) == 1

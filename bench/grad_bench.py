@@ -22,8 +22,9 @@ try:
     import torch.nn.functional as F
 except ImportError as exc:  # torch is a benchmark-only dependency
     raise SystemExit("bench.grad_bench compares against torch, which is not installed here; "
-                     "run it with an environment that has torch, e.g. "
-                     "`/tmp/torchenv/bin/python -m bench.grad_bench`") from exc
+                     "run it in an environment of its own that has torch and the project: "
+                     "`python -m venv .venv-bench && .venv-bench/bin/pip install -e . torch && "
+                     ".venv-bench/bin/python -m bench.grad_bench`") from exc
 
 from worker_client import GradientEngine
 

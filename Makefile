@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: all venv test test-unit test-integration test-contract proto demo bench clean
+.PHONY: all venv test test-unit test-integration test-contract test-faults proto demo bench clean
 
 all: test
 
@@ -24,7 +24,7 @@ proto: $(STAMP)
 	$(PY) protos/generate.py
 
 ## The whole suite: unit, integration (real shard processes on port 0), contract (against
-## freshly started shards), end-to-end.
+## freshly started shards), end-to-end, and the fault tests (about 2 minutes of it).
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
@@ -33,6 +33,11 @@ test-unit: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+## The fault tests alone (also part of `make test`): whole jobs of real processes with workers
+## and shards killed, paused and restarted, and corrupt checkpoints; docs/faults.md.
+test-faults: $(STAMP)
+	$(PY) -m pytest tests/faults $(PYTEST_ARGS)
 
 ## The protocol contract suite; against running shards: make test-contract PS_ADDRESS=host:port
 test-contract: $(STAMP)

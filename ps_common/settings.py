@@ -77,7 +77,8 @@ class JobSettings:
                          help="seed of the data order (per epoch) and of synthetic datasets")
     wait_timeout: float = _setting(300.0, "--wait-timeout", positive=True, metavar="SECONDS",
                                    help="longest wait of a pull (sync step, SSP hold) or barrier, in seconds: "
-                                        "the shard's cap and the worker's pull and end-barrier timeout")
+                                        "the shard's cap, the worker's pull timeout, and how long worker 0 "
+                                        "waits at the end for the others to finish")
     log_level: str = _setting("INFO", "--log-level", choices=LOG_LEVELS,
                               help="logging level of every process (logs go to stderr)")
     log_json: bool = _setting(False, "--log-json",
@@ -206,6 +207,12 @@ class WorkerSettings:
                                          "workers at the start barrier")
     rpc_timeout: float = _setting(120.0, "--rpc-timeout", scopes=_WORKER, positive=True, metavar="SECONDS",
                                   help="deadline of one rpc (on top of any wait it carries)")
+    reconnect_timeout: float = _setting(60.0, "--reconnect-timeout", scopes=_WORKER, minimum=0, metavar="SECONDS",
+                                        help="how long a call retries a shard that is unavailable (restarting), "
+                                             "with backoff, before the worker fails naming it; 0: 6 attempts")
+    duplicate_pushes: bool = _setting(False, "--duplicate-pushes", scopes=_WORKER,
+                                      help="testing: send every push twice at the same clock, as a retry after a "
+                                           "lost answer; the shards must acknowledge the second, not apply it")
     tls_ca: str | None = _setting(None, "--tls-ca", scopes=frozenset({"worker"}), metavar="PEM",
                                   help="connect with TLS, trusting this CA bundle (the shards' issuer)")
     tls_cert: str | None = _setting(None, "--tls-cert", scopes=frozenset({"worker"}), metavar="PEM",

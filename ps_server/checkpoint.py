@@ -53,10 +53,12 @@ have had without the crash. The price is one more copy of the shard's size in th
 while a step is partly in.
 
 After a restore the shard's step may be lower than the step a worker last saw (the
-steps after T were lost). A worker notices it in any response's step; it must pull again
-(min_step 0, or the shard's step) before it pushes, since a push whose read_step is
-ahead of the shard's step is INVALID_ARGUMENT and a pull waiting for a lost step waits
-until its timeout.
+steps after T were lost). A worker must pull again (min_step 0, or the shard's step)
+before it pushes: a push whose read_step is ahead of the shard's step is dropped
+(DROP_STEP_AHEAD), and a pull waiting for a lost step, or for an SSP bound over clocks the
+shard lost, would wait until its timeout. The training loop waits in slices of a few
+seconds and, between them, asks every shard for its step and its clock for the worker
+(worker_client.client.PSClient.lost_progress), then pulls a shard that went back as it is.
 
 Leases are monotonic times and do not survive a process: a worker that was live at T
 gets a fresh lease on restore (so a sync step or an SSP bound does not move on without

@@ -6,7 +6,9 @@ and whether a pull may be answered yet. The rules, exactly as SPEC.md states the
 - sync: a push read at step s is dropped as stale when s < t; added to step t's
   accumulator when s == t (once per worker and step). When N_eff = max(1, min(N, live
   workers)) distinct workers have contributed, their mean is applied once and t becomes
-  t + 1. Backup workers (M - N) never hold a step back.
+  t + 1. Backup workers (M - N) never hold a step back. Each time the live workers cap
+  N_eff below N (a lease expired, a worker left), and again when N is back, the shard
+  logs it once and emits a "replicas_capped" event (ps_replicas_capped_total).
 - ssp(b): a push is applied as it arrives (t += 1). A pull by worker w at clock c is held
   until every live worker's clock is >= c - b.
 - async: a push is applied as it arrives (t += 1), unless max_staleness > 0 and
@@ -17,6 +19,7 @@ Policies are not thread-safe: the shard calls them under its lock.
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -30,6 +33,8 @@ from ps_common.errors import InvalidTensorError
 
 if TYPE_CHECKING:
     from ps_server.shard import Shard
+
+log = logging.getLogger(__name__)
 
 PartKey = tuple[str, int]
 
@@ -82,10 +87,34 @@ class SyncPolicy(ConsistencyPolicy):
         self.total_replicas = total_replicas
         self.contributors: list[str] = []
         self.accumulator: dict[PartKey, np.ndarray] = {}
+        self.capped_at: int | None = None   # N_eff while the live workers cap it below N (as last reported)
 
     def effective_replicas(self, shard: "Shard") -> int:
         """N capped by the live workers (never below 1), so a dead worker never stalls a step."""
         return max(1, min(self.replicas_to_aggregate, shard.membership.live_count()))
+
+    def _report_cap(self, shard: "Shard", effective: int) -> None:
+        """Logs and emits "replicas_capped" when the cap changes (once per change, never per push).
+
+        Quiet until training is under way (a step done or a gradient in): while the workers
+        are still registering one by one, the quorum is not capped by a failure.
+        """
+        capped = effective if effective < self.replicas_to_aggregate else None
+        if capped == self.capped_at or (self.capped_at is None and not (shard.step or self.contributors)):
+            return
+        before, self.capped_at = self.capped_at, capped
+        index, n = shard.config.shard_index, self.replicas_to_aggregate
+        if capped is None:
+            log.info("shard %d: sync steps wait for replicas_to_aggregate=%d gradients again (%d live workers)",
+                     index, n, shard.membership.live_count())
+        else:
+            expired, left = shard.membership.not_live()
+            log.log(logging.WARNING if expired else logging.INFO,
+                    "shard %d: replicas_to_aggregate=%d capped at %d from step %d: %d live worker(s); "
+                    "expired leases: %s; left: %s", index, n, capped, shard.step, shard.membership.live_count(),
+                    ", ".join(expired) or "none", ", ".join(left) or "none")
+        shard._emit("replicas_capped", effective=effective, replicas=n,
+                    shrunk=capped is not None and (before is None or capped < before))
 
     def on_push(self, shard: "Shard", worker_id: str, read_step: int, grads: Mapping[PartKey, np.ndarray]) -> Decision:
         t = shard.step
@@ -113,7 +142,9 @@ class SyncPolicy(ConsistencyPolicy):
 
     def maybe_complete(self, shard: "Shard") -> None:
         """Applies the mean and advances the step once enough workers contributed."""
-        if not self.contributors or len(self.contributors) < self.effective_replicas(shard):
+        effective = self.effective_replicas(shard)
+        self._report_cap(shard, effective)
+        if not self.contributors or len(self.contributors) < effective:
             return
         count = len(self.contributors)
         if count > 1:

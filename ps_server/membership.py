@@ -73,6 +73,13 @@ class Membership:
     def live_count(self) -> int:
         return len(self.live_clocks())
 
+    def not_live(self) -> tuple[list[str], list[str]]:
+        """(workers whose lease expired, workers that left by deregistering or were not live at a restore), sorted."""
+        now = self._now()
+        expired = sorted(w for w, r in self.workers.items() if 0.0 < r.lease_expires <= now)
+        left = sorted(w for w, r in self.workers.items() if r.lease_expires == 0.0)
+        return expired, left
+
     def remaining(self, record: WorkerRecord) -> float:
         """Seconds left on the lease (0 when expired)."""
         return max(0.0, record.lease_expires - self._now())

@@ -9,6 +9,7 @@ several shards in one process (tests, ps-launch) never share or collide.
 Metric names (all prefixed `ps_`):
   pushes_total{outcome,reason}          pushes taken: outcome accepted|dropped, reason none|stale|already_contributed
   duplicate_pushes_total                retried pushes answered without being applied
+  replicas_capped_total                 sync: times the live workers capped the quorum below replicas_to_aggregate
   pulls_total                           pulls answered
   received_bytes_total                  gradient bytes taken by pushes (duplicates excluded)
   sent_bytes_total                      parameter bytes served by pulls
@@ -82,6 +83,9 @@ class ShardMetrics:
                               ["shard", "outcome", "reason"], registry=r)
         self.duplicates = Counter("ps_duplicate_pushes", "Retried pushes acknowledged without being applied again",
                                   ["shard"], registry=r).labels(self.label)
+        self.replicas_capped = Counter(
+            "ps_replicas_capped", "sync: times the quorum shrank below replicas_to_aggregate because fewer workers "
+            "were live (a lease expired or a worker left)", ["shard"], registry=r).labels(self.label)
         self.pulls = Counter("ps_pulls", "Pulls answered", ["shard"], registry=r).labels(self.label)
         self.received_bytes = Counter("ps_received_bytes", "Gradient bytes taken by pushes", ["shard"],
                                       registry=r).labels(self.label)
@@ -124,6 +128,8 @@ class ShardMetrics:
             self.sent_bytes.inc(fields.get("nbytes", 0))
         elif event == "duplicate":
             self.duplicates.inc()
+        elif event == "replicas_capped" and fields.get("shrunk"):
+            self.replicas_capped.inc()
 
     def observe_rpc(self, rpc: str, code: str, seconds: float) -> None:
         self.rpc_seconds.labels(self.label, rpc).observe(seconds)

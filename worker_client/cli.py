@@ -22,7 +22,7 @@ from ps_common import jobconfig
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.logs import configure_logging
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
-from worker_client.client import PSClient, ServerError
+from worker_client.client import PSClient, RetryPolicy, ServerError
 from worker_client.gradients import DeviceUnavailableError, GradientEngine, UnsupportedModelError
 from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingError, TrainingPlan
 
@@ -77,7 +77,8 @@ def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threadi
         credentials, metadata = client_security(w.tls_ca, w.tls_cert, w.tls_key,
                                                 token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
         client = PSClient(w.servers, worker_id=w.worker_id, rpc_timeout=w.rpc_timeout, wait_timeout=job.job.wait_timeout,
-                          channel_credentials=credentials, call_metadata=metadata)
+                          retry=RetryPolicy(window=w.reconnect_timeout), channel_credentials=credentials,
+                          call_metadata=metadata, duplicate_pushes=w.duplicate_pushes)
         try:
             expected_mode = job.job.mode if "job.mode" in job.sources else None   # else: follow the shards
             return Trainer(client, engine, dataset, plan=plan, report=report, stop=stop,

@@ -16,13 +16,21 @@ One `Trainer` is one worker of a job. `Trainer.run()`:
    while it is more than the staleness bound ahead), async does not wait;
 4. stops when the shards' global step reaches `steps`, or after `epochs` passes over its
    share (the position is its clock, so a restarted worker continues where it was);
-5. deregisters (so no sync step waits for it), meets the other workers at the end
-   barrier, and worker 0 evaluates the final parameters on the test split.
+5. deregisters (so no sync step waits for it); worker 0 then waits until every other
+   worker left (deregistered, or its lease ran out: a dead worker is not waited for) and
+   evaluates the final parameters on the test split.
+
+A waiting pull (sync step, SSP hold) is cut into waits of at most `RECHECK_SECONDS`.
+Between them the worker stops if asked to (`stop`: it abandons the step, deregisters and
+returns), and checks whether a shard lost progress it saw (restarted from an older
+checkpoint, `PSClient.lost_progress`): the step or clocks it waits for would never come,
+so it pulls that shard's state as it is (min_step 0, no SSP bound) and pushes from there.
 
 Worker 0 also evaluates every `eval_every` global steps. Progress, evaluations and the
 result are reported as events (`JsonLinesSink` for launchers, `TextSink` for people).
-Every wait is bounded: start_timeout for joining, the client's wait timeout for pulls and
-the end barrier. Not thread-safe: one thread runs a Trainer (set `stop` from another).
+Every wait is bounded: start_timeout for joining, wait_timeout for one pull in all and for
+worker 0's wait at the end. Not thread-safe: one thread runs a Trainer (set `stop` from
+another).
 """
 
 from __future__ import annotations
@@ -48,11 +56,12 @@ log = logging.getLogger(__name__)
 
 #: The wire's consistency modes by name.
 MODE_NAMES: dict[int, str] = {pb.MODE_SYNC: "sync", pb.MODE_SSP: "ssp", pb.MODE_ASYNC: "async"}
-#: The barriers every worker of a job meets at.
+#: The barrier every worker of a job meets at before training.
 START_BARRIER = "training-start"
-END_BARRIER = "training-end"
 #: How often a worker polls the shards while it waits for them to be reachable or initialized.
 POLL_SECONDS = 0.2
+#: The longest single wait of a pull; between two, a worker checks `stop` and `lost_progress`.
+RECHECK_SECONDS = 2.0
 
 
 class TrainingError(RuntimeError):
@@ -176,7 +185,7 @@ class TrainingPlan:
     eval_every: int = 100             # global steps between evaluations by worker 0; 0: only at the end
     progress_every: float = 1.0       # seconds between progress events
     start_timeout: float = 300.0      # joining: shards reachable, initialized, start barrier
-    wait_timeout: float = 300.0       # one pull's wait (sync step, SSP hold), and the end barrier
+    wait_timeout: float = 300.0       # one pull's wait (sync step, SSP hold), and worker 0's wait at the end
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_index < self.num_workers:
@@ -370,11 +379,40 @@ class Trainer:
                     yield epoch, x, y
             skip, epoch = 0, epoch + 1
 
-    def _pull(self, read_steps: list[int] | None, outcome: PushReport | None = None) -> dict[str, np.ndarray]:
-        """The next parameters as the mode says: sync waits for the next step (`sync_min_steps`), ssp for the bound."""
-        if self.mode == "sync" and read_steps is not None and outcome is not None:
-            return self.client.pull(min_steps=sync_min_steps(read_steps, outcome), timeout=self.plan.wait_timeout)
-        return self.client.pull(ssp=self.mode == "ssp", timeout=self.plan.wait_timeout)
+    def _pull(self, read_steps: list[int] | None, outcome: PushReport | None = None) -> dict[str, np.ndarray] | None:
+        """The next parameters as the mode says: sync waits for the next step (`sync_min_steps`), ssp for the bound.
+
+        None when `stop` was set while it waited. At most wait_timeout s in all, in waits of
+        at most RECHECK_SECONDS (module docstring); then TrainingError saying what it awaited.
+        """
+        client = self.client
+        mins = sync_min_steps(read_steps, outcome) if self.mode == "sync" and read_steps is not None \
+            and outcome is not None else None
+        ssp = self.mode == "ssp"
+        if mins is None and not ssp:
+            return client.pull(timeout=self.plan.wait_timeout)   # nothing to wait for
+        deadline = time.monotonic() + self.plan.wait_timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return client.pull(min_steps=mins, ssp=ssp, timeout=max(0.01, min(left, RECHECK_SECONDS)))
+            except ServerError as exc:
+                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                if time.monotonic() >= deadline:
+                    what = f"steps {mins} of the shards" if mins is not None else "the SSP staleness bound"
+                    raise TrainingError(f"{self.mode} pull waited {self.plan.wait_timeout:.1f} s (wait_timeout) for "
+                                        f"{what}; the last wait ended with: {exc}") from exc
+            if self.stop.is_set():
+                return None
+            lost = client.lost_progress()
+            if lost:
+                log.warning("%s: %s; pulling %s as it is now", client.worker_id,
+                            "; ".join(f"shard {i} lost progress: {why}" for i, why in sorted(lost.items())),
+                            "those shards" if mins is not None else "every shard without the SSP bound")
+                if mins is not None:
+                    mins = [0 if i in lost else m for i, m in enumerate(mins)]
+                ssp = False
 
     def _maybe_evaluate(self, parameters: Mapping[str, np.ndarray], step: int, elapsed: float,
                         *, final: bool = False) -> dict[str, Any] | None:
@@ -415,9 +453,9 @@ class Trainer:
             seconds = time.monotonic() - started
             client.deregister()   # at once, so no sync step waits for this worker
         final: dict[str, Any] | None = None
-        if not stopped:
-            self._meet_at_end()
-            if plan.is_chief:
+        if not stopped and plan.is_chief:
+            self._wait_for_the_others()
+            if not self.stop.is_set():
                 parameters = client.pull(timeout=plan.wait_timeout)
                 final = self._maybe_evaluate(parameters, min(client.steps), time.monotonic() - started, final=True)
         samples = tally.iterations * plan.batch_size
@@ -447,6 +485,8 @@ class Trainer:
         window = _Window()
         last_progress = started
         parameters = self._pull(None)
+        if parameters is None:
+            return True
         self._maybe_evaluate(parameters, min(client.steps), 0.0)
         batches = self._batches(tally.start_clock)
         while not self._done(tally):
@@ -460,6 +500,8 @@ class Trainer:
             window.add(tally.loss, plan.batch_size)
             self._eval_window.add(tally.loss, plan.batch_size)
             parameters = self._pull(read_steps, outcome)
+            if parameters is None:
+                return True   # stopped while waiting: the step is abandoned (its gradient may still count)
             now = time.monotonic()
             self._maybe_evaluate(parameters, min(client.steps), now - started)
             if now - last_progress >= plan.progress_every:
@@ -473,9 +515,19 @@ class Trainer:
                     "elapsed": round(now - started, 3)})
         return False
 
-    def _meet_at_end(self) -> None:
-        """The end barrier, so worker 0 evaluates the parameters every worker finished with; a timeout only warns."""
+    def _wait_for_the_others(self) -> None:
+        """Worker 0, done: waits until no other worker is live on shard 0, so its evaluation sees every update.
+
+        A worker is live until it deregisters or its lease runs out, so a dead one is waited
+        for one lease at most. Bounded by wait_timeout; running out (or `stop`) only warns.
+        """
+        client = self.client
+
+        def others_left() -> bool:
+            return not any(w.live for w in client.cluster_info(0).workers if w.worker_id != client.worker_id)
+
         try:
-            self.client.barrier(END_BARRIER, self.plan.num_workers, timeout=self.plan.wait_timeout)
-        except ServerError as exc:
-            log.warning("end barrier: not all %d workers arrived (%s); going on", self.plan.num_workers, exc)
+            self._wait_until("the other workers to finish (deregister, or their leases to run out)",
+                             time.monotonic() + self.plan.wait_timeout, others_left)
+        except TrainingError as exc:
+            log.warning("%s; evaluating the parameters as they are", exc)

@@ -3,7 +3,8 @@
 ``start_shard(*flags)`` runs ``python -m ps_server`` (``sys.executable``, the repository on
 ``PYTHONPATH``), reads the ``PS_SERVER_READY {...}`` line from its stdout within a timeout
 and returns a ``ShardProcess``. ``ShardCluster`` starts the N shards of one job at once
-and is a context manager; its ``addresses`` feed a ``PSClient``.
+and is a context manager; its ``addresses`` feed a ``PSClient``. ``WorkerProcess`` runs
+one ``python -m worker_client --events`` and collects its JSON events as they arrive.
 
 Stopping is always by process id, never by name: SIGTERM, then SIGKILL when the process
 has not exited within the stop timeout. Every process started here is also recorded so
@@ -107,6 +108,7 @@ class ShardProcess:
         self.address = ""
         self.port = 0
         self.shard_index = -1
+        self.ready: dict = {}       # the READY line's fields (address, port, shard_index, metrics_port)
         self.stdout_lines: list[str] = []
         self._ready: queue.Queue[dict | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read_stdout, name=f"shard-stdout-{self.pid}", daemon=True)
@@ -145,6 +147,7 @@ class ShardProcess:
             raise ShardStartError(f"shard {self.args} exited (status {status}) without a READY line; "
                                   f"stdout: {self.stdout_lines[-5:]}; log tail:\n{self.log_tail()}")
         self.address, self.port, self.shard_index = ready["address"], int(ready["port"]), int(ready["shard_index"])
+        self.ready = ready
         return self
 
     def alive(self) -> bool:
@@ -275,3 +278,143 @@ class ShardCluster:
 
     def __repr__(self) -> str:
         return f"ShardCluster(mode={self.mode!r}, addresses={self.addresses})"
+
+
+class WorkerProcess:
+    """One running ``python -m worker_client --events`` process; its JSON events are collected as they arrive.
+
+    Its log (stderr) goes to a temporary file. Every wait is bounded and every signal goes
+    to this process's pid only: ``kill`` (SIGKILL), ``pause``/``resume`` (SIGSTOP/SIGCONT),
+    ``stop`` (SIGTERM, then SIGKILL).
+    """
+
+    def __init__(self, args: Sequence[str], *, name: str = "worker", env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.args = [str(a) for a in args]
+        fd, log_name = tempfile.mkstemp(prefix=f"ps-{name}-", suffix=".log")
+        self.log_path = Path(log_name)
+        with os.fdopen(fd, "wb") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "worker_client", "--events", *self.args], cwd=REPO_ROOT, env=_child_env(env),
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file, text=True,
+            )
+        with _started_lock:
+            _started[self.process.pid] = self.process
+        self.events: list[dict] = []
+        self.other_lines: list[str] = []
+        self._arrived = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._read_stdout, name=f"{name}-stdout-{self.pid}", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                event = None
+            with self._arrived:
+                if isinstance(event, dict) and "event" in event:
+                    self.events.append(event)
+                else:
+                    self.other_lines.append(line.rstrip("\n"))
+                self._arrived.notify_all()
+        with self._arrived:
+            self._closed = True
+            self._arrived.notify_all()
+
+    def wait_for(self, predicate, timeout: float, what: str) -> dict:
+        """The first event for which predicate(event) holds, waiting at most timeout s (AssertionError naming `what`)."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._arrived:
+            while True:
+                for event in self.events[seen:]:
+                    if predicate(event):
+                        return event
+                seen = len(self.events)
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    why = "exited" if self._closed else f"not within {timeout:.0f} s"
+                    raise AssertionError(f"{self.name} (pid {self.pid}): no event for {what} ({why}); last events: "
+                                         f"{self.events[-3:]}; log tail:\n{self.log_tail()}")
+                self._arrived.wait(min(left, 0.5))
+
+    def wait_for_step(self, step: int, timeout: float) -> dict:
+        """The first progress (or done) event at a global step >= step."""
+        return self.wait_for(lambda e: e["event"] in ("progress", "done") and e.get("step", e.get("steps", -1)) >= step,
+                             timeout, f"step >= {step}")
+
+    def finish(self, timeout: float) -> int:
+        """Waits at most timeout s for the process to exit (then stops it and fails); returns its exit status."""
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"{self.name} (pid {self.pid}) still ran after {timeout:.0f} s; last events: "
+                                 f"{self.events[-3:]}; log tail:\n{self.log_tail()}") from None
+        with _started_lock:
+            _started.pop(self.pid, None)
+        with self._arrived:   # let the reader take the last lines (bounded)
+            self._arrived.wait_for(lambda: self._closed, timeout=5)
+        return code
+
+    @property
+    def result(self) -> dict | None:
+        """The fields of the "done" event, once it arrived."""
+        return next((e for e in reversed(self.events) if e["event"] == "done"), None)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def _signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGKILL by pid (no goodbye: no deregistration) and waits for the exit."""
+        self._signal(signal.SIGKILL)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        with _started_lock:
+            _started.pop(self.pid, None)
+        return self.process.poll()
+
+    def pause(self) -> None:
+        """SIGSTOP: the process stands still (no heartbeats, no rpcs) until resume()."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT."""
+        self._signal(signal.SIGCONT)
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGCONT (in case it is paused), then SIGTERM by pid, SIGKILL after timeout s; safe to call twice."""
+        self.resume()
+        return _stop_process(self.process, timeout)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def remove_log(self) -> None:
+        if os.environ.get("PS_TEST_KEEP_LOGS"):
+            return
+        try:
+            self.log_path.unlink()
+        except OSError:
+            pass
+
+    def __repr__(self) -> str:
+        return f"WorkerProcess(name={self.name!r}, pid={self.pid})"

@@ -149,3 +149,31 @@ def test_a_shard_refuses_to_start_from_a_checkpoint_of_another_mode(start_cluste
     assert cluster.shards[0].stop() == 0
     with pytest.raises(ShardStartError, match="mode='async'.*mode='sync'"):
         start_cluster(1, mode="sync", flags=FLAGS, shard_flags=checkpoint_dirs(tmp_path, 1))
+
+
+def test_a_client_sees_which_shard_lost_the_steps_and_pushes_it_had_seen_after_a_restart_from_an_older_checkpoint(
+        start_cluster, tmp_path):
+    cluster = start_cluster(2, flags=[*FLAGS, "--checkpoint-every-steps", "4"], shard_flags=checkpoint_dirs(tmp_path, 2))
+    client = PSClient(cluster.addresses, worker_id="w3", retry=RetryPolicy(attempts=3, window=20), rpc_timeout=20,
+                      wait_timeout=20)
+    try:
+        client.wait_ready(10)
+        client.initialize(MODEL)
+        client.register(heartbeat=False)
+        directory = CheckpointDirectory(tmp_path / "shard1")
+        for i in range(6):
+            client.pull()
+            assert client.push(grads(i)).accepted
+        wait_for(lambda: [s for s, _ in directory.checkpoints()] == [4], 10, "the checkpoint at step 4")
+        client.pull()
+        assert client.steps == [6, 6] and client.lost_progress() == {}
+        cluster.kill(1)
+        cluster.restart(1)                                # back at step 4, with w3 at clock 4
+        assert client.lost_progress() == {1: "its step went down to 4 from 6"}
+        client.pull()                                     # what the shard holds now: step 4 there
+        assert client.steps == [6, 4]
+        assert client.lost_progress() == {1: "its clock for 'w3' went down to 4 from 6"}
+        assert client.push(grads(6)).accepted             # clock 6, read at [6, 4]: taken by both
+        assert client.lost_progress() == {}
+    finally:
+        client.close()

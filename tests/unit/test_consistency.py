@@ -262,3 +262,44 @@ def test_async_drops_a_gradient_that_lags_by_more_than_max_staleness_with_the_st
     assert shard.dropped == 1
     for key, value in values(shard).items():
         np.testing.assert_array_equal(value, before[key])
+
+
+def test_sync_logs_and_reports_a_quorum_capped_by_an_expired_lease_once_per_change_not_per_push(caplog) -> None:
+    now = FakeClock()
+    shard = sync_shard(n=3, m=3, workers=("a", "b", "c"), now=now)
+    events = []
+    shard.listeners.append(lambda event, **fields: events.append(fields) if event == "replicas_capped" else None)
+    caplog.set_level("INFO", logger="ps_server.consistency")
+    for w in ("a", "b", "c"):
+        push(shard, w, 0, 0, grads(1.0))
+    assert shard.step == 1 and events == []                   # training under way, nobody missing
+    now.advance(8)
+    push(shard, "a", 1, 1, grads(1.0))
+    push(shard, "b", 1, 1, grads(1.0))                        # a and b renew; c was last heard at +0 s
+    now.advance(4)
+    shard.tick()                                              # c's lease (10 s) ran out: the step closes with 2
+    assert shard.step == 2
+    for step in range(2, 5):                                  # more pushes and ticks: no more reports
+        push(shard, "a", step, step, grads(1.0))
+        push(shard, "b", step, step, grads(1.0))
+        shard.tick()
+    assert shard.step == 5
+    assert events == [{"effective": 2, "replicas": 3, "shrunk": True}]
+    capped = [r for r in caplog.records if "capped" in r.getMessage()]
+    assert len(capped) == 1 and capped[0].levelname == "WARNING"
+    assert "replicas_to_aggregate=3 capped at 2 from step 1" in capped[0].getMessage()
+    assert "expired leases: c; left: none" in capped[0].getMessage()
+
+    shard.register("c")                                       # back: the quorum is N again, said once
+    push(shard, "c", 1, 5, grads(1.0))
+    assert events[-1] == {"effective": 3, "replicas": 3, "shrunk": False}
+    assert "wait for replicas_to_aggregate=3 gradients again (3 live workers)" in caplog.records[-1].getMessage()
+
+
+def test_sync_says_nothing_about_the_quorum_while_the_workers_are_still_registering(caplog) -> None:
+    shard = sync_shard(n=3, m=3, workers=("a",))
+    caplog.set_level("INFO", logger="ps_server.consistency")
+    shard.tick()
+    shard.register("b")
+    shard.tick()
+    assert not [r for r in caplog.records if "capped" in r.getMessage()]

@@ -257,3 +257,18 @@ def test_a_worker_is_live_only_where_every_shard_that_knows_it_holds_its_lease()
     assert summary["workers"] == [{"id": "w0", "clocks": {"0": 1, "1": 1}, "live": False, "lease_remaining_ms": 0}]
     assert summary["errors"] == [{"address": "h:3", "error": "unreachable: UNAVAILABLE: refused"}]
     assert [s["mode"] for s in summary["shards"]] == ["sync(N=2,M=3)", "sync(N=2,M=3)"]
+
+
+def test_a_sync_quorum_capped_below_n_counts_each_time_it_shrinks():
+    now = FakeClock()
+    shard, m = make_shard(now=now, mode="sync", replicas_to_aggregate=3, total_replicas=3)
+    for w in ("w0", "w1", "w2"):
+        shard.register(w)
+    for w in ("w0", "w1", "w2"):
+        push(shard, w, 0, 0)
+    assert value(m, "ps_replicas_capped_total") == 0
+    shard.deregister("w2")                  # 3 -> 2
+    shard.deregister("w1")                  # 2 -> 1
+    shard.register("w1")                    # back to 2: not a shrink
+    shard.tick()
+    assert value(m, "ps_replicas_capped_total") == 2

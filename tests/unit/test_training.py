@@ -40,3 +40,15 @@ def test_events_read_as_one_line_of_text() -> None:
     line = format_event("progress", {"worker": 1, "step": 3, "loss": None, "samples_per_second": 12.3,
                                      "stale_drops": 2})
     assert line == "worker 1 step 3: loss n/a, 12 samples/s, 2 stale drop(s)"
+
+
+def test_a_retry_window_keeps_retrying_past_the_attempts_and_its_last_sleep_ends_at_the_window() -> None:
+    from worker_client.client import RetryPolicy
+
+    policy = RetryPolicy(attempts=3, initial_backoff=1.0, max_backoff=2.0, window=10.0)
+    assert 0.5 <= policy.pause(1, 0.0, 1.0) <= 1.0          # within the attempts: backoff with jitter
+    assert policy.pause(5, 9.8, 2.0) == pytest.approx(0.2)  # past them: only until the window ends
+    assert policy.pause(6, 10.0, 2.0) is None
+    assert RetryPolicy(attempts=2).pause(2, 0.0, 0.2) is None   # no window: the attempts alone
+    with pytest.raises(ValueError, match="Invalid retry window: -1"):
+        RetryPolicy(window=-1)

@@ -28,6 +28,7 @@ MODE_FLAGS = {
     "sync": ["--replicas-to-aggregate", "2", "--total-replicas", "3"],
     "ssp": ["--staleness", "1"],
     "async": ["--max-staleness", "2"],
+    "async-unbounded": [],   # only for the rule that needs max_staleness = 0 (not parametrized)
 }
 
 
@@ -68,7 +69,8 @@ class _Targets:
                 assert self.external is not None
                 target = Target("external", self.external)
             else:
-                cluster = ShardCluster(NUM_SHARDS, mode=label, flags=[*COMMON_FLAGS, *MODE_FLAGS[label]])
+                mode = label.split("-")[0]
+                cluster = ShardCluster(NUM_SHARDS, mode=mode, flags=[*COMMON_FLAGS, *MODE_FLAGS[label]])
                 self.clusters[label] = cluster.start()
                 target = Target(label, cluster.addresses)
             target.wait_ready(30)
@@ -120,6 +122,14 @@ def async_target(contract_targets: _Targets) -> Target:
 
 
 @pytest.fixture
+def unbounded_async_ready(contract_targets: _Targets) -> Target:
+    """An async cluster without max_staleness (fresh shards), or the external async server."""
+    if contract_targets.external is None:
+        return _ready(contract_targets.get("async-unbounded"))
+    return _ready(contract_targets.for_mode("async"))
+
+
+@pytest.fixture
 def uninitialized(target: Target) -> Target:
     """The target, when it has not been initialized yet (else a skip saying why)."""
     if target.initialized_here or any(target.info(i).initialized for i in range(target.num_shards)):
@@ -156,7 +166,7 @@ def async_ready(async_target: Target) -> Target:
 @pytest.fixture
 def workers(request: pytest.FixtureRequest) -> Iterator[Workers]:
     """Registers fresh worker ids on the test's target (`ready`, `*_ready` or `target`); deregisters them after."""
-    for name in ("ready", "sync_ready", "ssp_ready", "async_ready", "target"):
+    for name in ("ready", "sync_ready", "ssp_ready", "async_ready", "unbounded_async_ready", "target"):
         if name in request.fixturenames:
             target = request.getfixturevalue(name)
             break

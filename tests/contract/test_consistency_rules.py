@@ -257,14 +257,14 @@ def test_async_drops_a_gradient_older_than_max_staleness_and_takes_one_at_the_bo
             (before[0], before[1] + 1, before[2], before[4], before[5])
 
 
-def test_async_without_max_staleness_applies_a_gradient_of_any_age(async_ready: Target, workers: Workers) -> None:
-    if async_ready.info(0).max_staleness != 0:
-        pytest.skip(f"max_staleness is {async_ready.info(0).max_staleness}: old gradients are dropped by design")
+def test_async_without_max_staleness_applies_a_gradient_of_any_age(unbounded_async_ready: Target, workers: Workers) -> None:
+    if unbounded_async_ready.info(0).max_staleness != 0:
+        pytest.skip(f"max_staleness is {unbounded_async_ready.info(0).max_staleness}: old gradients are dropped by design")
     lagging, busy = workers.new("lagging"), workers.new("busy")
-    shard = async_ready.shards_with_parts()[0]
-    t0 = async_ready.info(shard).step
+    shard = unbounded_async_ready.shards_with_parts()[0]
+    t0 = unbounded_async_ready.info(shard).step
     clock = workers.start_clocks[busy][shard]
     for _ in range(5):
-        clock = async_ready.push(shard, busy, clock, async_ready.info(shard).step).clock
-    old = async_ready.push(shard, lagging, workers.start_clocks[lagging][shard], t0)
+        clock = unbounded_async_ready.push(shard, busy, clock, unbounded_async_ready.info(shard).step).clock
+    old = unbounded_async_ready.push(shard, lagging, workers.start_clocks[lagging][shard], t0)
     assert old.outcome == pb.PUSH_ACCEPTED and old.step == t0 + 6

@@ -90,21 +90,75 @@ def _child_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     return env
 
 
-class ShardProcess:
-    """One running ``python -m ps_server`` process."""
+class _ChildProcess:
+    """A ``python -m MODULE`` child of a test: stdout piped, stderr in a temporary log file.
 
-    def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None) -> None:
-        """Spawns the process (it does not wait for READY: call ``wait_ready``)."""
+    Every signal goes to this process's pid only, and every wait is bounded.
+    """
+
+    def __init__(self, module: str, args: Sequence[str], *, log_prefix: str,
+                 env: Mapping[str, str] | None = None) -> None:
         self.args = [str(a) for a in args]
-        fd, log_name = tempfile.mkstemp(prefix="ps-shard-", suffix=".log")
+        fd, log_name = tempfile.mkstemp(prefix=f"ps-{log_prefix}-", suffix=".log")
         self.log_path = Path(log_name)
         with os.fdopen(fd, "wb") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "ps_server", *self.args], cwd=REPO_ROOT, env=_child_env(env),
+                [sys.executable, "-m", module, *self.args], cwd=REPO_ROOT, env=_child_env(env),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file, text=True,
             )
         with _started_lock:
             _started[self.process.pid] = self.process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def _signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGKILL by pid (a crash: no shutdown code runs) and waits for the exit."""
+        self._signal(signal.SIGKILL)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        with _started_lock:
+            _started.pop(self.pid, None)
+        return self.process.poll()
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGTERM by pid, SIGKILL after timeout s; returns the exit status. Safe to call twice."""
+        return _stop_process(self.process, timeout)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def remove_log(self) -> None:
+        if os.environ.get("PS_TEST_KEEP_LOGS"):
+            return
+        try:
+            self.log_path.unlink()
+        except OSError:
+            pass
+
+
+class ShardProcess(_ChildProcess):
+    """One running ``python -m ps_server`` process."""
+
+    def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None) -> None:
+        """Spawns the process (it does not wait for READY: call ``wait_ready``)."""
+        super().__init__("ps_server", args, log_prefix="shard", env=env)
         self.address = ""
         self.port = 0
         self.shard_index = -1
@@ -113,10 +167,6 @@ class ShardProcess:
         self._ready: queue.Queue[dict | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read_stdout, name=f"shard-stdout-{self.pid}", daemon=True)
         self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
     def _read_stdout(self) -> None:
         """Drains stdout for the process's life; hands the READY line's JSON to wait_ready."""
@@ -149,42 +199,6 @@ class ShardProcess:
         self.address, self.port, self.shard_index = ready["address"], int(ready["port"]), int(ready["shard_index"])
         self.ready = ready
         return self
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def kill(self, timeout: float = STOP_TIMEOUT) -> int | None:
-        """SIGKILL by pid (a crash: no shutdown code runs) and waits for the exit."""
-        if self.process.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        with _started_lock:
-            _started.pop(self.pid, None)
-        return self.process.poll()
-
-    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
-        """SIGTERM by pid, SIGKILL after timeout s; returns the exit status. Safe to call twice."""
-        return _stop_process(self.process, timeout)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
-
-    def remove_log(self) -> None:
-        if os.environ.get("PS_TEST_KEEP_LOGS"):
-            return
-        try:
-            self.log_path.unlink()
-        except OSError:
-            pass
 
     def __repr__(self) -> str:
         return f"ShardProcess(pid={self.pid}, address={self.address!r}, shard_index={self.shard_index})"
@@ -280,7 +294,7 @@ class ShardCluster:
         return f"ShardCluster(mode={self.mode!r}, addresses={self.addresses})"
 
 
-class WorkerProcess:
+class WorkerProcess(_ChildProcess):
     """One running ``python -m worker_client --events`` process; its JSON events are collected as they arrive.
 
     Its log (stderr) goes to a temporary file. Every wait is bounded and every signal goes
@@ -290,25 +304,12 @@ class WorkerProcess:
 
     def __init__(self, args: Sequence[str], *, name: str = "worker", env: Mapping[str, str] | None = None) -> None:
         self.name = name
-        self.args = [str(a) for a in args]
-        fd, log_name = tempfile.mkstemp(prefix=f"ps-{name}-", suffix=".log")
-        self.log_path = Path(log_name)
-        with os.fdopen(fd, "wb") as log_file:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "worker_client", "--events", *self.args], cwd=REPO_ROOT, env=_child_env(env),
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file, text=True,
-            )
-        with _started_lock:
-            _started[self.process.pid] = self.process
+        super().__init__("worker_client", ["--events", *args], log_prefix=name, env=env)
         self.events: list[dict] = []
         self.other_lines: list[str] = []
         self._arrived = threading.Condition()
         self._closed = False
         threading.Thread(target=self._read_stdout, name=f"{name}-stdout-{self.pid}", daemon=True).start()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
     def _read_stdout(self) -> None:
         assert self.process.stdout is not None
@@ -368,27 +369,6 @@ class WorkerProcess:
         """The fields of the "done" event, once it arrived."""
         return next((e for e in reversed(self.events) if e["event"] == "done"), None)
 
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def _signal(self, signum: int) -> None:
-        if self.process.poll() is None:
-            try:
-                os.kill(self.pid, signum)
-            except ProcessLookupError:
-                pass
-
-    def kill(self, timeout: float = STOP_TIMEOUT) -> int | None:
-        """SIGKILL by pid (no goodbye: no deregistration) and waits for the exit."""
-        self._signal(signal.SIGKILL)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        with _started_lock:
-            _started.pop(self.pid, None)
-        return self.process.poll()
-
     def pause(self) -> None:
         """SIGSTOP: the process stands still (no heartbeats, no rpcs) until resume()."""
         self._signal(signal.SIGSTOP)
@@ -401,20 +381,6 @@ class WorkerProcess:
         """SIGCONT (in case it is paused), then SIGTERM by pid, SIGKILL after timeout s; safe to call twice."""
         self.resume()
         return _stop_process(self.process, timeout)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
-
-    def remove_log(self) -> None:
-        if os.environ.get("PS_TEST_KEEP_LOGS"):
-            return
-        try:
-            self.log_path.unlink()
-        except OSError:
-            pass
 
     def __repr__(self) -> str:
         return f"WorkerProcess(name={self.name!r}, pid={self.pid})"

@@ -26,7 +26,6 @@ from protos.ps.v1 import parameter_server_pb2 as pb
 from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common.codec import MAX_MESSAGE_BYTES
 from ps_common.tls import bearer_metadata, client_security
-from ps_server import cli
 from ps_server.config import ServerConfig
 from ps_server.server import ShardServer, create_server
 from worker_client.client import PSClient, RetryPolicy, ServerError
@@ -401,10 +400,6 @@ def test_the_server_command_refuses_plaintext_on_a_non_loopback_host():
     assert "PS_SERVER_READY" not in done.stdout
 
 
-HAS_TLS_FLAGS = "--tls-cert" in cli.build_parser().format_help()
-
-
-@pytest.mark.skipif(not HAS_TLS_FLAGS, reason="ps-server has no --tls-cert flag yet")
 def test_a_shard_process_serves_mutual_tls_and_checks_tokens_from_its_flags(certs, start_cluster):
     a, _ = certs
     cluster = start_cluster(1, flags=["--tls-cert", a.server_crt, "--tls-key", a.server_key,
@@ -430,7 +425,6 @@ def test_a_shard_process_serves_mutual_tls_and_checks_tokens_from_its_flags(cert
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.mark.skipif(not HAS_TLS_FLAGS, reason="ps-server has no --tls-cert flag yet")
 def test_admin_shutdown_ends_a_shard_process_that_refuses_the_worker_token(certs, start_cluster, tmp_path):
     a, _ = certs
     cluster = start_cluster(1, flags=["--tls-cert", a.server_crt, "--tls-key", a.server_key,

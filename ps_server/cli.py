@@ -25,10 +25,6 @@ log = logging.getLogger("ps_server")
 #: The line a started shard prints on stdout, for launchers and tests that bind port 0.
 READY_PREFIX = "PS_SERVER_READY "
 
-#: Kept for callers of the old helper; the parser lives with the job config now.
-parse_value = jobconfig.parse_value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ps-server", description="Run one parameter-server shard (ps.v1 over gRPC). Settings come from "

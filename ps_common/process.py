@@ -66,14 +66,19 @@ def start_and_wait_ready(name: str, argv: Sequence[str], ready_prefix: str, *, t
 
 
 def stop(popen: subprocess.Popen, *, grace: float = 10.0) -> int | None:
-    """SIGTERM, then SIGKILL after `grace` s, to this process only (by PID); returns its exit code."""
-    if popen.poll() is None:
+    """SIGTERM, then SIGKILL after `grace` s, to this process only (by PID); its exit code (None if it survived).
+
+    Every wait is bounded by `grace`; a process that already exited is fine.
+    """
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        if popen.poll() is not None:
+            break
         try:
-            os.kill(popen.pid, signal.SIGTERM)
-            popen.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.kill(popen.pid, signal.SIGKILL)
-            popen.wait(timeout=grace)
+            os.kill(popen.pid, signum)
         except ProcessLookupError:
             pass
-    return popen.returncode
+        try:
+            popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    return popen.poll()

@@ -28,6 +28,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ps_common.process import stop as stop_by_pid
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: The prefix of the line a started shard prints on stdout (ps_server.cli.READY_PREFIX).
@@ -57,23 +59,8 @@ atexit.register(_reap_all)
 
 
 def _stop_process(process: subprocess.Popen, timeout: float) -> int | None:
-    """SIGTERM, wait up to timeout s, then SIGKILL and wait again; returns the exit status."""
-    if process.poll() is None:
-        try:
-            os.kill(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.kill(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
+    """SIGTERM, then SIGKILL after timeout s (ps_common.process.stop), and forgets the process."""
+    stop_by_pid(process, grace=timeout)
     with _started_lock:
         _started.pop(process.pid, None)
     return process.poll()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protos.ps.v1 import parameter_server_pb2 as pb
-from ps_common.codec import PartAssembler
+from ps_common.codec import PartAssembler, spec_to_wire
 from ps_common.errors import (
     InvalidRequestError,
     NotInitializedError,
@@ -344,8 +344,6 @@ class Shard:
             )
             shard_map = self.store.shard_map
             if shard_map is not None:
-                from ps_common.codec import spec_to_wire
-
                 for spec in sorted(shard_map.specs.values(), key=lambda s: s.name):
                     info.parameters.append(spec_to_wire(spec.name, spec.dtype, spec.shape))
                 for part in shard_map.parts:

@@ -21,10 +21,10 @@ try:
     import torch
     import torch.nn.functional as F
 except ImportError as exc:  # torch is a benchmark-only dependency
-    raise SystemExit("bench.grad_bench compares against torch, which is not installed here; "
+    raise SystemExit("ps_bench.grad_bench compares against torch, which is not installed here; "
                      "run it in an environment of its own that has torch and the project: "
                      "`python -m venv .venv-bench && .venv-bench/bin/pip install -e . torch && "
-                     ".venv-bench/bin/python -m bench.grad_bench`") from exc
+                     ".venv-bench/bin/python -m ps_bench.grad_bench`") from exc
 
 from worker_client import GradientEngine
 
@@ -130,7 +130,7 @@ def bench_model(name: str, *, batch: int, threads: int, steps: int, warmup: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.grad_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ps_bench.grad_bench", description=__doc__)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--batch", type=int, default=64,
                         help="batch size (the fixture batch, tiled) [64]")

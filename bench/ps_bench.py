@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from bench.raw_grpc import RawClient
+from ps_bench.raw_grpc import RawClient
 from ps_common.process import start_and_wait_ready, stop
 from worker_client.client import PSClient
 
@@ -60,7 +60,7 @@ def run_case(size_mb: float, shards: int, *, rounds: int, repeats: int, log: Cal
                 f"shard{i}", [sys.executable, "-m", "ps_server", "--shard-index", str(i), "--num-shards", str(shards),
                               "--mode", "async", "--optimizer", "sgd", "--lr", "1e-9", "--log-level", "WARNING"],
                 "PS_SERVER_READY ", timeout=60))
-            children.append(start_and_wait_ready(f"raw{i}", [sys.executable, "-m", "bench.raw_grpc"], "RAW_READY ", timeout=60))
+            children.append(start_and_wait_ready(f"raw{i}", [sys.executable, "-m", "ps_bench.raw_grpc"], "RAW_READY ", timeout=60))
         ps_addresses = [c.ready["address"] for c in children if c.name.startswith("shard")]
         raw_addresses = [f"127.0.0.1:{c.ready['port']}" for c in children if c.name.startswith("raw")]
         client = PSClient(ps_addresses, worker_id="bench")

@@ -1,6 +1,6 @@
 """The raw-bytes gRPC baseline: one BytesValue per call, no chunking, no shards, no state.
 
-`python -m bench.raw_grpc` serves it (printing `RAW_READY {"port": N}`); `RawClient`
+`python -m ps_bench.raw_grpc` serves it (printing `RAW_READY {"port": N}`); `RawClient`
 pushes and pulls numpy arrays through it the cheapest way gRPC Python allows: one
 message with one bytes field, `tobytes()` out and `frombuffer` in. The server keeps the
 last pushed message and answers pulls with it as is, so the baseline does no copy of its

@@ -1,4 +1,4 @@
-"""Command line: write the bundled models as ONNX files (python -m models.build --help)."""
+"""Command line: write the bundled models as ONNX files (python -m ps_models.build --help)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,20 @@ from pathlib import Path
 
 import onnx
 
-from models.builders import BUILDERS, IR_VERSION, OPSET, write_model
+from ps_models.builders import BUILDERS, IR_VERSION, OPSET, write_model
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m models.build",
+        prog="python -m ps_models.build",
         description=f"Write a bundled model ({', '.join(BUILDERS)}) as an ONNX file\n"
                     f"(opset {OPSET}, IR version {IR_VERSION}) with its default sizes and "
                     f"weights drawn\nfrom --seed. Every float initializer is a trainable "
                     f"parameter; the batch\ndimension is symbolic ('batch').",
         epilog="examples:\n"
-               "  python -m models.build --model mlp --out models/mlp.onnx\n"
-               "  python -m models.build --model lenet --out /tmp/lenet.onnx --seed 3\n"
-               "  python -m models.build --all models/onnx",
+               "  python -m ps_models.build --model mlp --out models/mlp.onnx\n"
+               "  python -m ps_models.build --model lenet --out /tmp/lenet.onnx --seed 3\n"
+               "  python -m ps_models.build --all models/onnx",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", choices=sorted(BUILDERS),

@@ -1,13 +1,23 @@
-"""Generates the Python modules of protos/ps/v1 from the .proto files: the one way to make them."""
+"""Generates the Python modules of protos/ps/v1 from the .proto files: the one way to make them.
+
+The folder protos/ps installs as the package `ps_proto` (pyproject.toml's package-dir): a
+generic top-level name such as `protos` would collide with a user's own package. protoc
+sees the folder under that name (a virtual include path, `-Ips_proto=protos/ps`), so the
+generated modules import each other as `ps_proto.v1.<name>_pb2`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = Path("protos/ps/v1")
+#: The installed package name of protos/ps, and the folder it maps to.
+PACKAGE, PACKAGE_DIR = "ps_proto", Path("protos/ps")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
@@ -20,7 +30,7 @@ def generate(out_dir: Path) -> list[Path]:
     """Runs protoc (from grpcio-tools) into out_dir and returns the files it wrote.
 
     Paths are given relative to the repository root, so the generated modules import each
-    other as `protos.ps.v1.<name>_pb2`, the installed package's name.
+    other as `ps_proto.v1.<name>_pb2`, the installed package's name.
     """
     from grpc_tools import protoc  # only needed to generate, not to run
 
@@ -29,24 +39,28 @@ def generate(out_dir: Path) -> list[Path]:
     include = Path(grpc_tools.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",
-        f"-I{ROOT}",
+        f"-I{PACKAGE}={ROOT / PACKAGE_DIR}",
         f"-I{include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        *[str(ROOT / p) for p in proto_files()],
+        *[str(Path(PACKAGE) / p.relative_to(PACKAGE_DIR)) for p in proto_files()],
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    return sorted(p for p in (out_dir / PROTO_DIR).iterdir() if p.name.endswith(GENERATED_SUFFIXES))
+    written = out_dir / PACKAGE / PROTO_DIR.relative_to(PACKAGE_DIR)
+    return sorted(p for p in written.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=ROOT, help="root to write protos/ps/v1/*_pb2*.py under")
+    parser.add_argument("--out", type=Path, default=ROOT / PROTO_DIR, help="folder to write the *_pb2*.py modules to")
     args = parser.parse_args(argv)
-    for path in generate(args.out):
-        print(f"wrote {path}")
+    with tempfile.TemporaryDirectory() as scratch:
+        for path in generate(Path(scratch)):
+            target = args.out / path.name
+            shutil.copyfile(path, target)
+            print(f"wrote {target}")
     return 0
 
 

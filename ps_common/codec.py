@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common.errors import InvalidTensorError
 
 #: Largest ``data`` field in one chunk, and the most bytes of chunks packed in one message.

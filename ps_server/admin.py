@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from protos.ps.v1 import parameter_server_pb2 as pb
-from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.service import translate_errors
 
 if TYPE_CHECKING:

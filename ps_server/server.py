@@ -10,8 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.ps.v1 import parameter_server_pb2 as pb
-from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common.codec import MAX_MESSAGE_BYTES
 from ps_server import security
 from ps_server.admin import AdminServicer

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from protos.ps.v1 import parameter_server_pb2 as pb
-from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
 from ps_common.errors import (
     InitMismatchError,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common.codec import PartAssembler, spec_to_wire
 from ps_common.errors import (
     InvalidRequestError,

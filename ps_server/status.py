@@ -19,8 +19,8 @@ from typing import Any
 
 import grpc
 
-from protos.ps.v1 import parameter_server_pb2 as pb
-from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
 
 

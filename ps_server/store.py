@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common import codec
 from ps_common.errors import InitMismatchError, InvalidTensorError, NotInitializedError, UnknownTensorError
 from ps_common.shard_map import ParamSpec, Part, ShardMap, build_shard_map

@@ -16,8 +16,8 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 
-from models.builders import BUILDERS, write_model
-from models.datasets import Dataset, DatasetError, load_dataset
+from ps_models.builders import BUILDERS, write_model
+from ps_models.datasets import Dataset, DatasetError, load_dataset
 from ps_common import jobconfig
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.logs import configure_logging
@@ -28,7 +28,7 @@ from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, 
 
 log = logging.getLogger("worker_client")
 
-#: Models whose data layout models.datasets.reshape_for knows.
+#: Models whose data layout ps_models.datasets.reshape_for knows.
 _LAYOUTS = frozenset(BUILDERS)
 
 

@@ -24,8 +24,8 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from protos.ps.v1 import parameter_server_pb2 as pb
-from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
 from ps_common.errors import UNKNOWN_WORKER_MARK, InvalidTensorError, PSError
 from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map

@@ -47,8 +47,8 @@ from typing import Any, Protocol, TextIO
 import grpc
 import numpy as np
 
-from models.datasets import Dataset, iterate_batches, num_batches, worker_shard
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_models.datasets import Dataset, iterate_batches, num_batches, worker_shard
+from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PSClient, PushReport, ServerError
 from worker_client.gradients import GradientEngine
 

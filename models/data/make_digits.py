@@ -43,7 +43,7 @@ def make_digits(out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m models.data.make_digits",
+        prog="python -m ps_models.data.make_digits",
         description="Rebuild digits.npz (1797 8x8 images, pixels scaled to [0, 1], "
                     "stratified 80/20 split) from scikit-learn's load_digits.")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("digits.npz"),

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from tests.contract.wire import RPC_TIMEOUT, Target, expect_status, new_id
 
 

@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 import pytest
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common import codec
 from tests.contract.wire import Target, expect_status, new_id
 

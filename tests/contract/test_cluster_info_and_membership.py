@@ -9,7 +9,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common import codec
 from ps_common.shard_map import ParamSpec, build_shard_map
 from tests.contract.wire import MODE_NAMES, RPC_TIMEOUT, Target, Workers, expect_status, new_id

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from tests.contract.wire import Target, Workers, expect_status
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common import codec
 from tests.contract.wire import Target, Workers, expect_status, new_id
 

@@ -15,8 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
-from protos.ps.v1 import parameter_server_pb2 as pb
-from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
 from ps_common.shard_map import ParamSpec, Part, ShardMap, build_shard_map
 

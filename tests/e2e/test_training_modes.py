@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from models.builders import write_model
-from models.datasets import load_dataset
+from ps_models.builders import write_model
+from ps_models.datasets import load_dataset
 from ps_server.config import ServerConfig
 from ps_server.server import create_server
 from worker_client.client import PSClient

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from models.builders import write_model
+from ps_models.builders import write_model
 from tests.helpers.processes import ShardCluster, ShardProcess, WorkerProcess
 
 #: The lease of every fault-test shard, in seconds: short, so a dead worker is noticed soon,

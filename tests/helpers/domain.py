@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common import codec
 from ps_common.shard_map import ParamSpec, build_shard_map
 from ps_server.config import ServerConfig

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_server.checkpoint import CheckpointDirectory
 from tests.helpers.processes import READY_TIMEOUT, ShardStartError
 from worker_client.client import PSClient, RetryPolicy

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PSClient, PushReport, RetryPolicy
 
 FLAGS = ["--optimizer", "sgd", "--lr", "0.01", "--partition-min-bytes", "4096"]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos.ps.v1 import parameter_server_pb2 as pb
-from protos.ps.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common.logs import configure_logging
 from ps_server import metrics, status
 from ps_server.config import ServerConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PSClient, RetryPolicy
 
 LR = 0.5

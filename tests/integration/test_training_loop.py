@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from models.builders import write_model
-from models.datasets import Dataset, load_dataset, num_batches
+from ps_models.builders import write_model
+from ps_models.datasets import Dataset, load_dataset, num_batches
 from ps_server.config import ServerConfig
 from ps_server.server import ShardServer, create_server
 from worker_client.client import PSClient

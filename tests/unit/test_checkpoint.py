@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_server import checkpoint as ckpt
 from ps_server.checkpoint import (
     CheckpointDirectory,

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common.errors import InvalidTensorError, WaitTimeoutError
 from tests.helpers.domain import LR, FakeClock, clocks, init_shard, make_shard, pull_values, push, values
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import models
-from models.data.make_digits import stratified_split
-from models.datasets import (DIGITS_PATH, Dataset, DatasetError, iterate_batches, load_dataset,
+import ps_models
+from ps_models.data.make_digits import stratified_split
+from ps_models.datasets import (DIGITS_PATH, Dataset, DatasetError, iterate_batches, load_dataset,
                              load_npz, num_batches, reshape_for, worker_shard)
 
 
@@ -39,7 +39,7 @@ def test_digits_ship_inside_the_package_and_load_without_any_network(
     monkeypatch.setattr(socket, "socket", no_network)
     monkeypatch.setattr(socket, "create_connection", no_network)
     assert DIGITS_PATH.is_file()
-    assert DIGITS_PATH.parent.parent == Path(models.__file__).resolve().parent
+    assert DIGITS_PATH.parent.parent == Path(ps_models.__file__).resolve().parent
     ds = load_dataset("digits")
     assert ds.num_train + ds.num_test == 1797
 

@@ -1,10 +1,14 @@
 """The checked-in generated code equals what protos/generate.py makes from the .proto files."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from protos import generate
+# protos/generate.py is a script of the repository, not an installed module: load it by path.
+_SPEC = importlib.util.spec_from_file_location("generate", Path(__file__).resolve().parents[2] / "protos" / "generate.py")
+generate = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(generate)
 
 
 def test_generated_modules_are_up_to_date_with_the_proto(tmp_path: Path) -> None:
@@ -20,7 +24,7 @@ def test_generated_modules_are_up_to_date_with_the_proto(tmp_path: Path) -> None
 def test_every_rpc_and_field_of_the_contract_has_a_comment() -> None:
     from google.protobuf import descriptor_pb2
 
-    from protos.ps.v1 import parameter_server_pb2 as pb
+    from ps_proto.v1 import parameter_server_pb2 as pb
 
     text = (generate.ROOT / generate.PROTO_DIR / "parameter_server.proto").read_text().splitlines()
     service = pb.DESCRIPTOR.services_by_name["ParameterServer"]

@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common import codec
 from ps_common.logs import configure_logging
 from ps_common.shard_map import ParamSpec

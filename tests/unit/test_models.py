@@ -1,4 +1,4 @@
-"""Unit tests of the bundled ONNX model builders and the models.build command line."""
+"""Unit tests of the bundled ONNX model builders and the ps_models.build command line."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
-from models import build as build_cli
-from models.builders import (BATCH_DIM, BUILDERS, IR_VERSION, OPSET, build_lenet, build_mlp,
+from ps_models import build as build_cli
+from ps_models.builders import (BATCH_DIM, BUILDERS, IR_VERSION, OPSET, build_lenet, build_mlp,
                              build_tiny_transformer, input_name_of, write_model)
 
 NAMES = sorted(BUILDERS)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common import codec
 from ps_common.errors import (
     InitMismatchError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protos.ps.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PushReport
 from worker_client.training import TrainingPlan, format_event, sync_min_steps
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.ps.v1 import parameter_server_pb2 as protos_dot_ps_dot_v1_dot_parameter__server__pb2
+from ps_proto.v1 import parameter_server_pb2 as ps__proto_dot_v1_dot_parameter__server__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/ps/v1/parameter_server_pb2_grpc.py depends on'
+        + ' but the generated code in ps_proto/v1/parameter_server_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,43 +38,43 @@ class ParameterServerStub:
         """
         self.InitParameters = channel.stream_unary(
                 '/ps.v1.ParameterServer/InitParameters',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.InitRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.InitResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.InitRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.InitResponse.FromString,
                 _registered_method=True)
         self.Push = channel.stream_unary(
                 '/ps.v1.ParameterServer/Push',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.PushRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/ps.v1.ParameterServer/Pull',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.PullResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullResponse.FromString,
                 _registered_method=True)
         self.Barrier = channel.unary_unary(
                 '/ps.v1.ParameterServer/Barrier',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.BarrierRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.BarrierResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.BarrierRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.BarrierResponse.FromString,
                 _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/ps.v1.ParameterServer/RegisterWorker',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.RegisterWorkerResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/ps.v1.ParameterServer/Heartbeat',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.HeartbeatResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.DeregisterWorker = channel.unary_unary(
                 '/ps.v1.ParameterServer/DeregisterWorker',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.DeregisterWorkerRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.DeregisterWorkerResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.DeregisterWorkerRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.DeregisterWorkerResponse.FromString,
                 _registered_method=True)
         self.GetClusterInfo = channel.unary_unary(
                 '/ps.v1.ParameterServer/GetClusterInfo',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ClusterInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ClusterInfo.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfoRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfo.FromString,
                 _registered_method=True)
 
 
@@ -154,43 +154,43 @@ def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'InitParameters': grpc.stream_unary_rpc_method_handler(
                     servicer.InitParameters,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.InitRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.InitResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.InitRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.InitResponse.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.PushRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.PushResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushResponse.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.PullRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.PullResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullResponse.SerializeToString,
             ),
             'Barrier': grpc.unary_unary_rpc_method_handler(
                     servicer.Barrier,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.BarrierRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.BarrierResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.BarrierRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.BarrierResponse.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.RegisterWorkerResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.RegisterWorkerResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.HeartbeatResponse.SerializeToString,
             ),
             'DeregisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.DeregisterWorker,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.DeregisterWorkerRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.DeregisterWorkerResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.DeregisterWorkerRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.DeregisterWorkerResponse.SerializeToString,
             ),
             'GetClusterInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetClusterInfo,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ClusterInfoRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ClusterInfo.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfoRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,8 +220,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/ps.v1.ParameterServer/InitParameters',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.InitRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.InitResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.InitRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.InitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -247,8 +247,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/ps.v1.ParameterServer/Push',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.PushRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -274,8 +274,8 @@ class ParameterServer:
             request,
             target,
             '/ps.v1.ParameterServer/Pull',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.PullResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -301,8 +301,8 @@ class ParameterServer:
             request,
             target,
             '/ps.v1.ParameterServer/Barrier',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.BarrierRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.BarrierResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.BarrierRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.BarrierResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -328,8 +328,8 @@ class ParameterServer:
             request,
             target,
             '/ps.v1.ParameterServer/RegisterWorker',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.RegisterWorkerRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.RegisterWorkerResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.RegisterWorkerRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.RegisterWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -355,8 +355,8 @@ class ParameterServer:
             request,
             target,
             '/ps.v1.ParameterServer/Heartbeat',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.HeartbeatResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -382,8 +382,8 @@ class ParameterServer:
             request,
             target,
             '/ps.v1.ParameterServer/DeregisterWorker',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.DeregisterWorkerRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.DeregisterWorkerResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.DeregisterWorkerRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.DeregisterWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -409,8 +409,8 @@ class ParameterServer:
             request,
             target,
             '/ps.v1.ParameterServer/GetClusterInfo',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ClusterInfoRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ClusterInfo.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfoRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -436,18 +436,18 @@ class AdminStub:
         """
         self.Checkpoint = channel.unary_unary(
                 '/ps.v1.Admin/Checkpoint',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/ps.v1.Admin/Shutdown',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
         self.ResetParameters = channel.unary_unary(
                 '/ps.v1.Admin/ResetParameters',
-                request_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersRequest.SerializeToString,
-                response_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersResponse.FromString,
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ResetParametersRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ResetParametersResponse.FromString,
                 _registered_method=True)
 
 
@@ -486,18 +486,18 @@ def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.CheckpointRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.CheckpointResponse.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ShutdownRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ShutdownResponse.SerializeToString,
             ),
             'ResetParameters': grpc.unary_unary_rpc_method_handler(
                     servicer.ResetParameters,
-                    request_deserializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersRequest.FromString,
-                    response_serializer=protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersResponse.SerializeToString,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ResetParametersRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ResetParametersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,8 +528,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/Checkpoint',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.CheckpointResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.CheckpointRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -555,8 +555,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/Shutdown',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ShutdownResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.ShutdownRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.ShutdownResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -582,8 +582,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/ResetParameters',
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersRequest.SerializeToString,
-            protos_dot_ps_dot_v1_dot_parameter__server__pb2.ResetParametersResponse.FromString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.ResetParametersRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.ResetParametersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,48 +1,185 @@
-"""The typed error catalog; only the service boundary turns these into gRPC status codes."""
+"""The one error catalog: every error the project raises on purpose, with its status and reason.
+
+Each class names, as class attributes, the gRPC status code it maps to at the service
+boundary (`status`, the name of a `grpc.StatusCode`; None for errors that never cross
+the wire) and a stable machine-readable `reason`. The server sends the reason in the
+trailing metadata key `REASON_KEY`; the client maps it back to the same class with
+`error_for_reason`, so no code ever matches message text. The table is used both ways.
+
+Errors raised only on one side (a corrupt checkpoint, a bad data set, a model that cannot
+be differentiated, a launch that cannot start) belong here too, so one place lists
+everything a user can be told, and every tool maps them to exit codes the same way.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+#: Trailing-metadata key carrying an error's `reason` from the server to the client.
+REASON_KEY = "ps-error-reason"
+
+
+_BY_REASON: dict[str, type["PSError"]] = {}
+
 
 class PSError(Exception):
-    """Base of every error the parameter server raises on purpose."""
+    """Base of every error the parameter server raises on purpose.
+
+    A subclass that sets `reason` in its own body joins the catalog (a reason names one
+    class only); one that inherits it (ServerError.remote's classes) does not.
+    """
+
+    status: ClassVar[str | None] = "INTERNAL"
+    reason: ClassVar[str] = "PS_ERROR"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "reason" in cls.__dict__:
+            other = _BY_REASON.setdefault(cls.reason, cls)
+            if other is not cls:
+                raise TypeError(f"error reason {cls.reason!r} is taken by {other.__qualname__}; "
+                                f"{cls.__qualname__} needs its own")
+
+
+# ---------------------------------------------------------------------- the wire (shard rpcs)
 
 
 class UnknownTensorError(PSError):
     """A tensor name (or a row range of one) that the model does not have: NOT_FOUND."""
 
+    status, reason = "NOT_FOUND", "UNKNOWN_TENSOR"
+
 
 class UnknownWorkerError(PSError):
-    """A worker id that is not registered (or whose lease was dropped): NOT_FOUND."""
+    """A worker id that is not registered (or whose lease was dropped): NOT_FOUND; the client registers again."""
 
-
-#: Words every UnknownWorkerError message holds, so a client can tell it from an unknown
-#: tensor (both are NOT_FOUND) and register again, e.g. after a shard restart.
-UNKNOWN_WORKER_MARK = "is not registered on this shard"
+    status, reason = "NOT_FOUND", "UNKNOWN_WORKER"
 
 
 class InvalidTensorError(PSError):
     """Wrong dtype, shape, byte count or row range for a tensor: INVALID_ARGUMENT."""
 
+    status, reason = "INVALID_ARGUMENT", "INVALID_TENSOR"
+
 
 class InvalidRequestError(PSError):
-    """A request whose fields are out of range or inconsistent: INVALID_ARGUMENT."""
+    """A request whose fields are out of range, inconsistent or do not parse: INVALID_ARGUMENT."""
+
+    status, reason = "INVALID_ARGUMENT", "INVALID_REQUEST"
 
 
 class NotInitializedError(PSError):
     """Push or pull before the parameters were initialized: FAILED_PRECONDITION."""
 
+    status, reason = "FAILED_PRECONDITION", "NOT_INITIALIZED"
+
 
 class InitMismatchError(PSError):
     """A re-initialization whose parameter list differs from the one in place: FAILED_PRECONDITION."""
+
+    status, reason = "FAILED_PRECONDITION", "INIT_MISMATCH"
+
+
+class CheckpointUnavailableError(PSError):
+    """A checkpoint asked for where there is nothing or nowhere to write it: FAILED_PRECONDITION."""
+
+    status, reason = "FAILED_PRECONDITION", "CHECKPOINT_UNAVAILABLE"
 
 
 class WaitTimeoutError(PSError):
     """A wait (sync step, SSP hold, barrier) that ran out of time: DEADLINE_EXCEEDED."""
 
+    status, reason = "DEADLINE_EXCEEDED", "WAIT_TIMEOUT"
+
 
 class ShuttingDownError(PSError):
-    """The shard is stopping and refuses new work: UNAVAILABLE."""
+    """The shard is stopping, or was reset while the call waited: UNAVAILABLE."""
+
+    status, reason = "UNAVAILABLE", "SHUTTING_DOWN"
+
+
+class ResourceExhaustedError(PSError):
+    """A request over a configured limit (size, count, concurrent calls): RESOURCE_EXHAUSTED."""
+
+    status, reason = "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED"
 
 
 class PermissionDeniedError(PSError):
     """A caller without the role an rpc needs: PERMISSION_DENIED."""
+
+    status, reason = "PERMISSION_DENIED", "PERMISSION_DENIED"
+
+
+class UnauthenticatedError(PSError):
+    """A caller without valid credentials: UNAUTHENTICATED."""
+
+    status, reason = "UNAUTHENTICATED", "UNAUTHENTICATED"
+
+
+class CheckpointWriteError(PSError):
+    """A checkpoint that could not be written (disk full, permissions): INTERNAL, named in the shard's log."""
+
+    status, reason = "INTERNAL", "CHECKPOINT_WRITE_FAILED"
+
+
+# ---------------------------------------------------------------------- one side only
+
+
+class CheckpointError(PSError):
+    """Base of the errors reading a checkpoint back."""
+
+    status, reason = None, "CHECKPOINT"
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file that does not read back whole: truncated, bad header, missing tensor, checksum mismatch."""
+
+    reason = "CHECKPOINT_CORRUPT"
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A valid checkpoint that does not fit this shard's configuration (shard index, shards, mode, ...)."""
+
+    reason = "CHECKPOINT_MISMATCH"
+
+
+class ServerError(PSError):
+    """A shard answered an rpc with an error status (client side, after retries for UNAVAILABLE).
+
+    The client raises `ServerError.remote(cls)`: a class that is both the catalog class the
+    server named in its reason (UnknownWorkerError, WaitTimeoutError, ...) and ServerError,
+    so callers catch either. `code` is the grpc.StatusCode, `address` the shard's.
+    """
+
+    status, reason = None, "SERVER_ERROR"
+    _remote: ClassVar[dict[type, type]] = {}
+
+    def __init__(self, message: str, code: object = None, address: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.address = address
+
+    @classmethod
+    def remote(cls, error: type[PSError] | None) -> type["ServerError"]:
+        """The class a client raises for a server error of catalog class `error` (ServerError itself for None)."""
+        if error is None or issubclass(error, ServerError):
+            return cls
+        found = cls._remote.get(error)
+        if found is None:
+            found = cls._remote[error] = type(error.__name__, (error, cls), {"__doc__": error.__doc__,
+                                                                             "__module__": error.__module__})
+        return found
+
+
+def error_for_reason(reason: str) -> type[PSError] | None:
+    """The catalog class of a machine-readable reason (as sent in REASON_KEY), or None when unknown.
+
+    The catalog holds every PSError subclass imported so far (the gradient engine's and
+    the data sets' join when their modules are imported).
+    """
+    return _BY_REASON.get(reason)
+
+
+def catalog() -> dict[str, type[PSError]]:
+    """Every error class by reason, for docs and tests."""
+    return dict(sorted(_BY_REASON.items()))

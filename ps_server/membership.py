@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ps_common.errors import UNKNOWN_WORKER_MARK, UnknownWorkerError
+from ps_common.errors import UnknownWorkerError
 
 #: How many recent push outcomes per worker are kept to answer retries.
 DEDUP_WINDOW = 8
@@ -46,7 +46,7 @@ class Membership:
         try:
             return self.workers[worker_id]
         except KeyError:
-            raise UnknownWorkerError(f"worker {worker_id!r} {UNKNOWN_WORKER_MARK}; call RegisterWorker") from None
+            raise UnknownWorkerError(f"worker {worker_id!r} is not registered on this shard; call RegisterWorker") from None
 
     def renew(self, worker_id: str) -> WorkerRecord:
         """Extends the lease of a registered worker."""

@@ -16,6 +16,7 @@ from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
 from ps_common.errors import (
+    REASON_KEY,
     InitMismatchError,
     InvalidRequestError,
     InvalidTensorError,
@@ -61,6 +62,7 @@ def translate_errors(method: Callable) -> Callable:
         try:
             return method(self, request, context)
         except PSError as exc:
+            context.set_trailing_metadata(((REASON_KEY, exc.reason),))
             context.abort(status_of(exc), str(exc))
         except Exception as exc:  # a bug: log it, keep serving
             log.exception("internal error in %s", method.__name__)

@@ -27,7 +27,8 @@ import numpy as np
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
-from ps_common.errors import UNKNOWN_WORKER_MARK, InvalidTensorError, PSError
+from ps_common.errors import (REASON_KEY, InvalidTensorError, NotInitializedError, ServerError, UnknownWorkerError,
+                              error_for_reason)
 from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,17 @@ T = TypeVar("T")
 RECONNECT_BACKOFF_MS = (200, 2000)
 
 
-class ServerError(PSError):
-    """A shard answered with a non-OK status (after retries, for UNAVAILABLE)."""
+def reason_of(exc: grpc.RpcError) -> str:
+    """The catalog reason a shard sent with an error status (trailing metadata), or "" when none."""
+    for key, value in (exc.trailing_metadata() or ()):
+        if key == REASON_KEY:
+            return value
+    return ""
 
-    def __init__(self, message: str, code: grpc.StatusCode, address: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.address = address
+
+def server_error(exc: grpc.RpcError, message: str, address: str) -> ServerError:
+    """The typed error for a failed rpc: the catalog class the shard named, which is also a ServerError."""
+    return ServerError.remote(error_for_reason(reason_of(exc)))(message, exc.code(), address)
 
 
 @dataclass(frozen=True)
@@ -188,8 +193,8 @@ class PSClient:
                     prefix = f" after {elapsed:.1f} s"
                 else:
                     prefix = ""
-                raise ServerError(f"{what} on shard {shard} ({self.addresses[shard]}) failed{prefix}: "
-                                  f"{code.name}: {details}", code, self.addresses[shard]) from exc
+                raise server_error(exc, f"{what} on shard {shard} ({self.addresses[shard]}) failed{prefix}: "
+                                        f"{code.name}: {details}", self.addresses[shard]) from exc
 
     def _on_all(self, what: str, fn: Callable[[int, pb_grpc.ParameterServerStub], T]) -> list[T]:
         """fn(shard, stub) on every shard concurrently, each with retries; results in shard order."""
@@ -224,7 +229,7 @@ class PSClient:
         info = self.cluster_info(0)
         self._check_shards(info)
         if not info.initialized:
-            raise ServerError(f"shard 0 ({self.addresses[0]}) is not initialized: no shard map yet",
+            raise ServerError.remote(NotInitializedError)(f"shard 0 ({self.addresses[0]}) is not initialized: no shard map yet",
                               grpc.StatusCode.FAILED_PRECONDITION, self.addresses[0])
         specs = [ParamSpec(s.name, codec.dtype_name(s.dtype), tuple(s.shape)) for s in info.parameters]
         self.shard_map = build_shard_map(specs, self.num_shards, partition_min_bytes=info.partition_min_bytes)
@@ -294,7 +299,7 @@ class PSClient:
                 try:
                     stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id), timeout=5, metadata=self.metadata)
                 except grpc.RpcError as exc:
-                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    if reason_of(exc) == UnknownWorkerError.reason:
                         try:
                             stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=5,
                                                 metadata=self.metadata)
@@ -449,7 +454,7 @@ class PSClient:
             except grpc.RpcError as exc:
                 # A restarted shard may not know this worker (it registered after the shard's
                 # last checkpoint): register again and send once more. The push was not taken.
-                if exc.code() != grpc.StatusCode.NOT_FOUND or UNKNOWN_WORKER_MARK not in (exc.details() or ""):
+                if reason_of(exc) != UnknownWorkerError.reason:
                     raise
                 log.info("shard %d forgot worker %s; registering again", shard, self.worker_id)
                 stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout,

@@ -3,7 +3,7 @@
 For each tensor size and shard count, it starts the shards (and, beside them, the same
 number of baseline servers) as separate processes on 127.0.0.1, then times push and pull
 of one float32 tensor through both, alternating between the two so that machine noise
-hits both alike. It prints one JSON line per measurement, as SPEC.md says:
+hits both alike. It prints one JSON line per measurement (docs/benchmarks.md):
 `{"system", "metric", "size_mb", "value", "unit"}` (plus `shards`), and a ratio line
 `system: "onnx-ps/grpc-raw"` per pair. Compare ratios, never absolute figures: the
 machines are shared and noisy.

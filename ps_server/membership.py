@@ -1,4 +1,5 @@
-"""Worker leases and clocks on one shard: who is live, and how far each worker has pushed."""
+"""Worker leases and clocks on one shard: who is live, how far each worker has pushed, and the
+outcomes of its recent pushes (so a retried push is acknowledged, never applied twice)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,23 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ps_common.errors import UnknownWorkerError
+from ps_server.consistency import DropReason
 
 #: How many recent push outcomes per worker are kept to answer retries.
 DEDUP_WINDOW = 8
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """The outcome of one push, as reported to the worker and remembered for its retries."""
+
+    accepted: bool
+    drop_reason: DropReason
+    message: str
+    step: int
+    clock: int
+    duplicate: bool = False
+    aggregated: int = 0
 
 
 @dataclass
@@ -20,7 +35,7 @@ class WorkerRecord:
     worker_id: str
     clock: int = 0                      # pushes taken from this worker (next push's clock)
     lease_expires: float = 0.0          # monotonic time
-    outcomes: OrderedDict[int, object] = field(default_factory=OrderedDict)  # clock -> PushResponse
+    outcomes: OrderedDict[int, PushResult] = field(default_factory=OrderedDict)  # clock -> first outcome
 
 
 class Membership:
@@ -84,8 +99,18 @@ class Membership:
         """Seconds left on the lease (0 when expired)."""
         return max(0.0, record.lease_expires - self._now())
 
-    def remember(self, record: WorkerRecord, clock: int, outcome: object) -> None:
+    def remember(self, record: WorkerRecord, clock: int, outcome: PushResult) -> None:
         """Keeps the outcome of the push at `clock` for answering its retries."""
         record.outcomes[clock] = outcome
         while len(record.outcomes) > DEDUP_WINDOW:
             record.outcomes.popitem(last=False)
+
+    def replace(self, workers: dict[str, WorkerRecord], live: list[str]) -> None:
+        """Takes a checkpoint's workers; those live at the cut get a fresh lease (leases do not survive a process)."""
+        self.workers = workers
+        for worker_id in live:
+            self.renew(worker_id)
+
+    def clear(self) -> None:
+        """Forgets every worker (Admin.ResetParameters)."""
+        self.workers.clear()

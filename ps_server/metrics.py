@@ -1,6 +1,6 @@
 """Prometheus metrics of one shard, on the shard server's own registry, and their HTTP endpoint.
 
-Counts and histograms come from the shard's events (`Shard.listeners`) and from a gRPC
+Counts and histograms come from the shard's events (`Shard.events`) and from a gRPC
 interceptor that times every ps.v1 rpc; state (step, clocks, live workers, effective
 replicas, bytes held) is read from the shard at scrape time, so it is never out of date.
 Every metric carries a `shard` label. Each ShardServer has its own CollectorRegistry, so
@@ -42,10 +42,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_server.status import owned_parts_and_bytes
+from ps_server.consistency import DropReason, Mode
 
 if TYPE_CHECKING:
-    from ps_server.server import ShardServer
     from ps_server.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -59,18 +58,18 @@ LATENCY_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5
 #: Staleness buckets in steps (t - read_step).
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 
-#: DropReason -> the `reason` label.
+#: DropReason -> the `reason` label (the series that exist from the start).
 REASONS = {
-    pb.DROP_REASON_UNSPECIFIED: "none",
-    pb.DROP_STALE: "stale",
-    pb.DROP_ALREADY_CONTRIBUTED: "already_contributed",
+    DropReason.NONE: "none",
+    DropReason.STALE: "stale",
+    DropReason.ALREADY_CONTRIBUTED: "already_contributed",
 }
 
 
 class ShardMetrics:
     """The metrics of one shard: a registry, the event listener, the rpc interceptor, the HTTP endpoint.
 
-    Thread-safe. Creating it subscribes to `shard.listeners`; `serve` starts the endpoint
+    Thread-safe. Creating it subscribes to `shard.events`; `serve` starts the endpoint
     and `close` stops it.
     """
 
@@ -99,7 +98,7 @@ class ShardMetrics:
         # Every push series exists from the start (at 0), so rates and alerts work before the first drop.
         self.pushes.labels(self.label, "accepted", "none")
         for reason, label in REASONS.items():
-            if reason != pb.DROP_REASON_UNSPECIFIED:
+            if reason != DropReason.NONE:
                 self.pushes.labels(self.label, "dropped", label)
         r.register(_ShardStateCollector(shard, self.label))
         if process:
@@ -110,7 +109,7 @@ class ShardMetrics:
         self._http = None
         self._http_thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        shard.listeners.append(self.on_event)
+        shard.events.subscribe(self.on_event)
 
     # ------------------------------------------------------------------ events
 
@@ -168,32 +167,23 @@ class ShardMetrics:
                 if self._http_thread is not None:
                     self._http_thread.join(timeout=5)
                 self._http = self._http_thread = None
-        if self.on_event in self.shard.listeners:
-            self.shard.listeners.remove(self.on_event)
+        self.shard.events.unsubscribe(self.on_event)
 
 
 def _reason_label(reason: int) -> str:
-    """The `reason` label of a DropReason value (a value newer than this module gets its proto name)."""
+    """The `reason` label of a DropReason value (one without a fixed label gets its lower-case name)."""
     if reason in REASONS:
         return REASONS[reason]
     try:
-        return pb.DropReason.Name(reason).removeprefix("DROP_").lower()
+        return DropReason(reason).name.lower()
     except ValueError:
         return str(reason)
-
-
-def serve(shard_server: "ShardServer", port: int = 0, host: str = "127.0.0.1") -> int:
-    """Serves the shard server's metrics on http://host:port/metrics; returns the port actually bound.
-
-    The endpoint stops with `shard_server.stop()`.
-    """
-    return shard_server.metrics.serve(port, host)
 
 
 # ---------------------------------------------------------------------- state read at scrape time
 
 class _ShardStateCollector(Collector):
-    """Gauges read from the shard's cluster info at each scrape (one consistent snapshot under its lock)."""
+    """Gauges read from the shard's view at each scrape (one consistent read under its lock)."""
 
     def __init__(self, shard: "Shard", label: str) -> None:
         self.shard = shard
@@ -215,22 +205,21 @@ class _ShardStateCollector(Collector):
         )
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        info = self.shard.cluster_info()
+        view = self.shard.view()
         step, initialized, parts, nbytes, registered, live, clocks = self._families()
-        parts_here, bytes_here = owned_parts_and_bytes(info)
-        step.add_metric([self.label], info.step)
-        initialized.add_metric([self.label], 1 if info.initialized else 0)
-        parts.add_metric([self.label], parts_here)
-        nbytes.add_metric([self.label], bytes_here)
-        registered.add_metric([self.label], len(info.workers))
-        live.add_metric([self.label], sum(1 for w in info.workers if w.live))
-        for w in info.workers:
+        step.add_metric([self.label], view.step)
+        initialized.add_metric([self.label], 1 if view.initialized else 0)
+        parts.add_metric([self.label], view.parts_held)
+        nbytes.add_metric([self.label], view.bytes_held)
+        registered.add_metric([self.label], len(view.workers))
+        live.add_metric([self.label], sum(1 for w in view.workers if w.live))
+        for w in view.workers:
             clocks.add_metric([self.label, w.worker_id], w.clock)
         yield from (step, initialized, parts, nbytes, registered, live, clocks)
-        if info.mode == pb.MODE_SYNC:
+        if view.policy.mode is Mode.SYNC:
             effective = GaugeMetricFamily("ps_effective_replicas", "sync: gradients a step waits for, "
                                           "min(N, live workers), at least 1", labels=["shard"])
-            effective.add_metric([self.label], info.effective_replicas)
+            effective.add_metric([self.label], view.policy.effective_replicas)
             yield effective
 
 

@@ -1,4 +1,8 @@
-"""Starts one shard's gRPC server: ps.v1.ParameterServer, grpc.health.v1.Health and reflection."""
+"""The composition root of one shard process: builds the Shard, its metrics, checkpoints and services,
+and starts the gRPC server (ps.v1.ParameterServer, ps.v1.Admin, grpc.health.v1.Health, reflection).
+
+This is the one module that wires things together; nothing imports it but the CLI and tests.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +14,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps_common.codec import MAX_MESSAGE_BYTES
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from ps_common.codec import MAX_MESSAGE_BYTES
-from ps_server import security
+from ps_server import security, service
 from ps_server.admin import AdminServicer
-from ps_server.checkpoint import Checkpointer
+from ps_server.checkpoints import Checkpointer
 from ps_server.config import ServerConfig
+from ps_server.consistency import ConsistencyPolicy
 from ps_server.metrics import ShardMetrics
-from ps_server import service
 from ps_server.service import ParameterServerServicer
 from ps_server.shard import Shard
 
@@ -31,11 +35,11 @@ ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 class ShardServer:
     """A running shard: the gRPC server, the Shard behind it, and its lease-reaper thread."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, policy: ConsistencyPolicy | None = None) -> None:
         self.config = config
         security.check_bind(config)   # plaintext on a non-loopback host only when config.insecure
         credentials = security.server_credentials(config)   # None: plaintext
-        self.shard = Shard(config)
+        self.shard = Shard(config, policy=policy)
         self.metrics = ShardMetrics(self.shard)   # its own registry; metrics.serve() starts the endpoint
         # Restored before the port is bound: no rpc ever sees the state from before the restore.
         self.checkpointer = Checkpointer(self.shard, config) if config.checkpoint_dir else None
@@ -52,7 +56,7 @@ class ShardServer:
             interceptors=[self.metrics.interceptor, *security.interceptors(config)],
         )
         service.add_to_server(ParameterServerServicer(self.shard), self.server)
-        pb_grpc.add_AdminServicer_to_server(AdminServicer(self), self.server)
+        pb_grpc.add_AdminServicer_to_server(AdminServicer(self.shard, self.checkpointer, self.stop), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

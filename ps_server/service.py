@@ -1,7 +1,8 @@
-"""The gRPC boundary: thin ps.v1.ParameterServer handlers over the Shard, errors mapped to status codes.
+"""The gRPC boundary of ps.v1.ParameterServer: thin handlers over the Shard.
 
-Each handler does the same four things in order: check the request, call the domain,
-translate a typed error into a status, fill the response.
+Each handler reads the same four things in order: check the request (decode it with the
+codec), call the domain, translate a typed error into a status, fill the response. Only
+this module (with ps_server/admin.py and ps_server/pull_cache.py) knows the wire types.
 """
 
 from __future__ import annotations
@@ -12,58 +13,42 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from ps_common import codec
+from ps_common.errors import REASON_KEY, InvalidRequestError, PSError
+from ps_common.shard_map import ParamSpec
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from ps_common import codec
-from ps_common.errors import (
-    REASON_KEY,
-    InitMismatchError,
-    InvalidRequestError,
-    InvalidTensorError,
-    NotInitializedError,
-    PermissionDeniedError,
-    PSError,
-    ShuttingDownError,
-    UnknownTensorError,
-    UnknownWorkerError,
-    WaitTimeoutError,
-)
-from ps_common.shard_map import ParamSpec
-from ps_server.shard import Shard
+from ps_server.consistency import Mode
+from ps_server.membership import PushResult
+from ps_server.pull_cache import PullCache
+from ps_server.shard import Shard, ShardView
 
 log = logging.getLogger(__name__)
 
-#: The one catalog from domain errors to gRPC status codes.
-STATUS_OF: dict[type[PSError], grpc.StatusCode] = {
-    UnknownTensorError: grpc.StatusCode.NOT_FOUND,
-    UnknownWorkerError: grpc.StatusCode.NOT_FOUND,
-    InvalidTensorError: grpc.StatusCode.INVALID_ARGUMENT,
-    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    NotInitializedError: grpc.StatusCode.FAILED_PRECONDITION,
-    InitMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
-    WaitTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ShuttingDownError: grpc.StatusCode.UNAVAILABLE,
-    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
-}
+#: The domain's modes on the wire.
+WIRE_MODE = {Mode.SYNC: pb.MODE_SYNC, Mode.SSP: pb.MODE_SSP, Mode.ASYNC: pb.MODE_ASYNC}
 
 
 def status_of(exc: PSError) -> grpc.StatusCode:
-    for cls in type(exc).__mro__:
-        if cls in STATUS_OF:
-            return STATUS_OF[cls]
-    return grpc.StatusCode.INTERNAL
+    """The status code the catalog gives an error (INTERNAL for one that never should cross the wire)."""
+    return getattr(grpc.StatusCode, exc.status or "INTERNAL", grpc.StatusCode.INTERNAL)
+
+
+def abort_with(context: grpc.ServicerContext, exc: PSError) -> None:
+    """Ends the rpc with the error's status, its message, and its reason in the trailing metadata."""
+    context.set_trailing_metadata(((REASON_KEY, exc.reason),))
+    context.abort(status_of(exc), str(exc))
 
 
 def translate_errors(method: Callable) -> Callable:
-    """Turns typed domain errors into `context.abort(code, message)`; anything else is INTERNAL."""
+    """Turns typed domain errors into their status (abort_with); anything else is a bug: INTERNAL."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
         except PSError as exc:
-            context.set_trailing_metadata(((REASON_KEY, exc.reason),))
-            context.abort(status_of(exc), str(exc))
+            abort_with(context, exc)
         except Exception as exc:  # a bug: log it, keep serving
             log.exception("internal error in %s", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}: {exc}")
@@ -95,6 +80,13 @@ def _header_and_chunks(requests: Iterator[bytes], rpc: str, header_type):
     return parsed, all_chunks()
 
 
+def _assemble(chunks: Iterator[codec.ChunkView], layout) -> dict:
+    assembler = codec.PartAssembler(layout)
+    for chunk in chunks:
+        assembler.add(chunk)
+    return assembler.finish()
+
+
 def _pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
     """A response serializer that sends already-serialized messages (bytes) as they are."""
 
@@ -104,10 +96,38 @@ def _pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], byte
     return serializer
 
 
+def push_response(result: PushResult) -> pb.PushResponse:
+    return pb.PushResponse(outcome=pb.PUSH_ACCEPTED if result.accepted else pb.PUSH_DROPPED,
+                           drop_reason=int(result.drop_reason), message=result.message, step=result.step,
+                           clock=result.clock, duplicate=result.duplicate, aggregated=result.aggregated)
+
+
+def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
+    """ClusterInfo from the shard's configuration and a view of its state."""
+    c = shard.config
+    info = pb.ClusterInfo(
+        shard_index=c.shard_index, num_shards=c.num_shards, mode=WIRE_MODE[view.policy.mode],
+        replicas_to_aggregate=c.replicas_to_aggregate, total_replicas=c.total_replicas,
+        staleness=-1 if c.staleness == float("inf") else int(c.staleness), max_staleness=c.max_staleness,
+        step=view.step, initialized=view.initialized, optimizer=view.optimizer,
+        partition_min_bytes=c.partition_min_bytes, chunk_bytes=c.chunk_bytes, dropped_stale=view.dropped,
+        effective_replicas=view.policy.effective_replicas,
+    )
+    if view.shard_map is not None:
+        for spec in sorted(view.shard_map.specs.values(), key=lambda s: s.name):
+            info.parameters.append(codec.spec_to_wire(spec.name, spec.dtype, spec.shape))
+        for part in view.shard_map.parts:
+            info.parts.add(name=part.name, row_start=part.row_start, row_end=part.row_end, shard=part.shard)
+    for w in view.workers:
+        info.workers.add(worker_id=w.worker_id, clock=w.clock, live=w.live,
+                         lease_remaining_ms=int(w.lease_remaining * 1000))
+    return info
+
+
 def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
     """Registers ps.v1.ParameterServer, as the generated add_ParameterServerServicer_to_server
-    does, except that Pull may yield pre-serialized bytes: a part's large chunks are
-    serialized once per version (ps_server/store.py), not once per pull."""
+    does, except that Pull may yield pre-serialized bytes (ps_server/pull_cache.py) and Push
+    and InitParameters take raw bytes, walked by the codec without copying tensor data."""
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
@@ -119,7 +139,7 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
         if method.name == "Pull":
             serialize = _pass_bytes(serialize)
         if method.name in ("Push", "InitParameters"):
-            deserialize = None   # raw bytes: _header_and_chunks walks them without copying tensor data
+            deserialize = None
         handlers[method.name] = kinds[(method.client_streaming, method.server_streaming)](
             getattr(servicer, method.name), request_deserializer=deserialize, response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
@@ -131,35 +151,32 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
+        self.pull_cache = PullCache(shard.config.chunk_bytes)
 
     @translate_errors
     def InitParameters(self, request_iterator, context):
         header, chunks = _header_and_chunks(request_iterator, "InitParameters", pb.InitHeader)
-        specs = []
-        for s in header.parameters:
-            specs.append(ParamSpec(name=s.name, dtype=codec.dtype_from_wire(s.dtype, name=s.name).name,
-                                   shape=tuple(int(d) for d in s.shape)))
-        already, step, nparts = self.shard.initialize(specs, chunks, header.worker_id)
+        specs = [ParamSpec(name=s.name, dtype=codec.dtype_from_wire(s.dtype, name=s.name).name,
+                           shape=tuple(int(d) for d in s.shape)) for s in header.parameters]
+        values = _assemble(chunks, self.shard.init_layout(specs))
+        already, step, nparts = self.shard.initialize(specs, values, header.worker_id)
         return pb.InitResponse(already_initialized=already, step=step, num_parts=nparts)
 
     @translate_errors
     def Push(self, request_iterator, context):
-        h, chunks = _header_and_chunks(request_iterator, "Push", pb.PushHeader)
-        grads = self.shard.decode(chunks)
-        r = self.shard.push(h.worker_id, h.clock, h.read_step, grads)
-        return pb.PushResponse(outcome=pb.PUSH_ACCEPTED if r.accepted else pb.PUSH_DROPPED, drop_reason=r.drop_reason,
-                               message=r.message, step=r.step, clock=r.clock, duplicate=r.duplicate, aggregated=r.aggregated)
+        header, chunks = _header_and_chunks(request_iterator, "Push", pb.PushHeader)
+        grads = _assemble(chunks, self.shard.push_layout())
+        return push_response(self.shard.push(header.worker_id, header.clock, header.read_step, grads))
 
     def Pull(self, request, context):
         # A generator handler: errors must be raised before the first yield to abort cleanly.
-        messages = self._pull(request, context)
-        yield from messages
+        yield from self._pull(request, context)
 
     @translate_errors
-    def _pull(self, request, context) -> list[pb.PullResponse]:
+    def _pull(self, request, context) -> list[pb.PullResponse | bytes]:
         timeout = self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())
         return self.shard.pull(list(request.names), min_step=request.min_step, worker_id=request.worker_id,
-                               clock=request.clock, timeout=timeout)
+                               clock=request.clock, timeout=timeout, read=self.pull_cache.messages)
 
     @translate_errors
     def Barrier(self, request, context):
@@ -184,4 +201,4 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @translate_errors
     def GetClusterInfo(self, request, context):
-        return self.shard.cluster_info()
+        return cluster_info(self.shard, self.shard.view())

@@ -1,10 +1,11 @@
-"""One shard's domain logic: where a push goes, when a pull is answered, who is live.
+"""One shard's domain: where a push goes, when a pull is answered, who is live.
 
-The shard owns the store (values and optimizer state), the membership (leases and
-clocks), the consistency policy and the barriers. Every state change happens under one
-condition variable, and every change that could release a waiter notifies it. Requests
-are fully decoded and checked before the lock is taken, so a rejected request changes
-nothing.
+The shard owns the store (values and optimizer state), the membership (leases, clocks and
+recent push outcomes), the consistency policy and the barriers, and coordinates them under
+one condition variable; every change that could release a waiter notifies it. It takes
+and returns domain values (arrays, dataclasses): decoding requests and building responses
+is the service boundary's job (ps_server/service.py). Requests are checked before the
+lock is taken, so a rejected request changes nothing.
 """
 
 from __future__ import annotations
@@ -12,86 +13,133 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
-from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_common.codec import PartAssembler, spec_to_wire
 from ps_common.errors import (
+    CheckpointMismatchError,
     InvalidRequestError,
     NotInitializedError,
     ShuttingDownError,
     WaitTimeoutError,
 )
-from ps_common.shard_map import ParamSpec
+from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 from ps_server.barrier import Barriers
+from ps_server.checkpoints.state import (OutcomeSnapshot, PartSnapshot, ShardState, WorkerSnapshot,
+                                         check_compatible, consistency_of)
 from ps_server.config import ServerConfig
-from ps_server.consistency import ConsistencyPolicy, Decision, SyncPolicy, make_policy
-from ps_server.membership import Membership
+from ps_server.consistency import ConsistencyPolicy, Decision, DropReason, PolicyInfo, PolicySnapshot, make_policy
+from ps_server.events import Events
+from ps_server.membership import Membership, PushResult, WorkerRecord
 from ps_server.optimizers import make_optimizer
-from ps_server.store import EncodedChunk, ParameterStore, PartKey
+from ps_server.store import ParameterStore, PartKey, PartState
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+#: Longest single sleep of a wait: waiters re-check stop, resets and their deadline at least this often (s).
+WAIT_SLICE_SECONDS = 1.0
+
 
 @dataclass(frozen=True)
-class PushResult:
-    """The outcome of one push, as reported to the worker."""
+class WorkerView:
+    """One worker as cluster info shows it."""
 
-    accepted: bool
-    drop_reason: int
-    message: str
-    step: int
+    worker_id: str
     clock: int
-    duplicate: bool = False
-    aggregated: int = 0
+    live: bool
+    lease_remaining: float
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """A consistent read of the shard's state, for cluster info and metrics."""
+
+    step: int
+    initialized: bool
+    dropped: int
+    shard_map: ShardMap | None
+    parts_held: int
+    bytes_held: int
+    workers: tuple[WorkerView, ...]
+    policy: PolicyInfo
+    optimizer: str
+
+
+class _Host:
+    """The PolicyHost a policy sees: the step, live workers and clocks, the owned parts, and apply."""
+
+    def __init__(self, shard: "Shard") -> None:
+        self.shard_index = shard.config.shard_index
+        self._shard = shard
+        self.live_count = shard.membership.live_count
+        self.live_clocks = shard.membership.live_clocks
+        self.not_live = shard.membership.not_live
+        self.apply = shard.store.apply
+
+    @property
+    def step(self) -> int:
+        return self._shard.step
+
+    def parts(self) -> set[PartKey]:
+        return set(self._shard.store.parts)
 
 
 class Shard:
-    """The domain object behind one shard process. Thread-safe; pull and barrier block."""
+    """The domain object behind one shard process. Thread-safe; pull and barrier block.
 
-    def __init__(self, config: ServerConfig, *, now=time.monotonic) -> None:
+    `policy` replaces the consistency policy of `config.mode` (the way a server's update
+    rule is replaced); `events` receives the shard's domain events (metrics, checkpoints).
+    """
+
+    def __init__(self, config: ServerConfig, *, policy: ConsistencyPolicy | None = None,
+                 events: Events | None = None, now: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.optimizer = make_optimizer(config.optimizer, **config.optimizer_params)
         self.store = ParameterStore(shard_index=config.shard_index, num_shards=config.num_shards,
                                     partition_min_bytes=config.partition_min_bytes, optimizer=self.optimizer)
         self.membership = Membership(config.lease_seconds, clock=now)
-        self.policy: ConsistencyPolicy = make_policy(
-            config.mode, replicas_to_aggregate=config.replicas_to_aggregate, total_replicas=config.total_replicas,
-            staleness=config.staleness, max_staleness=config.max_staleness)
+        self.policy: ConsistencyPolicy = policy or self._default_policy()
         self.barriers = Barriers()
+        self.events = events or Events()
         self.step = 0
         self.dropped = 0
         self.applied_gradients = 0
         self._cond = threading.Condition()
         self._stopping = False
         self._resets = 0            # bumped by reset(): a waiter that sees it change fails with UNAVAILABLE
-        self._now = now
-        self.listeners: list = []   # callables(event: str, **fields), e.g. metrics and checkpoints
+        self.policy_host = _Host(self)   # the narrow view every policy call gets
+
+    def _default_policy(self) -> ConsistencyPolicy:
+        c = self.config
+        return make_policy(c.mode, replicas_to_aggregate=c.replicas_to_aggregate, total_replicas=c.total_replicas,
+                           staleness=c.staleness, max_staleness=c.max_staleness)
 
     # ------------------------------------------------------------------ helpers
 
-    def _emit(self, event: str, **fields) -> None:
-        for listener in self.listeners:
-            listener(event, **fields)
-
-    def advance(self, *, applied: int) -> None:
-        """Called by the policy (under the lock) after it applied gradients: t += 1."""
-        self.step += 1
-        self.applied_gradients += applied
-        self._emit("step", step=self.step)
+    def _carry_out(self, decision: Decision) -> None:
+        """What a policy decided (lock held): one step per applied update; its events are emitted."""
+        if decision.applied:
+            self.step += 1
+            self.applied_gradients += decision.applied
+            self.events.emit("step", step=self.step)
+        for event in decision.events:
+            self.events.emit(event.name, **event.fields)
 
     def _check_running(self) -> None:
         if self._stopping:
             raise ShuttingDownError(f"shard {self.config.shard_index} is shutting down")
 
-    def _wait(self, blocker, timeout: float, what: str) -> None:
+    def _wait(self, blocker: Callable[[], str | None], timeout: float, what: str) -> None:
         """Waits (lock held) until blocker() returns None, or raises WaitTimeoutError after timeout s.
 
-        The timeout is real time (time.monotonic), like the condition's wait: the injected
-        `now` clock drives leases only, so a frozen test clock cannot make a wait endless.
+        Real time (time.monotonic), like the condition's wait: the injected `now` clock
+        drives leases only, so a frozen test clock cannot make a wait endless. A stop or a
+        reset ends the wait with ShuttingDownError.
         """
         deadline = time.monotonic() + timeout
         resets = self._resets
@@ -101,7 +149,7 @@ class Shard:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WaitTimeoutError(f"{what} waited {timeout:.1f} s for {reason}")
-            self._cond.wait(min(left, 1.0))
+            self._cond.wait(min(left, WAIT_SLICE_SECONDS))
             if self._resets != resets:
                 raise ShuttingDownError(f"{what}: the parameters of shard {self.config.shard_index} were reset "
                                         "while it waited")
@@ -111,22 +159,28 @@ class Shard:
         """The wait bound: the request's (or the default), the shard's maximum and the rpc deadline."""
         if requested_ms < 0:
             raise InvalidRequestError(f"wait_timeout_ms must be >= 0, got {requested_ms}")
-        timeout = self.config.wait_timeout_seconds if requested_ms == 0 else min(requested_ms / 1000, self.config.wait_timeout_seconds)
+        limit = self.config.wait_timeout_seconds
+        timeout = limit if requested_ms == 0 else min(requested_ms / 1000, limit)
         if rpc_remaining is not None:
             timeout = min(timeout, max(0.0, rpc_remaining))
         return timeout
 
     # ------------------------------------------------------------------ init
 
-    def initialize(self, specs: Sequence[ParamSpec], chunks: Iterable[pb.TensorChunk], worker_id: str = "") -> tuple[bool, int, int]:
-        """Installs the initial values; returns (already_initialized, step, parts owned)."""
+    def init_layout(self, specs: Sequence[ParamSpec]) -> Callable[[str, int], tuple[np.dtype, tuple[int, ...]]]:
+        """The parts this shard owns under `specs`, as a lookup (name, row_start) -> (dtype, shape) for decoding.
+
+        Raises InvalidTensorError for an invalid list, InitMismatchError when another list is in place.
+        """
         self._check_running()
         with self._cond:
-            shard_map, already = self.store.plan(specs)
-        assembler = PartAssembler(ParameterStore.expected_from(shard_map, self.config.shard_index))
-        for chunk in chunks:
-            assembler.add(chunk)
-        values = assembler.finish()
+            shard_map, _ = self.store.plan(specs)
+        return ParameterStore.expected_from(shard_map, self.config.shard_index)
+
+    def initialize(self, specs: Sequence[ParamSpec], values: Mapping[PartKey, np.ndarray],
+                   worker_id: str = "") -> tuple[bool, int, int]:
+        """Installs the initial values of this shard's parts; returns (already_initialized, step, parts owned)."""
+        self._check_running()
         with self._cond:
             shard_map, already = self.store.plan(specs)   # again: another init may have won the race
             if already:
@@ -134,23 +188,20 @@ class Shard:
             self.store.install(shard_map, values)
             self._cond.notify_all()
         log.info("shard %d initialized by %r: %d tensors, %d parts here (%d bytes)", self.config.shard_index,
-                 worker_id, len(specs), len(self.store.parts), sum(p.value.nbytes for p in self.store.parts.values()))
-        self._emit("init")
+                 worker_id, len(specs), len(self.store.parts), self.store.nbytes)
+        self.events.emit("init")
         return False, self.step, len(self.store.parts)
 
     # ------------------------------------------------------------------ push
 
-    def decode(self, chunks: Iterable[pb.TensorChunk]) -> dict[PartKey, np.ndarray]:
-        """Decodes and checks a push's gradients against the parts this shard owns (no lock, no state)."""
+    def push_layout(self) -> Callable[[str, int], tuple[np.dtype, tuple[int, ...]]]:
+        """The lookup (name, row_start) -> (dtype, shape) a push's gradients are decoded against."""
         if not self.store.initialized:
             raise NotInitializedError(
                 f"shard {self.config.shard_index} has no parameters yet: push before InitParameters")
-        assembler = PartAssembler(self.store.expected)
-        for chunk in chunks:
-            assembler.add(chunk)
-        return assembler.finish()
+        return self.store.expected
 
-    def push(self, worker_id: str, clock: int, read_step: int, grads: dict[PartKey, np.ndarray]) -> PushResult:
+    def push(self, worker_id: str, clock: int, read_step: int, grads: Mapping[PartKey, np.ndarray]) -> PushResult:
         """Applies, accumulates or drops one decoded push; answers retries without re-applying."""
         if not worker_id:
             raise InvalidRequestError("push header: worker_id must not be empty")
@@ -169,43 +220,43 @@ class Shard:
             staleness = self.step - read_step   # on arrival, before this push can advance the step
             if read_step > self.step:
                 # Only a shard restored from an older checkpoint can be behind a worker's read.
-                decision = Decision.drop(pb.DROP_STEP_AHEAD, (
+                decision = Decision.drop(DropReason.STEP_AHEAD, (
                     f"gradient read at step {read_step}, but shard {self.config.shard_index} is at step {self.step} "
                     f"(restored from an older checkpoint?): dropped; pull again"))
             else:
-                decision = self.policy.on_push(self, worker_id, read_step, grads)
+                decision = self.policy.on_push(self.policy_host, worker_id, read_step, grads)
+            self._carry_out(decision)
             record.clock = clock + 1
             self.membership.renew(worker_id)
             if not decision.accepted:
                 self.dropped += 1
-            aggregated = len(self.policy.contributors) if isinstance(self.policy, SyncPolicy) else 0
             result = PushResult(decision.accepted, decision.drop_reason, decision.message, self.step, record.clock,
-                                aggregated=aggregated)
+                                aggregated=self.policy.info(self.policy_host).aggregated)
             self.membership.remember(record, clock, result)
             self._cond.notify_all()
-        self._emit("push", worker_id=worker_id, accepted=decision.accepted, reason=decision.drop_reason,
-                   staleness=staleness, nbytes=sum(g.nbytes for g in grads.values()))
+        self.events.emit("push", worker_id=worker_id, accepted=decision.accepted, reason=decision.drop_reason,
+                         staleness=staleness, nbytes=sum(g.nbytes for g in grads.values()))
         return result
 
-    def _duplicate(self, record, clock: int) -> PushResult:
+    def _duplicate(self, record: WorkerRecord, clock: int) -> PushResult:
         first = record.outcomes.get(clock)
-        self._emit("duplicate", worker_id=record.worker_id)
+        self.events.emit("duplicate", worker_id=record.worker_id)
         if first is not None:
-            return PushResult(first.accepted, first.drop_reason, first.message, self.step, record.clock, duplicate=True,
-                              aggregated=first.aggregated)
-        return PushResult(True, pb.DROP_REASON_UNSPECIFIED,
-                          f"clock {clock} was taken before (worker {record.worker_id!r} is at clock {record.clock}); not applied again",
-                          self.step, record.clock, duplicate=True)
+            return PushResult(first.accepted, first.drop_reason, first.message, self.step, record.clock,
+                              duplicate=True, aggregated=first.aggregated)
+        return PushResult(True, DropReason.NONE,
+                          f"clock {clock} was taken before (worker {record.worker_id!r} is at clock {record.clock}); "
+                          "not applied again", self.step, record.clock, duplicate=True)
 
     # ------------------------------------------------------------------ pull
 
-    def pull(self, names: Sequence[str], *, min_step: int, worker_id: str, clock: int,
-             timeout: float) -> list[pb.PullResponse | bytes]:
-        """Waits for min_step and the SSP bound (at most timeout s), then returns the messages to stream.
+    def pull(self, names: Sequence[str], *, min_step: int, worker_id: str, clock: int, timeout: float,
+             read: Callable[[int, list[PartState]], T]) -> T:
+        """Waits for min_step and the policy's pull rule (at most timeout s), then returns read(step, parts).
 
-        The first message carries the step (and the small parts, grouped); large chunks
-        follow as cached PullResponses already serialized (bytes), which the service's
-        Pull serializer passes through unchanged.
+        `read` runs under the shard's lock, so it sees the parts' values of exactly that
+        step (no update can land half-way); it must copy or encode what it keeps (the
+        service encodes, with a per-version cache) and return quickly.
         """
         if min_step < 0:
             raise InvalidRequestError(f"min_step must be >= 0, got {min_step}")
@@ -217,31 +268,14 @@ class Shard:
 
             def blocker() -> str | None:
                 if self.step < min_step:
-                    extra = ""
-                    if isinstance(self.policy, SyncPolicy):
-                        extra = (f"; {len(self.policy.contributors)} of {self.policy.effective_replicas(self)} "
-                                 f"gradients in for step {self.step}")
-                    return f"step >= {min_step} (shard {self.config.shard_index} is at step {self.step}{extra})"
-                return self.policy.pull_blocker(self, worker_id, clock)
+                    return (f"step >= {min_step} (shard {self.config.shard_index} is at step {self.step}"
+                            f"{self.policy.step_blocker(self.policy_host)})")
+                return self.policy.pull_blocker(self.policy_host, worker_id, clock)
 
             self._wait(blocker, timeout, f"pull by {worker_id or 'a client'!r} on shard {self.config.shard_index}")
-            step = self.step
-            small: list[pb.TensorChunk] = []
-            large: list[EncodedChunk] = []
-            for state in parts:
-                for encoded in state.encoded(self.config.chunk_bytes, step):
-                    if encoded.chunk is not None:
-                        small.append(encoded.chunk)
-                    else:
-                        large.append(encoded)
-        self._emit("pull", nbytes=sum(p.value.nbytes for p in parts))
-        # Every message costs a round through gRPC's event loop (measured ~1-2 ms for a 1 MB
-        # pull): when the first cached message already says the current step, it leads the
-        # stream itself, and no separate head message is sent.
-        wire = [e.wire for e in large]
-        if small or not large or large[0].step != step:
-            return [pb.PullResponse(step=step, chunks=small), *wire]
-        return wire
+            result = read(self.step, parts)
+        self.events.emit("pull", nbytes=sum(p.value.nbytes for p in parts))
+        return result
 
     # ------------------------------------------------------------------ membership
 
@@ -268,14 +302,18 @@ class Shard:
         with self._cond:
             if self.membership.deregister(worker_id):
                 log.info("worker %r left shard %d", worker_id, self.config.shard_index)
-                self.policy.on_membership_change(self)
-                self._cond.notify_all()
+                self._membership_changed()
 
     def tick(self) -> None:
         """Periodic: lets the policy react to expired leases and wakes waiters to re-check."""
         with self._cond:
-            self.policy.on_membership_change(self)
-            self._cond.notify_all()
+            self._membership_changed()
+
+    def _membership_changed(self) -> None:
+        decision = self.policy.on_membership_change(self.policy_host)
+        if decision is not None:
+            self._carry_out(decision)
+        self._cond.notify_all()
 
     def barrier(self, name: str, participant: str, participants: int, timeout: float) -> tuple[int, int]:
         self._check_running()
@@ -297,58 +335,135 @@ class Shard:
         with self._cond:
             self._check_running()
             before = self.step
-            self.store.shard_map, self.store.parts = None, {}
-            self.membership.workers.clear()
-            c = self.config
-            self.policy = make_policy(c.mode, replicas_to_aggregate=c.replicas_to_aggregate,
-                                      total_replicas=c.total_replicas, staleness=c.staleness,
-                                      max_staleness=c.max_staleness)
+            self.store.clear()
+            self.membership.clear()
+            self.policy = self._default_policy()
             self.step = self.dropped = self.applied_gradients = 0
             self._resets += 1
             self._cond.notify_all()
-        self._emit("reset", step=before)
+        self.events.emit("reset", step=before)
         return before
 
     # ------------------------------------------------------------------ checkpoints
 
-    def snapshot(self):
-        """A copy of the whole state (values, optimizer slots, step, clocks, outcomes, sync step), one consistent cut.
+    def snapshot(self) -> ShardState:
+        """A copy of the whole state, one consistent cut: each component gives its own part.
 
-        Copies under the lock (about a memcpy of the shard); see ps_server.checkpoint.
+        Copies under the lock (about a memcpy of the shard); see ps_server/checkpoints.
         """
-        from ps_server.checkpoint import capture
-
+        c = self.config
         with self._cond:
-            return capture(self)
+            policy = self.policy.snapshot(_copy)
+            parts = [PartSnapshot(name=name, row_start=row_start, row_end=state.part.row_end, value=_copy(state.value),
+                                  slots={k: _copy(v) for k, v in state.slots.items()},
+                                  accumulator=policy.accumulator.get((name, row_start)))
+                     for (name, row_start), state in sorted(self.store.parts.items())]
+            workers = [WorkerSnapshot(r.worker_id, r.clock, self.membership.is_live(r),
+                                      [OutcomeSnapshot(clock=k, accepted=bool(o.accepted), drop_reason=int(o.drop_reason),
+                                                       message=o.message, step=int(o.step), clock_after=int(o.clock),
+                                                       aggregated=int(o.aggregated))
+                                       for k, o in r.outcomes.items()])
+                       for r in sorted(self.membership.workers.values(), key=lambda r: r.worker_id)]
+            shard_map = self.store.shard_map
+            specs = [] if shard_map is None else sorted(shard_map.specs.values(), key=lambda s: s.name)
+            return ShardState(
+                shard_index=c.shard_index, num_shards=c.num_shards, mode=c.mode,
+                partition_min_bytes=c.partition_min_bytes, optimizer=self.optimizer.name,
+                optimizer_params=dict(self.optimizer.hyperparameters), consistency=consistency_of(c), step=self.step,
+                dropped=self.dropped, applied_gradients=self.applied_gradients,
+                parameters=[ParamSpec(s.name, s.dtype, tuple(s.shape)) for s in specs], parts=parts, workers=workers,
+                contributors=policy.contributors, created_unix=time.time())
 
-    def restore(self, state) -> None:
+    def restore(self, state: ShardState) -> None:
         """Replaces the whole state with a checkpoint's (before serving); checked first, so a bad one changes nothing."""
-        from ps_server.checkpoint import install
-
+        check_compatible(state, self.config, warn=False)
+        shard_map, parts, accumulator = self._checked_parts(state)
+        workers: dict[str, WorkerRecord] = {}
+        for w in state.workers:
+            record = WorkerRecord(w.worker_id, clock=w.clock)
+            for o in w.outcomes:
+                record.outcomes[o.clock] = PushResult(o.accepted, DropReason(o.drop_reason), o.message, o.step,
+                                                      o.clock_after, aggregated=o.aggregated)
+            workers[w.worker_id] = record
+        contributors = list(state.contributors or [])
+        unknown = [w for w in contributors if w not in workers]
+        if unknown:
+            raise CheckpointMismatchError(f"checkpoint of shard {state.shard_index} at step {state.step}: sync "
+                                          f"contributors {unknown} are not among its workers")
         with self._cond:
-            install(self, state)
+            self.store.restore(shard_map, parts)
+            self.membership.replace(workers, [w.worker_id for w in state.workers if w.live])
+            self.policy.restore(PolicySnapshot(contributors if state.contributors is not None else None, accumulator))
+            self.step, self.dropped, self.applied_gradients = state.step, state.dropped, state.applied_gradients
             self._cond.notify_all()
+
+    def _checked_parts(self, state: ShardState) -> tuple[ShardMap | None, dict[PartKey, PartState],
+                                                         dict[PartKey, np.ndarray]]:
+        """The store's parts and the sync accumulator rebuilt from a checkpoint, each checked against the shard map."""
+        where = f"checkpoint of shard {state.shard_index} at step {state.step}"
+        if not state.parameters:
+            if state.parts:
+                raise CheckpointMismatchError(f"{where}: holds {len(state.parts)} parts but no parameter list")
+            return None, {}, {}
+        try:
+            shard_map = build_shard_map(state.parameters, self.config.num_shards,
+                                        partition_min_bytes=self.config.partition_min_bytes)
+        except ValueError as exc:
+            raise CheckpointMismatchError(f"{where}: its parameter list is not valid: {exc}") from exc
+        own = {(p.name, p.row_start): p for p in shard_map.parts_on(self.config.shard_index)}
+        have = {(p.name, p.row_start): p for p in state.parts}
+        if set(own) != set(have):
+            extra, missing = sorted(set(have) - set(own)), sorted(set(own) - set(have))
+            raise CheckpointMismatchError(
+                f"{where}: its parts do not match the shard map rebuilt from its parameter list "
+                f"(not in the map: {extra[:5]}, missing: {missing[:5]})")
+        fresh_slots = self.optimizer.init_state(np.zeros((1,), np.float32))
+        parts: dict[PartKey, PartState] = {}
+        accumulator: dict[PartKey, np.ndarray] = {}
+        for key, part in own.items():
+            snap = have[key]
+            dtype, shape = np.dtype(part.dtype), tuple(part.shape)
+            if snap.row_end != part.row_end or snap.value.dtype != dtype or tuple(snap.value.shape) != shape:
+                raise CheckpointMismatchError(
+                    f"{where}: part {part.name!r} rows from {part.row_start} is {snap.value.dtype}{list(snap.value.shape)} "
+                    f"rows to {snap.row_end}, the shard map says {dtype}{list(shape)} rows to {part.row_end}")
+            if set(snap.slots) != set(fresh_slots):
+                raise CheckpointMismatchError(
+                    f"{where}: part {part.name!r} has optimizer slots {sorted(snap.slots)}, "
+                    f"optimizer {self.optimizer.name!r} needs {sorted(fresh_slots)}")
+            for slot, array in snap.slots.items():
+                want = fresh_slots[slot].shape if fresh_slots[slot].ndim == 0 else shape
+                if tuple(array.shape) != tuple(want):
+                    raise CheckpointMismatchError(
+                        f"{where}: slot {slot!r} of {part.name!r} rows from {part.row_start} has shape "
+                        f"{list(array.shape)}, expected {list(want)}")
+            parts[key] = PartState(part=part, value=_writable(snap.value),
+                                   slots={k: _writable(v) for k, v in snap.slots.items()})
+            if snap.accumulator is not None:
+                if snap.accumulator.shape != snap.value.shape:
+                    raise CheckpointMismatchError(f"{where}: accumulator of {part.name!r} has shape "
+                                                  f"{list(snap.accumulator.shape)}, the part {list(shape)}")
+                accumulator[key] = _writable(snap.accumulator)
+        return shard_map, parts, accumulator
 
     # ------------------------------------------------------------------ info
 
-    def cluster_info(self) -> pb.ClusterInfo:
-        c = self.config
+    def view(self) -> ShardView:
+        """The shard's state for cluster info and metrics (one consistent read; does not block on waits)."""
         with self._cond:
-            info = pb.ClusterInfo(
-                shard_index=c.shard_index, num_shards=c.num_shards, mode=self.policy.wire_mode,
-                replicas_to_aggregate=c.replicas_to_aggregate, total_replicas=c.total_replicas,
-                staleness=-1 if c.staleness == float("inf") else int(c.staleness), max_staleness=c.max_staleness,
-                step=self.step, initialized=self.store.initialized, optimizer=self.optimizer.name,
-                partition_min_bytes=c.partition_min_bytes, chunk_bytes=c.chunk_bytes, dropped_stale=self.dropped,
-                effective_replicas=(self.policy.effective_replicas(self) if isinstance(self.policy, SyncPolicy) else 0),
-            )
-            shard_map = self.store.shard_map
-            if shard_map is not None:
-                for spec in sorted(shard_map.specs.values(), key=lambda s: s.name):
-                    info.parameters.append(spec_to_wire(spec.name, spec.dtype, spec.shape))
-                for part in shard_map.parts:
-                    info.parts.add(name=part.name, row_start=part.row_start, row_end=part.row_end, shard=part.shard)
-            for record in sorted(self.membership.workers.values(), key=lambda r: r.worker_id):
-                info.workers.add(worker_id=record.worker_id, clock=record.clock, live=self.membership.is_live(record),
-                                 lease_remaining_ms=int(self.membership.remaining(record) * 1000))
-        return info
+            workers = tuple(WorkerView(r.worker_id, r.clock, self.membership.is_live(r), self.membership.remaining(r))
+                            for r in sorted(self.membership.workers.values(), key=lambda r: r.worker_id))
+            return ShardView(step=self.step, initialized=self.store.initialized, dropped=self.dropped,
+                             shard_map=self.store.shard_map, parts_held=len(self.store.parts),
+                             bytes_held=self.store.nbytes, workers=workers, policy=self.policy.info(self.policy_host),
+                             optimizer=self.optimizer.name)
+
+
+def _copy(array: np.ndarray) -> np.ndarray:
+    return np.array(array, copy=True, order="C")
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    if array.flags.writeable and array.flags.c_contiguous and array.flags.owndata:
+        return array
+    return _copy(array)

@@ -1,14 +1,16 @@
-"""The parameter store of one shard: the parts it owns, their values and optimizer state."""
+"""The parameter store of one shard: the parts it owns, their values and optimizer state.
+
+Domain values only: arrays in, arrays out. Encoding parts for the wire (and caching the
+encoded bytes per version) is the service boundary's job (ps_server/pull_cache.py).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_common import codec
 from ps_common.errors import InitMismatchError, InvalidTensorError, NotInitializedError, UnknownTensorError
 from ps_common.shard_map import ParamSpec, Part, ShardMap, build_shard_map
 from ps_server.optimizers import Optimizer
@@ -16,53 +18,14 @@ from ps_server.optimizers import Optimizer
 PartKey = tuple[str, int]  # (tensor name, row_start)
 
 
-#: Chunks smaller than this are served as messages, grouped per pull; larger ones are
-#: cached already serialized and sent as they are.
-SMALL_CHUNK_BYTES = 256 << 10
-
-
-@dataclass(frozen=True)
-class EncodedChunk:
-    """One chunk of a part, ready to send: a small chunk as a TensorChunk to be grouped into a
-    message per pull; a large one as a whole PullResponse serialized once per version."""
-
-    step: int                            # PullResponse.step inside `wire` (0 but for a part's first chunk)
-    chunk: pb.TensorChunk | None = None  # small chunks
-    wire: bytes | None = None            # large chunks: a serialized PullResponse holding just this chunk
-
-
-@dataclass
+@dataclass(eq=False)   # compared and hashed by identity: the boundary's pull cache keys on it
 class PartState:
-    """One owned part: its value, its optimizer slots, and a cache of its encoded chunks."""
+    """One owned part: its value, its optimizer slots, and a version bumped by every update."""
 
     part: Part
     value: np.ndarray
     slots: dict[str, np.ndarray]
     version: int = 0
-    _encoded: tuple[int, int, list[EncodedChunk]] | None = field(default=None, repr=False)
-
-    def encoded(self, chunk_bytes: int, step: int) -> list[EncodedChunk]:
-        """The value as chunks ready to send, encoded (and serialized) once per version.
-
-        A part's first large chunk carries `step`, the shard's step when this version was
-        encoded, so it can lead a pull stream by itself while the step has not moved.
-        Serializing once per version instead of once per pull saves a copy of the part's
-        bytes on every pull of an unchanged version (every worker's pull in sync mode).
-        """
-        cached = self._encoded
-        if cached is None or cached[0] != self.version or cached[1] != chunk_bytes:
-            out: list[EncodedChunk] = []
-            for fields in codec.chunk_fields(self.part.name, self.value, row_start=self.part.row_start,
-                                             chunk_bytes=chunk_bytes):
-                if len(fields["data"]) < SMALL_CHUNK_BYTES:
-                    out.append(EncodedChunk(0, chunk=pb.TensorChunk(**fields)))
-                    continue
-                lead = step if not out else 0
-                message = pb.PullResponse(step=lead)
-                message.chunks.add(**fields)
-                out.append(EncodedChunk(lead, wire=message.SerializeToString()))
-            cached = self._encoded = (self.version, chunk_bytes, out)
-        return cached[2]
 
 
 class ParameterStore:
@@ -161,3 +124,16 @@ class ParameterStore:
             state = self.parts[key]
             self.optimizer.apply(state.value, grad, state.slots)
             state.version += 1
+
+    def restore(self, shard_map: ShardMap | None, parts: dict[PartKey, PartState]) -> None:
+        """Replaces the whole store with checked checkpoint contents (ps_server/checkpoints/state.py)."""
+        self.shard_map, self.parts = shard_map, parts
+
+    def clear(self) -> None:
+        """Drops the parameter list, values and optimizer state (Admin.ResetParameters)."""
+        self.shard_map, self.parts = None, {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of parameter values held."""
+        return sum(state.value.nbytes for state in self.parts.values())

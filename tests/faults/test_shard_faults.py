@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from ps_server.checkpoint import CheckpointDirectory
+from ps_server.checkpoints import CheckpointDirectory
 from tests.faults.conftest import longest_stall
 from tests.helpers.processes import ShardCluster
 from worker_client.client import PSClient, RetryPolicy

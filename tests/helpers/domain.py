@@ -1,4 +1,5 @@
-"""Driving a ps_server.shard.Shard directly, without sockets: chunks are built with the codec as a client would."""
+"""Driving a ps_server.shard.Shard directly, without sockets: chunks are built and decoded with the codec
+as a client and the service boundary would."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common import codec
 from ps_common.shard_map import ParamSpec, build_shard_map
 from ps_server.config import ServerConfig
-from ps_server.shard import PushResult, Shard
+from ps_server.membership import PushResult
+from ps_server.shard import Shard
 
 #: The SGD learning rate of every test shard: a power of two, so expected values are exact.
 LR = 0.5
@@ -56,29 +57,32 @@ def own_chunks(shard: Shard, arrays: Mapping[str, np.ndarray], *, specs: list[Pa
     return chunks
 
 
+def decode(chunks, layout) -> dict[tuple[str, int], np.ndarray]:
+    """The chunks assembled into parts and checked against a layout, as the service does."""
+    assembler = codec.PartAssembler(layout)
+    for chunk in chunks:
+        assembler.add(chunk)
+    return assembler.finish()
+
+
 def init_shard(shard: Shard, values: Mapping[str, np.ndarray]) -> tuple[bool, int, int]:
     """InitParameters: the full parameter list, and the chunks of this shard's parts."""
     specs = specs_of(values)
-    return shard.initialize(specs, own_chunks(shard, values, specs=specs))
+    return shard.initialize(specs, decode(own_chunks(shard, values, specs=specs), shard.init_layout(specs)))
 
 
 def push(shard: Shard, worker_id: str, clock: int, read_step: int, grads: Mapping[str, np.ndarray]) -> PushResult:
     """Push: decode and check the chunks, then hand them to the shard, as the service does."""
     specs = [ParamSpec(s.name, s.dtype, s.shape) for s in shard.store.shard_map.specs.values()] \
         if shard.store.shard_map is not None else specs_of(grads)
-    return shard.push(worker_id, clock, read_step, shard.decode(own_chunks(shard, grads, specs=specs)))
+    return shard.push(worker_id, clock, read_step, decode(own_chunks(shard, grads, specs=specs), shard.push_layout()))
 
 
 def pull_values(shard: Shard, names=(), *, min_step: int = 0, worker_id: str = "", clock: int = 0,
                 timeout: float = 5.0) -> tuple[int, dict[str, np.ndarray]]:
-    """Pull, decoded: (step, {name: part value}) for a shard that holds whole tensors."""
-    messages = [pb.PullResponse.FromString(m) if isinstance(m, bytes) else m   # large chunks come serialized
-                for m in shard.pull(list(names), min_step=min_step, worker_id=worker_id, clock=clock, timeout=timeout)]
-    assembler = codec.PartAssembler()
-    for message in messages:
-        for chunk in message.chunks:
-            assembler.add(chunk)
-    return messages[0].step, {name: np.array(value) for (name, _), value in assembler.finish().items()}
+    """Pull: (step, {name: part value}) for a shard that holds whole tensors, copied under the shard's lock."""
+    return shard.pull(list(names), min_step=min_step, worker_id=worker_id, clock=clock, timeout=timeout,
+                      read=lambda step, parts: (step, {p.part.name: p.value.copy() for p in parts}))
 
 
 def values(shard: Shard) -> dict[tuple[str, int], np.ndarray]:
@@ -88,3 +92,15 @@ def values(shard: Shard) -> dict[tuple[str, int], np.ndarray]:
 
 def clocks(shard: Shard) -> dict[str, int]:
     return {w: r.clock for w, r in shard.membership.workers.items()}
+
+
+def initialize(shard: Shard, specs: list[ParamSpec], chunks) -> tuple[bool, int, int]:
+    """InitParameters from already-made chunks: decoded against the shard's init layout, as the service does."""
+    return shard.initialize(specs, decode(chunks, shard.init_layout(specs)))
+
+
+def cluster_info(shard: Shard):
+    """GetClusterInfo's response, built by the service boundary from the shard's view."""
+    from ps_server.service import cluster_info as build
+
+    return build(shard, shard.view())

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_server.checkpoint import CheckpointDirectory
+from ps_server.checkpoints import CheckpointDirectory
 from tests.helpers.processes import READY_TIMEOUT, ShardStartError
 from worker_client.client import PSClient, RetryPolicy
 

@@ -30,7 +30,7 @@ GRADS = {n: np.full_like(a, 0.5) for n, a in PARAMS.items()}
 def start(**settings) -> tuple[ShardServer, int]:
     """A started shard server and its metrics port, both bound on port 0."""
     server, _ = create_server(ServerConfig(**settings))
-    return server, metrics.serve(server, 0, "127.0.0.1")
+    return server, server.metrics.serve(0, "127.0.0.1")
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -124,3 +124,25 @@ def test_a_worker_that_stops_heartbeating_leaves_the_sync_quorum_when_its_lease_
         assert {w.worker_id: w.live for w in info.workers} == {"alive": True, "gone": False}
         assert info.effective_replicas == 1
         assert info.mode == pb.MODE_SYNC
+
+
+def test_a_shard_error_reaches_the_client_as_the_same_catalog_class(start_cluster) -> None:
+    from ps_common.errors import ServerError, UnknownWorkerError, WaitTimeoutError
+
+    cluster = start_cluster(1, mode="sync", flags=FLAGS)
+    with client(cluster, "w0") as worker:
+        worker.initialize(model())
+        # a heartbeat of a worker that never registered: the shard names the reason, not just NOT_FOUND
+        try:
+            worker._call(0, "Heartbeat", lambda stub: stub.Heartbeat(pb.HeartbeatRequest(worker_id="ghost"), timeout=10))
+        except UnknownWorkerError as exc:
+            assert isinstance(exc, ServerError) and exc.code.name == "NOT_FOUND" and "ghost" in str(exc)
+        else:
+            raise AssertionError("a heartbeat of an unregistered worker was accepted")
+        # a pull for a step that never comes: DEADLINE_EXCEEDED, typed as the wait timeout it was
+        try:
+            worker.pull(min_steps=5, timeout=0.3)
+        except WaitTimeoutError as exc:
+            assert isinstance(exc, ServerError) and exc.code.name == "DEADLINE_EXCEEDED"
+        else:
+            raise AssertionError("a pull for step 5 of a shard at step 0 returned")

@@ -94,7 +94,7 @@ def test_the_start_barrier_waits_only_until_the_start_timeout(start: Any, model:
     worker = trainer(client(server, "w0"), model, digits, num_workers=2, steps=10, start_timeout=0.5)
     with pytest.raises(TrainingError, match=r"start barrier: not all 2 workers arrived within .* s"):
         worker.run()
-    assert [w.live for w in server.shard.cluster_info().workers] == [False], "a worker that gave up leaves"
+    assert [w.live for w in server.shard.view().workers] == [False], "a worker that gave up leaves"
 
 
 def test_a_worker_that_comes_back_resumes_from_the_shards_state(start: Any, model: Path, digits: Dataset) -> None:

@@ -13,14 +13,10 @@ import pytest
 from safetensors import safe_open
 
 from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_server import checkpoint as ckpt
-from ps_server.checkpoint import (
-    CheckpointDirectory,
-    Checkpointer,
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-    checkpoint_name,
-)
+from ps_common.errors import CheckpointMismatchError, CorruptCheckpointError
+from ps_server.checkpoints import CheckpointDirectory, Checkpointer, checkpoint_name
+from ps_server.checkpoints import directory as ckpt_directory
+from ps_server.checkpoints import fileformat as ckpt
 from ps_server.config import ServerConfig
 from ps_server.membership import DEDUP_WINDOW
 from tests.helpers.domain import FakeClock, clocks, init_shard, make_shard, push, values
@@ -199,7 +195,7 @@ def test_a_crash_mid_write_leaves_no_file_under_the_final_name(tmp_path, monkeyp
         Path(filename).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":")   # a few bytes, then the crash
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(ckpt, "save_file", crash)
+    monkeypatch.setattr(ckpt_directory, "save_file", crash)
     with pytest.raises(OSError, match="disk on fire"):
         directory.write(shard.snapshot())
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
@@ -251,7 +247,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_and_the_previous_
     newest = directory.write(shard.snapshot())                        # step 6
     damage(newest)
     fresh = adam_shard(max_staleness=1, checkpoint_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="ps_server.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ps_server.checkpoints"):
         state = Checkpointer(fresh, fresh.config).restore()
     assert state is not None and state.step == 5 and fresh.step == 5
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -323,7 +319,7 @@ def test_changed_hyperparameters_are_taken_from_the_configuration_with_a_warning
     shard = trained_shard(checkpoint_dir=str(tmp_path))
     CheckpointDirectory(tmp_path).write(shard.snapshot())
     fresh = make_shard("async", **{**_settings(shard.config), "optimizer_params": {"lr": 0.5}})
-    with caplog.at_level(logging.WARNING, logger="ps_server.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ps_server.checkpoints"):
         Checkpointer(fresh, fresh.config).restore()
     assert fresh.step == 5 and fresh.optimizer.hyperparameters["lr"] == 0.5
     assert any("hyperparameters" in r.getMessage() for r in caplog.records)
@@ -420,13 +416,13 @@ def test_a_failed_write_is_logged_and_retried_while_the_shard_keeps_working(tmp_
     shard.register("a")
     checkpointer = Checkpointer(shard, shard.config)
     push(shard, "a", 0, 0, grads(0))
-    real = ckpt.save_file
-    monkeypatch.setattr(ckpt, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError("No space left on device")))
-    with caplog.at_level(logging.ERROR, logger="ps_server.checkpoint"):
+    real = ckpt_directory.save_file
+    monkeypatch.setattr(ckpt_directory, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError("No space left on device")))
+    with caplog.at_level(logging.ERROR, logger="ps_server.checkpoints"):
         assert checkpointer.checkpoint_now() is None
     assert any("failed" in r.getMessage() for r in caplog.records)
     assert not list(tmp_path.iterdir())
-    monkeypatch.setattr(ckpt, "save_file", real)
+    monkeypatch.setattr(ckpt_directory, "save_file", real)
     assert checkpointer.checkpoint_now() == tmp_path / checkpoint_name(1)
 
 

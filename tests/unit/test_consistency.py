@@ -10,7 +10,10 @@ import pytest
 
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common.errors import InvalidTensorError, WaitTimeoutError
-from tests.helpers.domain import LR, FakeClock, clocks, init_shard, make_shard, pull_values, push, values
+from ps_server.config import ServerConfig
+from ps_server.consistency import ConsistencyPolicy, Decision, DropReason, Mode
+from ps_server.shard import Shard
+from tests.helpers.domain import FakeClock, LR, clocks, cluster_info, init_shard, make_shard, pull_values, push, values
 
 W0 = np.ones((4, 3), np.float32)
 B0 = np.zeros(3, np.float32)
@@ -89,11 +92,11 @@ def test_sync_quorum_is_capped_by_the_live_workers_when_a_lease_expires() -> Non
     shard = sync_shard(n=2, m=2, workers=("a", "b"), now=now)   # both leases end at +10 s
     now.advance(8)
     push(shard, "a", 0, 0, grads(2.0))                            # renews a's lease to +18 s
-    assert shard.step == 0 and shard.cluster_info().effective_replicas == 2
+    assert shard.step == 0 and cluster_info(shard).effective_replicas == 2
 
     now.advance(4)   # +12 s: b's lease has expired, a's has not
     shard.tick()
-    info = shard.cluster_info()
+    info = cluster_info(shard)
     assert {w.worker_id: w.live for w in info.workers} == {"a": True, "b": False}
     assert info.effective_replicas == 1
     assert shard.step == 1  # the step closed with the one live contribution
@@ -105,7 +108,7 @@ def test_sync_a_worker_that_deregisters_leaves_the_quorum_at_once() -> None:
     push(shard, "a", 0, 0, grads(1.0))
     shard.deregister("b")
     assert shard.step == 1
-    assert shard.cluster_info().effective_replicas == 1
+    assert cluster_info(shard).effective_replicas == 1
 
 
 def test_sync_refuses_a_push_that_lacks_one_of_the_shards_parts_and_records_nothing() -> None:
@@ -142,7 +145,7 @@ def test_sync_pull_for_a_step_that_never_completes_times_out_naming_the_missing_
     shard = sync_shard()
     push(shard, "a", 0, 0, grads(1.0))
     with pytest.raises(WaitTimeoutError, match=r"step >= 1 .*1 of 2 gradients in for step 0"):
-        shard.pull([], min_step=1, worker_id="a", clock=1, timeout=0.2)
+        pull_values(shard, [], min_step=1, worker_id="a", clock=1, timeout=0.2)
 
 
 # ------------------------------------------------------------------ ssp
@@ -167,12 +170,12 @@ def test_ssp_applies_every_gradient_as_it_arrives() -> None:
 def test_ssp_holds_a_pull_while_a_live_worker_is_more_than_b_clocks_behind() -> None:
     shard = ssp_shard(1)
     push(shard, "fast", 0, 0, grads(1.0))
-    assert shard.policy.pull_blocker(shard, "fast", 1) is None       # 1 ahead of "slow": within b = 1
+    assert shard.policy.pull_blocker(shard.policy_host, "fast", 1) is None       # 1 ahead of "slow": within b = 1
     push(shard, "fast", 1, 1, grads(1.0))
-    blocker = shard.policy.pull_blocker(shard, "fast", 2)            # 2 ahead: held
+    blocker = shard.policy.pull_blocker(shard.policy_host, "fast", 2)            # 2 ahead: held
     assert blocker is not None and "slow at 0" in blocker and ">= 1" in blocker
     with pytest.raises(WaitTimeoutError, match="slow at 0"):
-        shard.pull([], min_step=0, worker_id="fast", clock=2, timeout=0.2)
+        pull_values(shard, [], min_step=0, worker_id="fast", clock=2, timeout=0.2)
 
     result: dict = {}
     waiter = threading.Thread(target=lambda: result.setdefault("pull", pull_values(
@@ -189,17 +192,17 @@ def test_ssp_holds_a_pull_while_a_live_worker_is_more_than_b_clocks_behind() -> 
 def test_ssp_with_b_0_is_bulk_synchronous() -> None:
     shard = ssp_shard(0)
     push(shard, "fast", 0, 0, grads(1.0))
-    assert shard.policy.pull_blocker(shard, "fast", 1) is not None
+    assert shard.policy.pull_blocker(shard.policy_host, "fast", 1) is not None
     push(shard, "slow", 0, 0, grads(1.0))
-    assert shard.policy.pull_blocker(shard, "fast", 1) is None
+    assert shard.policy.pull_blocker(shard.policy_host, "fast", 1) is None
 
 
 def test_ssp_with_an_unbounded_b_never_holds_a_pull() -> None:
     shard = ssp_shard(math.inf)
     for clock in range(5):
         push(shard, "fast", clock, 0, grads(1.0))
-    assert shard.policy.pull_blocker(shard, "fast", 5) is None
-    assert shard.cluster_info().staleness == -1
+    assert shard.policy.pull_blocker(shard.policy_host, "fast", 5) is None
+    assert cluster_info(shard).staleness == -1
 
 
 def test_ssp_leaves_a_worker_whose_lease_expired_out_of_the_clock_minimum() -> None:
@@ -208,9 +211,9 @@ def test_ssp_leaves_a_worker_whose_lease_expired_out_of_the_clock_minimum() -> N
     now.advance(8)
     push(shard, "fast", 0, 0, grads(1.0))
     push(shard, "fast", 1, 1, grads(1.0))
-    assert shard.policy.pull_blocker(shard, "fast", 2) is not None
+    assert shard.policy.pull_blocker(shard.policy_host, "fast", 2) is not None
     now.advance(4)   # slow's lease (10 s from registration) has expired; fast's was renewed by its pushes
-    assert shard.policy.pull_blocker(shard, "fast", 2) is None
+    assert shard.policy.pull_blocker(shard.policy_host, "fast", 2) is None
     step, _ = pull_values(shard, worker_id="fast", clock=2, timeout=1.0)
     assert step == 2
 
@@ -268,7 +271,7 @@ def test_sync_logs_and_reports_a_quorum_capped_by_an_expired_lease_once_per_chan
     now = FakeClock()
     shard = sync_shard(n=3, m=3, workers=("a", "b", "c"), now=now)
     events = []
-    shard.listeners.append(lambda event, **fields: events.append(fields) if event == "replicas_capped" else None)
+    shard.events.subscribe(lambda event, **fields: events.append(fields) if event == "replicas_capped" else None)
     caplog.set_level("INFO", logger="ps_server.consistency")
     for w in ("a", "b", "c"):
         push(shard, w, 0, 0, grads(1.0))
@@ -303,3 +306,36 @@ def test_sync_says_nothing_about_the_quorum_while_the_workers_are_still_register
     shard.register("b")
     shard.tick()
     assert not [r for r in caplog.records if "capped" in r.getMessage()]
+
+
+class _DropEverything(ConsistencyPolicy):
+    """A replacement policy: every push dropped as stale, pulls never held."""
+
+    mode = Mode.ASYNC
+
+    def on_push(self, host, worker_id, read_step, grads):
+        return Decision.drop(DropReason.STALE, f"dropped by policy at step {host.step}")
+
+
+def test_a_shard_runs_an_injected_policy_in_place_of_its_modes() -> None:
+    shard = Shard(ServerConfig(mode="async", optimizer="sgd", optimizer_params={"lr": LR}),
+                  policy=_DropEverything(), now=FakeClock())
+    init_shard(shard, {"w": W0})
+    shard.register("a")
+    result = push(shard, "a", 0, 0, {"w": np.ones_like(W0)})
+    assert (result.accepted, result.drop_reason, result.step) == (False, DropReason.STALE, 0)
+    assert result.message == "dropped by policy at step 0"
+    np.testing.assert_array_equal(values(shard)[("w", 0)], W0)
+
+
+def test_a_policy_sees_only_the_narrow_host_view() -> None:
+    shard = ssp_shard(1)
+    host = shard.policy_host
+    assert not hasattr(host, "store") and not hasattr(host, "membership") and not hasattr(host, "config")
+    assert host.step == shard.step and host.parts() == set(shard.store.parts)
+
+
+def test_the_domain_drop_reasons_are_exactly_those_of_the_wire_contract() -> None:
+    wire = {pb.DropReason.Name(v): v for v in pb.DropReason.values()}
+    domain = {("DROP_REASON_UNSPECIFIED" if r is DropReason.NONE else f"DROP_{r.name}"): r.value for r in DropReason}
+    assert domain == wire

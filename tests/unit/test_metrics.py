@@ -17,6 +17,7 @@ from ps_server import status
 from ps_server.config import ServerConfig
 from ps_server.metrics import ShardMetrics
 from ps_server.shard import Shard
+from tests.helpers.domain import decode, initialize, pull_values
 
 WEIGHT = np.arange(12, dtype=np.float32).reshape(4, 3)   # 48 bytes
 BIAS = np.zeros(3, dtype=np.float64)                     # 24 bytes
@@ -35,13 +36,13 @@ def make_shard(now=None, **settings) -> tuple[Shard, ShardMetrics]:
     params = {"w": WEIGHT, "b": BIAS}
     specs = [ParamSpec(n, a.dtype.name, a.shape) for n, a in params.items()]
     chunks = [c for n, a in params.items() for c in codec.part_chunks(n, a)]
-    shard.initialize(specs, chunks)
+    initialize(shard, specs, chunks)
     return shard, ShardMetrics(shard, process=False)
 
 
 def push(shard: Shard, worker: str, clock: int, read_step: int, scale: float = 1.0):
     grads = {"w": np.full_like(WEIGHT, scale), "b": np.full_like(BIAS, scale)}
-    decoded = shard.decode(c for n, g in grads.items() for c in codec.part_chunks(n, g))
+    decoded = decode((c for n, g in grads.items() for c in codec.part_chunks(n, g)), shard.push_layout())
     return shard.push(worker, clock, read_step, decoded)
 
 
@@ -90,8 +91,8 @@ def test_a_retried_push_counts_as_a_duplicate_and_not_as_another_push():
 
 def test_a_pull_counts_once_and_adds_the_parameter_bytes_it_served():
     shard, m = make_shard()
-    shard.pull(["w"], min_step=0, worker_id="", clock=0, timeout=1.0)
-    shard.pull([], min_step=0, worker_id="", clock=0, timeout=1.0)
+    pull_values(shard, ["w"], min_step=0, worker_id="", clock=0, timeout=1.0)
+    pull_values(shard, [], min_step=0, worker_id="", clock=0, timeout=1.0)
     assert value(m, "ps_pulls_total") == 2
     assert value(m, "ps_sent_bytes_total") == WEIGHT.nbytes + (WEIGHT.nbytes + BIAS.nbytes)
 
@@ -153,7 +154,7 @@ def test_closed_metrics_stop_listening_to_the_shard():
     shard.register("w0")
     push(shard, "w0", 0, 0)
     assert value(m, "ps_pushes_total", outcome="accepted", reason="none") == 0
-    assert m.on_event not in shard.listeners
+    assert m.on_event not in shard.events._listeners
 
 
 # ---------------------------------------------------------------------- logs

@@ -31,7 +31,7 @@ from ps_server.security import (
     is_loopback,
     subject_attributes,
 )
-from tests.helpers.domain import init_shard, make_shard, push
+from tests.helpers.domain import cluster_info, init_shard, make_shard, pull_values, push
 
 WORKER, ADMIN = "worker-token-0123456789", "admin-token-0123456789"
 PUSH = "/ps.v1.ParameterServer/Push"
@@ -299,7 +299,7 @@ def test_reset_drops_parameters_step_and_workers_and_returns_the_step_before():
         push(shard, "w0", 1, 0, GRADS)
     # a different parameter list is accepted after the reset
     init_shard(shard, {"v": np.zeros(2, np.float32)})
-    assert [p.name for p in shard.cluster_info().parameters] == ["v"]
+    assert [p.name for p in cluster_info(shard).parameters] == ["v"]
 
 
 def test_reset_clears_the_sync_step_in_progress():
@@ -320,7 +320,7 @@ def test_a_pull_waiting_during_a_reset_fails_as_unavailable():
 
     def pull():
         try:
-            shard.pull(["w"], min_step=5, worker_id="", clock=0, timeout=10)
+            pull_values(shard, ["w"], min_step=5, worker_id="", clock=0, timeout=10)
         except BaseException as exc:
             errors.append(exc)
 

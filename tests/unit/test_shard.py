@@ -21,7 +21,7 @@ from ps_common.errors import (
     WaitTimeoutError,
 )
 from ps_common.shard_map import ParamSpec
-from tests.helpers.domain import LR, FakeClock, clocks, init_shard, make_shard, own_chunks, pull_values, push, values
+from tests.helpers.domain import FakeClock, LR, clocks, cluster_info, decode, init_shard, initialize, make_shard, own_chunks, pull_values, push, values
 
 W0 = np.arange(12, dtype=np.float32).reshape(4, 3)
 B0 = np.zeros(3, np.float32)
@@ -79,10 +79,10 @@ def test_init_whose_chunks_miss_a_part_is_refused_and_leaves_the_shard_uninitial
     shard = make_shard()
     specs = [ParamSpec("w", "float32", (4, 3)), ParamSpec("b", "float32", (3,))]
     with pytest.raises(InvalidTensorError, match=r"'b' rows from 0"):
-        shard.initialize(specs, list(codec.part_chunks("w", W0)))
+        initialize(shard, specs, list(codec.part_chunks("w", W0)))
     assert not shard.store.initialized
     with pytest.raises(InvalidTensorError, match="got 8 bytes, expected 12"):
-        shard.initialize(specs, [*codec.part_chunks("w", W0),
+        initialize(shard, specs, [*codec.part_chunks("w", W0),
                                  pb.TensorChunk(name="b", dtype=pb.DTYPE_FLOAT32, shape=[3], data=B0[:2].tobytes())])
     assert not shard.store.initialized
 
@@ -98,7 +98,7 @@ def test_a_shard_takes_exactly_its_own_row_range_of_a_split_tensor() -> None:
     # the other shard's rows are refused, naming the owner
     other = make_shard(shard_index=1, num_shards=2, partition_min_bytes=1024)
     with pytest.raises(InvalidTensorError, match="belong to shard 0"):
-        other.initialize([ParamSpec("big", "float32", (64, 32))], list(codec.part_chunks("big", big[:row_start])))
+        initialize(other, [ParamSpec("big", "float32", (64, 32))], list(codec.part_chunks("big", big[:row_start])))
 
 
 # ------------------------------------------------------------------ push
@@ -162,10 +162,10 @@ def test_a_push_whose_chunks_miss_bytes_is_refused_with_the_byte_counts() -> Non
     before = snapshot(shard)
     short = pb.TensorChunk(name="w", dtype=pb.DTYPE_FLOAT32, shape=[4, 3], data=np.ones(11, np.float32).tobytes())
     with pytest.raises(InvalidTensorError, match=r"'w' rows from 0: got 44 bytes, expected 48"):
-        shard.decode([short])
+        decode([short], shard.push_layout())
     overlong = pb.TensorChunk(name="w", dtype=pb.DTYPE_FLOAT32, shape=[4, 3], byte_offset=40, data=bytes(16))
     with pytest.raises(InvalidTensorError, match=r"\[40, 56\) fall outside the part's 48 bytes"):
-        shard.decode([overlong])
+        decode([overlong], shard.push_layout())
     assert snapshot(shard) == before
 
 
@@ -173,7 +173,7 @@ def test_a_push_for_an_unknown_tensor_is_refused_as_not_found() -> None:
     shard = ready_shard()
     chunk = next(codec.part_chunks("nope", np.ones(3, np.float32)))
     with pytest.raises(UnknownTensorError, match="'nope'"):
-        shard.decode([chunk])
+        decode([chunk], shard.push_layout())
 
 
 def test_a_push_holding_nan_is_refused_and_changes_nothing() -> None:
@@ -240,7 +240,7 @@ def test_pull_for_a_future_step_times_out_even_when_the_lease_clock_stands_still
     shard = ready_shard()   # a FakeClock that never moves
     start = time.monotonic()
     with pytest.raises(WaitTimeoutError, match=r"waited 0.2 s for step >= 3"):
-        shard.pull([], min_step=3, worker_id="", clock=0, timeout=0.2)
+        pull_values(shard, [], min_step=3, worker_id="", clock=0, timeout=0.2)
     assert time.monotonic() - start < 5
 
 
@@ -250,7 +250,7 @@ def test_stopping_a_shard_wakes_a_waiting_pull_with_shutting_down() -> None:
 
     def wait() -> None:
         try:
-            shard.pull([], min_step=5, worker_id="", clock=0, timeout=20.0)
+            pull_values(shard, [], min_step=5, worker_id="", clock=0, timeout=20.0)
         except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
             errors.append(exc)
 
@@ -292,10 +292,10 @@ def test_heartbeat_renews_a_lease_and_an_unknown_worker_must_register() -> None:
     now.advance(9)
     assert shard.heartbeat("a") == (10.0, 0)
     now.advance(9)
-    [info] = shard.cluster_info().workers
+    [info] = cluster_info(shard).workers
     assert info.live and info.lease_remaining_ms == 1000
     now.advance(2)
-    [info] = shard.cluster_info().workers
+    [info] = cluster_info(shard).workers
     assert not info.live and info.lease_remaining_ms == 0
     with pytest.raises(UnknownWorkerError, match="'ghost'.*RegisterWorker"):
         shard.heartbeat("ghost")
@@ -314,7 +314,7 @@ def test_deregister_is_idempotent_and_ends_the_lease_at_once() -> None:
     shard.deregister("a")
     shard.deregister("a")
     shard.deregister("never-registered")
-    [info] = shard.cluster_info().workers
+    [info] = cluster_info(shard).workers
     assert not info.live
 
 
@@ -394,11 +394,11 @@ def test_a_malformed_barrier_call_is_refused(name: str, who: str, participants: 
 
 def test_cluster_info_describes_the_configuration_map_and_workers() -> None:
     shard = make_shard("sync", replicas_to_aggregate=2, total_replicas=3, shard_index=0, num_shards=1)
-    info = shard.cluster_info()
+    info = cluster_info(shard)
     assert not info.initialized and not info.parameters and not info.parts
     init_shard(shard, MODEL)
     shard.register("a")
-    info = shard.cluster_info()
+    info = cluster_info(shard)
     assert (info.mode, info.replicas_to_aggregate, info.total_replicas) == (pb.MODE_SYNC, 2, 3)
     assert info.initialized and info.optimizer == "sgd" and info.effective_replicas == 1
     assert sorted((p.name, p.row_start, p.row_end, p.shard) for p in info.parts) == [("b", 0, 3, 0), ("w", 0, 4, 0)]
@@ -408,6 +408,6 @@ def test_cluster_info_describes_the_configuration_map_and_workers() -> None:
 def test_a_part_sent_in_many_small_chunks_is_reassembled_exactly() -> None:
     shard = make_shard()
     big = np.arange(3000, dtype=np.float32)
-    shard.initialize([ParamSpec("big", "float32", (3000,))], own_chunks(shard, {"big": big}, chunk_bytes=1024))
+    initialize(shard, [ParamSpec("big", "float32", (3000,))], own_chunks(shard, {"big": big}, chunk_bytes=1024))
     _, pulled = pull_values(shard)
     np.testing.assert_array_equal(pulled["big"], big)

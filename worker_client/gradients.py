@@ -16,6 +16,7 @@ import onnx_ad
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from ps_common.errors import DeviceUnavailableError
 from worker_client.onnx_graph import (
     GradientGraph,
     LossSpec,
@@ -36,10 +37,6 @@ __all__ = ["DeviceUnavailableError", "GradientEngine", "UnsupportedModelError",
 
 #: Bumped whenever the gradient graph built for the same options changes.
 GRAPH_FORMAT = 8
-
-
-class DeviceUnavailableError(RuntimeError):
-    """The requested device has no onnxruntime execution provider in this installation."""
 
 
 def default_cache_dir() -> Path:

@@ -16,6 +16,8 @@ import onnx_ad
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from ps_common.errors import UnsupportedModelError
+
 from worker_client.conv_rewrites import (
     assign_unique_scatters,
     gemm_large_kernel_convs,
@@ -63,10 +65,6 @@ METADATA_KEY = "onnx_ps.gradient_graph"
 
 _EXPORT_HINT = ("torch.onnx.export(..., training=torch.onnx.TrainingMode.TRAINING, "
                 "do_constant_folding=False)")
-
-
-class UnsupportedModelError(ValueError):
-    """A model the gradient engine cannot differentiate; the message names the node and op."""
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ps_common.errors import UnsupportedModelError
 
-from worker_client.conv_rewrites import (
-    assign_unique_scatters,
-    gemm_large_kernel_convs,
-    resize_window_spreads,
-    route_max_pool_adjoints,
-)
-from worker_client.graph_rewrites import (
-    canonicalize_layout_ops,
-    flatten_weight_matmuls,
-    fold_shape_queries,
-)
+from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 
 __all__ = [
     "FLOAT_TYPES",
@@ -493,9 +483,7 @@ def build_gradient_graph(lifted: onnx.ModelProto, *, parameters: Sequence[str],
     _fix_batch(model, inputs, batch_size)
     model = _infer(model)
     loss_output, labels = _attach_loss(model, loss, batch_size)
-    if flatten_weight_matmuls(model):
-        model.graph.ClearField("value_info")
-    model = _infer(model)
+    model = _infer(rewrite_forward(model))
     try:
         derived = onnx_ad.reverse(model, inputs=list(parameters), outputs=[loss_output],
                                   prefix=GRAD_PREFIX, dim=SEED_DIM, layout="onnx")
@@ -517,63 +505,13 @@ def build_gradient_graph(lifted: onnx.ModelProto, *, parameters: Sequence[str],
     loss_type, _ = _shape_of(model, loss_output)
     graph.initializer.append(numpy_helper.from_array(
         np.ones((1,), helper.tensor_dtype_to_np_dtype(loss_type)), seed))
-    _optimize(derived)
+    rewrite_adjoints(derived)
     result = GradientGraph(model=derived, loss_output=loss_output, labels=labels,
                            gradient_outputs={p: GRAD_PREFIX + p for p in parameters})
     del derived.metadata_props[:]
     derived.metadata_props.add(key=METADATA_KEY, value=result.describe())
     clamp_ir_version(derived)
     return result
-
-
-def _optimize(model: onnx.ModelProto) -> None:
-    """Steer the differentiated graph off onnxruntime's slow kernels, in place (each pass
-    is an exact rewrite; see graph_rewrites and conv_rewrites for the why)."""
-    fold_shape_queries(model)           # everything static, so the passes below apply
-    gemm_large_kernel_convs(model)
-    resize_window_spreads(model)
-    route_max_pool_adjoints(model)
-    assign_unique_scatters(model)
-    canonicalize_layout_ops(model)
-    _prune(model)
-
-
-def _reads(graph: onnx.GraphProto) -> set[str]:
-    """Every name a graph's nodes read, subgraphs (which may capture outer names) included."""
-    names = {value.name for value in graph.output}
-    for node in graph.node:
-        names |= _node_reads(node)
-    return names
-
-
-def _node_reads(node: onnx.NodeProto) -> set[str]:
-    names = {name for name in node.input if name}
-    for attribute in node.attribute:
-        for inner in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH
-                      else list(attribute.graphs)):
-            names |= _reads(inner)
-    return names
-
-
-def _prune(model: onnx.ModelProto) -> None:
-    """Drop nodes and initializers no output depends on, in place.
-
-    onnx-ad's constant folding leaves dead Constant nodes and initializers behind, and
-    onnxruntime logs a warning for every one of them.
-    """
-    graph = model.graph
-    needed = {value.name for value in graph.output}
-    live = []
-    for node in reversed(graph.node):
-        if any(name in needed for name in node.output):
-            live.append(node)
-            needed |= _node_reads(node)
-    live.reverse()
-    graph.ClearField("node")
-    graph.node.extend(live)
-    kept = [tensor for tensor in graph.initializer if tensor.name in needed]
-    graph.ClearField("initializer")
-    graph.initializer.extend(kept)
 
 
 @functools.cache

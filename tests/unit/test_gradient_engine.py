@@ -13,8 +13,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from worker_client import DeviceUnavailableError, GradientEngine, UnsupportedModelError
-from worker_client.conv_rewrites import gemm_large_kernel_convs, resize_window_spreads
-from worker_client.graph_rewrites import canonicalize_layout_ops, flatten_weight_matmuls
+from worker_client.engine.rewrites.conv import gemm_large_kernel_convs, resize_window_spreads
+from worker_client.engine.rewrites.layout import canonicalize_layout_ops
+from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
 TORCH_MODELS = ["mlp", "cnn", "embedding_bag", "transformer", "conv_bn_eval"]

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.graph_rewrites import Emitter, constants, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
 
 __all__ = ["assign_unique_scatters", "gemm_large_kernel_convs", "resize_window_spreads",
            "route_max_pool_adjoints"]

@@ -1,0 +1,1 @@
+"""The gradient engine, one module per stage of its pipeline."""

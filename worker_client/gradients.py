@@ -17,20 +17,19 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ps_common.errors import DeviceUnavailableError
-from worker_client.onnx_graph import (
+from ps_common.errors import UnsupportedModelError
+from worker_client.engine.batch import fix_batch
+from worker_client.engine.differentiate import (
     GradientGraph,
-    LossSpec,
-    UnsupportedModelError,
-    build_gradient_graph,
-    clamp_ir_version,
-    data_inputs,
-    lift_parameters,
-    max_ir_version,
-    parse_loss,
-    select_trainable,
-    shared_parameters,
-    tie_warning,
+    differentiate,
+    gradient_graph,
+    refuse_training_mode,
 )
+from worker_client.engine.lift import data_inputs, lift_parameters
+from worker_client.engine.load import load_model, max_ir_version
+from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
+from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
+from worker_client.engine.trainables import select_trainable, shared_parameters, tie_warning
 
 __all__ = ["DeviceUnavailableError", "GradientEngine", "UnsupportedModelError",
            "default_cache_dir"]
@@ -186,7 +185,7 @@ class GradientEngine:
         self._loss: LossSpec | None = None if loss is None else parse_loss(loss)
         self._threads = (intra_op_threads, inter_op_threads)
 
-        model = onnx.load(self.model_path)
+        model = load_model(self.model_path)
         self.trainable_names: list[str] = select_trainable(model, include=include,
                                                            exclude=exclude)
         if not self.trainable_names:
@@ -200,7 +199,6 @@ class GradientEngine:
         self._initial = {name: numpy_helper.to_array(initial[name])
                          for name in self.trainable_names}
         self._lifted = lift_parameters(model, self.trainable_names)
-        clamp_ir_version(self._lifted)
         trainable = set(self.trainable_names)
         self.input_names: list[str] = [v.name for v in data_inputs(self._lifted)
                                        if v.name not in trainable]
@@ -234,8 +232,7 @@ class GradientEngine:
                 self.cache_hit = True
                 return graph
         try:
-            graph = build_gradient_graph(self._lifted, parameters=self.trainable_names,
-                                         loss=loss, batch_size=self.batch_size)
+            graph = self._gradient_graph(loss)
         except UnsupportedModelError as exc:
             raise UnsupportedModelError(f"{self.model_path}: {exc}") from exc
         try:
@@ -244,6 +241,16 @@ class GradientEngine:
             warnings.warn(f"could not cache the gradient model at {self.cache_path}: {exc}",
                           UserWarning, stacklevel=3)
         return graph
+
+    def _gradient_graph(self, loss: LossSpec) -> GradientGraph:
+        """The stages that build the gradient model from the lifted one, in order."""
+        refuse_training_mode(self._lifted)
+        model = fix_batch(self._lifted, self.input_names, self.batch_size)
+        model, loss_output, labels = attach_loss(model, loss, self.batch_size)
+        model = rewrite_forward(model)
+        model = differentiate(model, self.trainable_names, loss_output)
+        model = rewrite_adjoints(model)
+        return gradient_graph(model, loss_output, labels, self.trainable_names)
 
     def _make_session(self, model: onnx.ModelProto) -> ort.InferenceSession:
         options = ort.SessionOptions()

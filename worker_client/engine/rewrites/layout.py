@@ -1,4 +1,4 @@
-"""Transposes, reductions and broadcasts over size-1 axes rewritten onto onnxruntime's fast paths."""
+"""Transposes, reductions and broadcasts over size-1 axes, rewritten onto fast kernels."""
 
 from __future__ import annotations
 

@@ -19,11 +19,12 @@ import onnxruntime as ort
 from ps_models.builders import BUILDERS, write_model
 from ps_models.datasets import Dataset, DatasetError, load_dataset
 from ps_common import jobconfig
+from ps_common.errors import DeviceUnavailableError, UnsupportedModelError
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.logs import configure_logging
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from worker_client.client import PSClient, RetryPolicy, ServerError
-from worker_client.gradients import DeviceUnavailableError, GradientEngine, UnsupportedModelError
+from worker_client.engine import GradientEngine
 from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingError, TrainingPlan
 
 log = logging.getLogger("worker_client")

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
-from worker_client.engine.support import node_label
+from ps_common.errors import UnsupportedModelError
+from worker_client.engine.support import node_label, warn_caller
 
-__all__ = ["FLOAT_TYPES", "select_trainable", "shared_parameters", "tie_warning"]
+__all__ = ["FLOAT_TYPES", "initial_values", "select_trainable", "shared_parameters",
+           "tie_warning", "trainable_parameters"]
 
 #: Element types a parameter can have.
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
@@ -27,6 +30,29 @@ PASS_THROUGH = frozenset({"Identity", "Cast", "Transpose", "Reshape", "Flatten",
 
 _EXPORT_HINT = ("torch.onnx.export(..., training=torch.onnx.TrainingMode.TRAINING, "
                 "do_constant_folding=False)")
+
+
+def trainable_parameters(model: onnx.ModelProto, *, include: Sequence[str],
+                         exclude: Sequence[str], source: str | os.PathLike[str]) -> list[str]:
+    """The names of the parameters to train (see `select_trainable`), in initializer order.
+
+    Raises UnsupportedModelError when none is left; warns for each one that several layers
+    share (`shared_parameters`). `source` names the model file in both.
+    """
+    names = select_trainable(model, include=include, exclude=exclude)
+    if not names:
+        raise UnsupportedModelError(
+            f"{source}: no trainable parameters (floating-point initializers) "
+            f"match include={list(include)} exclude={list(exclude)}")
+    for name, nodes in shared_parameters(model, names).items():
+        warn_caller(f"{source}: {tie_warning(name, nodes)}")
+    return names
+
+
+def initial_values(model: onnx.ModelProto, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The values the model file holds for the initializers `names`, in that order."""
+    initial = {t.name: t for t in model.graph.initializer}
+    return {name: numpy_helper.to_array(initial[name]) for name in names}
 
 
 def _consumers(graph: onnx.GraphProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:

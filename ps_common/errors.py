@@ -188,6 +188,12 @@ def catalog() -> dict[str, type[PSError]]:
 # ---------------------------------------------------------------------- the gradient engine
 
 
+class ModelLoadError(PSError, ValueError):
+    """An .onnx file that cannot be read: missing, unreadable, empty, truncated or not ONNX; names the file."""
+
+    status, reason = None, "MODEL_UNREADABLE"
+
+
 class UnsupportedModelError(PSError, ValueError):
     """A model the gradient engine cannot differentiate or onnxruntime cannot load; names the node and op."""
 

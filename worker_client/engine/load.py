@@ -4,19 +4,63 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import onnx
 import onnxruntime as ort
+from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper
 
-__all__ = ["clamp_ir_version", "load_model", "max_ir_version"]
+from ps_common.errors import ModelLoadError
+
+__all__ = ["clamp_ir_version", "load_model", "max_ir_version", "read_model"]
+
+#: What a file that parses but is no whole model, or does not parse, most likely is.
+_DAMAGED = "it is empty, truncated, corrupt or not an ONNX file"
 
 
 def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
     """The model stored at `path`, its IR version lowered to what onnxruntime loads."""
-    model = onnx.load(path)
+    model = read_model(path)
     clamp_ir_version(model)
     return model
+
+
+def read_model(path: str | os.PathLike[str], *, external_data: bool = True) -> onnx.ModelProto:
+    """The model stored at `path` (with its external tensor data when `external_data`).
+
+    Raises ModelLoadError naming the file and the problem when the file is missing or
+    unreadable, does not parse as ONNX, or parses to no model: protobuf reads an empty or
+    cut-short file without complaint, so a model without a graph or an opset is refused
+    here rather than in some later stage.
+    """
+    path = Path(path)
+    try:
+        model = onnx.load(path, load_external_data=external_data)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the model file {path}: "
+                             f"{exc.strerror or exc}") from exc
+    except DecodeError as exc:
+        raise ModelLoadError(f"the model file {path} ({_size(path)}) does not parse as an "
+                             f"ONNX model ({exc}): {_DAMAGED}") from exc
+    except Exception as exc:  # noqa: BLE001 -- onnx's own, e.g. for external data
+        raise ModelLoadError(f"cannot read the model file {path}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    if not model.HasField("graph"):
+        raise ModelLoadError(f"the model file {path} ({_size(path)}) holds no graph: "
+                             f"{_DAMAGED}")
+    if not model.opset_import:
+        raise ModelLoadError(f"the model file {path} ({_size(path)}) declares no opset "
+                             f"(opset_import is empty): {_DAMAGED}")
+    return model
+
+
+def _size(path: Path) -> str:
+    """The file's size for a message, e.g. "512 bytes"."""
+    try:
+        return f"{path.stat().st_size} bytes"
+    except OSError:
+        return "size unknown"
 
 
 @functools.cache

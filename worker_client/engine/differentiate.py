@@ -25,6 +25,8 @@ GRAD_PREFIX = "grad__"
 SEED_DIM = "nseed"
 #: metadata_props key under which a built gradient model describes itself.
 METADATA_KEY = "onnx_ps.gradient_graph"
+#: Input index of Dropout's training_mode flag (opset 12 on).
+_DROPOUT_TRAINING_MODE = 2
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,9 @@ def refuse_training_mode(model: onnx.ModelProto) -> None:
                 f"EVAL, keep_initializers_as_inputs=True) -- the last flag skips the "
                 f"de-duplication that ties equal-valued parameters), or fold it into the "
                 f"preceding Conv")
-        if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
-            flag = _constant_value(model, node.input[2])
+        if node.op_type == "Dropout" and len(node.input) > _DROPOUT_TRAINING_MODE and \
+                node.input[_DROPOUT_TRAINING_MODE]:
+            flag = _constant_value(model, node.input[_DROPOUT_TRAINING_MODE])
             if flag is None or bool(flag.reshape(-1)[0]):
                 raise UnsupportedModelError(
                     f"node {node_label(node)!r} (Dropout) is in training mode: it samples "

@@ -26,7 +26,7 @@ from worker_client.engine.feeds import (
     parameter_feed,
     shown,
 )
-from worker_client.engine.lift import data_inputs, lift_parameters
+from worker_client.engine.lift import lift_parameters
 from worker_client.engine.load import load_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
@@ -104,7 +104,7 @@ class GradientEngine:
         self._initial = initial_values(model, self.trainable_names)
         self._lifted = lift_parameters(model, self.trainable_names)
         trainable = set(self.trainable_names)
-        self.input_names: list[str] = [v.name for v in data_inputs(self._lifted)
+        self.input_names: list[str] = [v.name for v in self._lifted.graph.input
                                        if v.name not in trainable]
         self.output_names: list[str] = [v.name for v in self._lifted.graph.output]
         loss = self._loss

@@ -7,7 +7,10 @@ from collections.abc import Sequence
 import onnx
 from onnx import helper
 
-__all__ = ["data_inputs", "lift_parameters"]
+__all__ = ["lift_parameters"]
+
+#: The IR version from which initializers need not be listed as graph inputs.
+_IR_INITIALIZERS_NOT_INPUTS = 4
 
 
 def lift_parameters(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
@@ -31,14 +34,9 @@ def lift_parameters(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelP
                 if value.name not in wanted and value.name not in frozen]
     graph.ClearField("input")
     graph.input.extend(existing)
-    lifted.ir_version = max(lifted.ir_version, 4)  # initializers need not be inputs from IR 4
+    lifted.ir_version = max(lifted.ir_version, _IR_INITIALIZERS_NOT_INPUTS)
     graph.input.extend(helper.make_tensor_value_info(name, moved[name].data_type,
                                                      list(moved[name].dims))
                        for name in names)
     return lifted
 
-
-def data_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
-    """The graph inputs that are not initializers."""
-    initialized = {t.name for t in model.graph.initializer}
-    return [value for value in model.graph.input if value.name not in initialized]

@@ -17,6 +17,11 @@ __all__ = ["clamp_ir_version", "load_model", "max_ir_version", "read_model"]
 
 #: What a file that parses but is no whole model, or does not parse, most likely is.
 _DAMAGED = "it is empty, truncated, corrupt or not an ONNX file"
+#: Opset of the one-node model that probes which IR versions onnxruntime loads.
+_PROBE_OPSET = 13
+#: The IR version that came with opset 13: the oldest the probe is valid at, and the
+#: answer when onnxruntime refuses every newer one.
+_PROBE_OLDEST_IR = 7
 
 
 def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
@@ -75,8 +80,8 @@ def max_ir_version() -> int:
         [helper.make_node("Identity", ["x"], ["y"])], "probe",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    for version in range(onnx.IR_VERSION, 7, -1):
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _PROBE_OPSET)])
+    for version in range(onnx.IR_VERSION, _PROBE_OLDEST_IR, -1):
         probe.ir_version = version
         try:
             ort.InferenceSession(probe.SerializeToString(),
@@ -84,7 +89,7 @@ def max_ir_version() -> int:
         except Exception:  # noqa: BLE001 -- any refusal means: try an older version
             continue
         return version
-    return 7
+    return _PROBE_OLDEST_IR
 
 
 def clamp_ir_version(model: onnx.ModelProto) -> None:

@@ -28,6 +28,11 @@ LAYER_OPS = frozenset({"Gemm", "MatMul", "Conv", "ConvTranspose", "Einsum", "Gat
 PASS_THROUGH = frozenset({"Identity", "Cast", "Transpose", "Reshape", "Flatten", "Squeeze",
                           "Unsqueeze"})
 
+#: BatchNormalization's input indices of its running mean and variance: not trainable.
+_RUNNING_STATISTICS = (3, 4)
+#: Fewest elements a shared parameter needs to be reported as tied (one-element ones are not).
+_TIE_MIN_ELEMENTS = 2
+
 _EXPORT_HINT = ("torch.onnx.export(..., training=torch.onnx.TrainingMode.TRAINING, "
                 "do_constant_folding=False)")
 
@@ -75,7 +80,7 @@ def _statistics_only(graph: onnx.GraphProto, name: str,
         if node.op_type == "Identity":
             if not _statistics_only(graph, node.output[0], consumers):
                 return False
-        elif not (node.op_type == "BatchNormalization" and index in (3, 4)):
+        elif not (node.op_type == "BatchNormalization" and index in _RUNNING_STATISTICS):
             return False
     return True
 
@@ -117,7 +122,7 @@ def shared_parameters(model: onnx.ModelProto,
     sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in graph.initializer}
     shared = {}
     for name in names:
-        if sizes.get(name, 0) < 2:
+        if sizes.get(name, 0) < _TIE_MIN_ELEMENTS:
             continue
         layers: dict[int, onnx.NodeProto] = {}
         frontier, seen = [name], {name}

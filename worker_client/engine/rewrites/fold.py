@@ -13,6 +13,8 @@ __all__ = ["fold_shape_queries"]
 
 #: Largest integer tensor (elements) that shape folding turns into a constant.
 _FOLD_LIMIT = 64
+#: Most folding sweeps (each can make the next query static): a bound, not a target.
+_MAX_FOLD_ROUNDS = 16
 
 
 def _evaluate(node: onnx.NodeProto, values: dict[str, np.ndarray],
@@ -36,7 +38,7 @@ def fold_shape_queries(model: onnx.ModelProto) -> int:
     """
     opset = opset_of(model)
     folded = 0
-    for _ in range(16):  # a fold can make the next query static
+    for _ in range(_MAX_FOLD_ROUNDS):  # a fold can make the next query static
         shapes = static_shapes(model)
         values = {name: value for name, value in constants(model).items()
                   if value.dtype.kind in "iub" and value.size <= _FOLD_LIMIT}

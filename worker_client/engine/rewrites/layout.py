@@ -167,13 +167,13 @@ def _transpose(node: onnx.NodeProto, shape: tuple[int, ...], out_shape: tuple[in
 
 
 def _reduction(node: onnx.NodeProto, shape: tuple[int, ...], out_shape: tuple[int, ...],
-               constants: dict[str, np.ndarray], opset: int,
+               known: dict[str, np.ndarray], opset: int,
                emit: Emitter) -> list[onnx.NodeProto] | None:
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if len(node.input) > 1 and node.input[1]:
-        if node.input[1] not in constants:
+        if node.input[1] not in known:
             return None  # axes computed at run time
-        axes = [int(a) for a in constants[node.input[1]].reshape(-1)]
+        axes = [int(a) for a in known[node.input[1]].reshape(-1)]
     else:
         axes = list(attributes.get("axes", []))
     if not axes:

@@ -41,9 +41,10 @@ class GradientEngine:
 
     The engine lifts the model's trainable initializers into graph inputs, appends a loss,
     differentiates the result with onnx-ad's reverse pass and runs it in one onnxruntime
-    session; `_build` lists the stages in order. The built gradient model is cached on disk
-    (`cache_dir`, default $ONNX_PS_CACHE or ~/.cache/onnx-ps/gradients), keyed by the
-    model's graph and the options that shape it, and written atomically.
+    session; `_build` lists the stages in order (docs/engine-pipeline.md). The built
+    gradient model is cached on disk (`cache_dir`, default $ONNX_PS_CACHE or
+    ~/.cache/onnx-ps/gradients), keyed by the model's graph and the options that shape it,
+    and written atomically.
 
     Trainable parameters are the floating-point initializers (BatchNormalization running
     statistics excepted), narrowed by `include` / `exclude` glob patterns; a constant that

@@ -56,6 +56,7 @@ class GradientGraph:
 
 
 def _constant_value(model: onnx.ModelProto, name: str) -> np.ndarray | None:
+    """The value of the initializer or Constant node `name`; None when it is computed."""
     for tensor in model.graph.initializer:
         if tensor.name == name:
             return numpy_helper.to_array(tensor)
@@ -68,7 +69,8 @@ def _constant_value(model: onnx.ModelProto, name: str) -> np.ndarray | None:
 
 
 def refuse_training_mode(model: onnx.ModelProto) -> None:
-    """Training-mode BatchNormalization and Dropout have no deterministic gradient here."""
+    """Raise UnsupportedModelError, naming the node, for a BatchNormalization or Dropout in
+    training mode: neither has a deterministic gradient here."""
     for node in model.graph.node:
         if node.op_type == "BatchNormalization" and any(
                 a.name == "training_mode" and a.i for a in node.attribute):
@@ -95,6 +97,7 @@ def refuse_training_mode(model: onnx.ModelProto) -> None:
                     f"remove the Dropout layers; training then runs without dropout")
 
 
+#: How onnx-ad's UnsupportedOperator names the op and the node it has no reverse rule for.
 _RULE_MESSAGE = re.compile(r"no reverse rule for (\S+) \(node '([^']*)'\)")
 
 

@@ -183,3 +183,24 @@ def error_for_reason(reason: str) -> type[PSError] | None:
 def catalog() -> dict[str, type[PSError]]:
     """Every error class by reason, for docs and tests."""
     return dict(sorted(_BY_REASON.items()))
+
+
+# ---------------------------------------------------------------------- the gradient engine
+
+
+class ModelLoadError(PSError, ValueError):
+    """An .onnx file that cannot be read: missing, unreadable, empty, truncated or not ONNX; names the file."""
+
+    status, reason = None, "MODEL_UNREADABLE"
+
+
+class UnsupportedModelError(PSError, ValueError):
+    """A model the gradient engine cannot differentiate or onnxruntime cannot load; names the node and op."""
+
+    status, reason = None, "MODEL_UNSUPPORTED"
+
+
+class DeviceUnavailableError(PSError, RuntimeError):
+    """A device (cuda, cuda:N) without a working onnxruntime execution provider in this installation."""
+
+    status, reason = None, "DEVICE_UNAVAILABLE"

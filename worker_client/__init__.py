@@ -1,7 +1,8 @@
 """The worker side: the gradient engine, the client library and the worker process."""
 
+from ps_common.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
 from worker_client.client import PSClient, PushReport, RetryPolicy, ServerError
-from worker_client.gradients import DeviceUnavailableError, GradientEngine, UnsupportedModelError
+from worker_client.engine import GradientEngine
 
-__all__ = ["DeviceUnavailableError", "GradientEngine", "PSClient", "PushReport", "RetryPolicy", "ServerError",
-           "UnsupportedModelError"]
+__all__ = ["DeviceUnavailableError", "GradientEngine", "ModelLoadError", "PSClient", "PushReport", "RetryPolicy",
+           "ServerError", "UnsupportedModelError"]

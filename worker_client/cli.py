@@ -13,17 +13,18 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import onnx
 import onnxruntime as ort
 
 from ps_models.builders import BUILDERS, write_model
 from ps_models.datasets import Dataset, DatasetError, load_dataset
 from ps_common import jobconfig
+from ps_common.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.logs import configure_logging
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from worker_client.client import PSClient, RetryPolicy, ServerError
-from worker_client.gradients import DeviceUnavailableError, GradientEngine, UnsupportedModelError
+from worker_client.engine import GradientEngine
+from worker_client.engine.load import read_model
 from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingError, TrainingPlan
 
 log = logging.getLogger("worker_client")
@@ -45,7 +46,7 @@ def resolve_model(spec: str, workdir: Path) -> tuple[Path, str | None]:
     """(ONNX file, bundled model kind or None) for a path or a bundled model's name (written into workdir)."""
     path = Path(spec).expanduser()
     if path.is_file():
-        model = onnx.load(str(path), load_external_data=False)
+        model = read_model(path, external_data=False)
         kind = next((p.value for p in model.metadata_props if p.key == "model"), None)
         return path, kind if kind in _LAYOUTS else None
     if spec in BUILDERS:
@@ -132,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     sink: EventSink = JsonLinesSink(sys.stdout) if job.worker.events else TextSink(sys.stdout)
     try:
         run_worker(job, report=sink, stop=stop)
-    except (JobConfigError, TrainingError, ServerError, DatasetError, UnsupportedModelError,
-            DeviceUnavailableError, ValueError) as exc:
+    except (JobConfigError, TrainingError, ServerError, DatasetError, ModelLoadError,
+            UnsupportedModelError, DeviceUnavailableError, ValueError) as exc:
         if received:
             return 128 + received[0]
         log.debug("worker failed", exc_info=True)

@@ -50,7 +50,7 @@ import numpy as np
 from ps_models.datasets import Dataset, iterate_batches, num_batches, worker_shard
 from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PSClient, PushReport, ServerError
-from worker_client.gradients import GradientEngine
+from worker_client.engine import GradientEngine
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from ps_models.datasets import load_dataset
 from ps_server.config import ServerConfig
 from ps_server.server import create_server
 from worker_client.client import PSClient
-from worker_client.gradients import GradientEngine
+from worker_client.engine import GradientEngine
 from worker_client.training import Trainer, TrainingPlan
 
 pytestmark = pytest.mark.slow

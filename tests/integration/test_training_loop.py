@@ -14,7 +14,7 @@ from ps_models.datasets import Dataset, load_dataset, num_batches
 from ps_server.config import ServerConfig
 from ps_server.server import ShardServer, create_server
 from worker_client.client import PSClient
-from worker_client.gradients import GradientEngine
+from worker_client.engine import GradientEngine
 from worker_client.training import JsonLinesSink, Trainer, TrainingError, TrainingPlan
 
 

@@ -12,9 +12,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from worker_client import DeviceUnavailableError, GradientEngine, UnsupportedModelError
-from worker_client.conv_rewrites import gemm_large_kernel_convs, resize_window_spreads
-from worker_client.graph_rewrites import canonicalize_layout_ops, flatten_weight_matmuls
+from worker_client import (DeviceUnavailableError, GradientEngine, ModelLoadError,
+                           UnsupportedModelError)
+from worker_client.engine.rewrites.conv import gemm_large_kernel_convs, resize_window_spreads
+from worker_client.engine.rewrites.layout import canonicalize_layout_ops
+from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
 TORCH_MODELS = ["mlp", "cnn", "embedding_bag", "transformer", "conv_bn_eval"]
@@ -467,6 +469,26 @@ def test_a_wrong_or_missing_parameter_is_named(mlp_engine: GradientEngine) -> No
     del parameters["fc2.bias"]
     with pytest.raises(ValueError, match=r"parameters are missing \['fc2.bias'\]"):
         mlp_engine.gradients(parameters, inputs)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("missing", r"cannot read the model file .*: No such file or directory"),
+    ("empty", r"\(0 bytes\) holds no graph: it is empty, truncated"),
+    ("truncated", r"does not parse as an ONNX model .*: it is empty, truncated, corrupt"),
+    ("not_onnx", r"does not parse as an ONNX model .*: it is empty, truncated, corrupt"),
+])
+def test_an_unreadable_model_file_is_refused_naming_the_file_and_the_problem(
+        damage: str, problem: str, tmp_path: Path) -> None:
+    whole = _linear_model(tmp_path / "whole.onnx").read_bytes()
+    path = tmp_path / "damaged.onnx"
+    if damage != "missing":
+        path.write_bytes({"empty": b"", "truncated": whole[:len(whole) * 2 // 3],
+                          "not_onnx": b"name,value\nW,1.5\n"}[damage])
+    with pytest.raises(ModelLoadError, match=problem) as caught:
+        GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path / "cache")
+    assert str(path) in str(caught.value)
+    assert isinstance(caught.value, ValueError) and caught.value.reason == "MODEL_UNREADABLE"
+    assert not (tmp_path / "cache").exists()
 
 
 def test_bad_options_are_refused_with_their_values(tmp_path: Path) -> None:

@@ -8,11 +8,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.graph_rewrites import Emitter, constants, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
 
 __all__ = ["assign_unique_scatters", "gemm_large_kernel_convs", "resize_window_spreads",
            "route_max_pool_adjoints"]
 
+#: Input index of the optional bias of Conv and ConvTranspose.
+_BIAS = 2
 #: Ops that pass integer indices on without reordering or repeating them.
 _INDEX_PASS_THROUGH = frozenset({"Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten",
                                  "Expand", "Cast"})
@@ -49,7 +51,7 @@ def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
     emit = Emitter(model, "conv_gemm")
     replacements: dict[int, list[onnx.NodeProto]] = {}
     for index, node in enumerate(model.graph.node):
-        if node.op_type != "Conv" or (len(node.input) > 2 and node.input[2]):
+        if node.op_type != "Conv" or (len(node.input) > _BIAS and node.input[_BIAS]):
             continue
         x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1],
                                                   node.output[0]))
@@ -111,7 +113,7 @@ def resize_window_spreads(model: onnx.ModelProto) -> int:
     emit = Emitter(model, "spread")
     replacements: dict[int, list[onnx.NodeProto]] = {}
     for index, node in enumerate(model.graph.node):
-        if node.op_type != "ConvTranspose" or (len(node.input) > 2 and node.input[2]):
+        if node.op_type != "ConvTranspose" or (len(node.input) > _BIAS and node.input[_BIAS]):
             continue
         x, y = shapes.get(node.input[0]), shapes.get(node.output[0])
         kernel = values.get(node.input[1])

@@ -1,0 +1,24 @@
+"""The gradient engine: an ONNX model in, its loss and gradients out, one module per stage.
+
+`GradientEngine` (engine.py) runs the stages in this order when it is built
+(docs/engine-pipeline.md says what each takes and returns):
+
+1. load          -- read the .onnx file, at an IR version onnxruntime loads
+2. trainables    -- choose the initializers that train; warn about tied ones
+3. lift          -- make those initializers graph inputs
+4. cache         -- find the gradient model on disk; on a miss build it (5-9) and store it
+5. batch         -- fix the batch axis of the data inputs
+6. loss          -- append the loss as the model's one output
+7. rewrites      -- exact rewrites for fast onnxruntime kernels, on the forward graph
+8. differentiate -- onnx-ad's reverse pass: one gradient output per parameter
+9. rewrites      -- exact rewrites again, on the adjoints; dead nodes pruned
+10. session      -- the onnxruntime session on the chosen device
+
+At run time feeds.py checks and converts the caller's arrays; support.py holds helpers
+several stages share.
+"""
+
+from worker_client.engine.cache import default_cache_dir
+from worker_client.engine.engine import GradientEngine
+
+__all__ = ["GradientEngine", "default_cache_dir"]

@@ -1,0 +1,267 @@
+"""GradientEngine: the pipeline's stages run in order, then loss, gradients and predictions."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ps_common.errors import UnsupportedModelError
+from worker_client.engine.batch import fix_batch
+from worker_client.engine.cache import cached_or_built, default_cache_dir, entry_path
+from worker_client.engine.differentiate import (
+    GradientGraph,
+    differentiate,
+    gradient_graph,
+    refuse_training_mode,
+)
+from worker_client.engine.feeds import (
+    check_shape,
+    coerce,
+    declared_dims,
+    element_dtype,
+    parameter_feed,
+    shown,
+)
+from worker_client.engine.lift import lift_parameters
+from worker_client.engine.load import load_model
+from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
+from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
+from worker_client.engine.session import open_session, placement, run_bound
+from worker_client.engine.trainables import initial_values, trainable_parameters
+
+__all__ = ["GradientEngine"]
+
+
+class GradientEngine:
+    """Loss and gradients of an ONNX model for given parameter values and a fixed-size batch.
+
+    The engine lifts the model's trainable initializers into graph inputs, appends a loss,
+    differentiates the result with onnx-ad's reverse pass and runs it in one onnxruntime
+    session; `_build` lists the stages in order (docs/engine-pipeline.md). The built
+    gradient model is cached on disk (`cache_dir`, default $ONNX_PS_CACHE or
+    ~/.cache/onnx-ps/gradients), keyed by the model's graph and the options that shape it,
+    and written atomically.
+
+    Trainable parameters are the floating-point initializers (BatchNormalization running
+    statistics excepted), narrowed by `include` / `exclude` glob patterns; a constant that
+    must not train should be a Constant node, or excluded.
+
+    Exporting from torch: ``torch.onnx.export(model, args, path, dynamo=False,
+    training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+    dynamic_axes={name: {0: "batch"}, ...})``. In eval mode the exporter de-duplicates
+    initializers that hold equal values -- two fresh LayerNorms, zero-initialized biases --
+    into one, so those layers silently train as one tied parameter; the engine warns when
+    one initializer feeds several layers. Training mode exports BatchNormalization and
+    Dropout in their training forms, which have no deterministic gradient and are refused
+    with `UnsupportedModelError`; export such a model with ``model.eval()``,
+    ``training=torch.onnx.TrainingMode.EVAL`` and ``keep_initializers_as_inputs=True``
+    (which skips the de-duplication), or remove / fold those layers.
+
+    The batch axis is axis 0 of every model input. The gradient model fixes it to
+    `batch_size` (some onnx-ad rules need static shapes); `predict` keeps the model's own,
+    ideally dynamic, batch axis. `loss=None` builds no gradient model (predict only).
+
+    Not thread-safe: one engine serves one worker loop (onnxruntime parallelizes inside a
+    call; see `intra_op_threads`).
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str], *, batch_size: int,
+                 loss: str | None = "cross_entropy", device: str = "cpu",
+                 include: Sequence[str] = (), exclude: Sequence[str] = (),
+                 intra_op_threads: int | None = None, inter_op_threads: int | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        for name, threads in (("intra_op_threads", intra_op_threads),
+                              ("inter_op_threads", inter_op_threads)):
+            if threads is not None and (not isinstance(threads, int) or threads < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {threads!r}")
+        if isinstance(include, str) or isinstance(exclude, str):
+            raise TypeError("include and exclude are sequences of glob patterns, not strings")
+        self.model_path = Path(model_path)
+        self.batch_size = batch_size
+        self.device = device
+        self._placement = placement(device)  # before the model is read: a bad device fails fast
+        self._loss: LossSpec | None = None if loss is None else parse_loss(loss)
+        self._threads = (intra_op_threads, inter_op_threads)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_path: Path | None = None
+        self.cache_hit = False
+        self._graph: GradientGraph | None = None
+        self._eval_session: ort.InferenceSession | None = None
+        self._build(include, exclude)
+
+    # --- construction: the pipeline ---------------------------------------------------
+
+    def _build(self, include: Sequence[str], exclude: Sequence[str]) -> None:
+        """The stages, in order; the gradient model's own are in `_gradient_graph`."""
+        model = load_model(self.model_path)
+        self.trainable_names: list[str] = trainable_parameters(
+            model, include=include, exclude=exclude, source=self.model_path)
+        self._initial = initial_values(model, self.trainable_names)
+        self._lifted = lift_parameters(model, self.trainable_names)
+        trainable = set(self.trainable_names)
+        self.input_names: list[str] = [v.name for v in self._lifted.graph.input
+                                       if v.name not in trainable]
+        self.output_names: list[str] = [v.name for v in self._lifted.graph.output]
+        loss = self._loss
+        if loss is None:
+            return  # predict only: no gradient model, no cache entry
+        self.cache_path = entry_path(self.cache_dir, self._lifted, batch_size=self.batch_size,
+                                     loss=loss, trainable=self.trainable_names)
+        self._graph, self.cache_hit = cached_or_built(self.cache_path,
+                                                      lambda: self._gradient_graph(loss))
+        self._session = open_session(self._graph.model, self._placement,
+                                     threads=self._threads, source=self.model_path)
+        self._prepare_gradient_run(self._graph)
+
+    def _gradient_graph(self, loss: LossSpec) -> GradientGraph:
+        """The stages that turn the lifted model into the gradient model, in order (run
+        only when the cache has no entry for it)."""
+        try:
+            refuse_training_mode(self._lifted)
+            model = fix_batch(self._lifted, self.input_names, self.batch_size)
+            model, loss_output, labels = attach_loss(model, loss, self.batch_size)
+            model = rewrite_forward(model)
+            model = differentiate(model, self.trainable_names, loss_output)
+            model = rewrite_adjoints(model)
+            return gradient_graph(model, loss_output, labels, self.trainable_names)
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(f"{self.model_path}: {exc}") from exc
+
+    def _prepare_gradient_run(self, graph: GradientGraph) -> None:
+        """Everything `gradients` needs per call, computed once."""
+        session_inputs = {v.name: v for v in graph.model.graph.input}
+        trainable = set(self.trainable_names)
+        self._feeds = {name: (element_dtype(value), declared_dims(value))
+                       for name, value in session_inputs.items() if name not in trainable}
+        self._fetches = [graph.loss_output] + [graph.gradient_outputs[name]
+                                               for name in self.trainable_names]
+        # onnx-ad's gradients carry a trailing seed axis of length 1
+        loss_type = next(v for v in graph.model.graph.output if v.name == graph.loss_output)
+        self._output_specs = [(graph.loss_output, element_dtype(loss_type), ())] + [
+            (graph.gradient_outputs[name], self._initial[name].dtype,
+             self._initial[name].shape + (1,)) for name in self.trainable_names]
+        self._bind_outputs = self._placement.cuda_index is not None
+        self._classes: int | None = None
+        if self._loss is not None and self._loss.kind == "cross_entropy":
+            logits = declared_dims(self._lifted.graph.output[0])
+            if logits and len(logits) == 2 and isinstance(logits[1], int):
+                self._classes = logits[1]
+
+    # --- public API ---------------------------------------------------------------------
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The model's initial trainable values (copies), in `trainable_names` order."""
+        return {name: value.copy() for name, value in self._initial.items()}
+
+    def gradients(self, parameters: Mapping[str, np.ndarray],
+                  inputs: Mapping[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
+        """The loss and its gradient with respect to every trainable parameter.
+
+        `parameters` holds a value for every name in `trainable_names`; `inputs` holds every
+        model input (batch axis 0 of length `batch_size`) and, when a loss with labels was
+        attached, "labels". Float data is cast to the model's float type. Raises ValueError
+        naming the input and the expected and received shapes on any mismatch.
+        """
+        if self._graph is None:
+            raise RuntimeError("this engine was built with loss=None and computes no "
+                               "gradients; pass loss='cross_entropy', 'mse' or 'output:NAME'")
+        feed = parameter_feed(parameters, self._initial)
+        unknown = set(inputs) - set(self._feeds)
+        if unknown:
+            raise ValueError(f"unknown inputs {sorted(unknown)}; the model takes "
+                             f"{sorted(self._feeds)}")
+        for name, (dtype, dims) in self._feeds.items():
+            if name not in inputs:
+                raise ValueError(f"input {name!r} is missing; expected shape "
+                                 f"{shown(dims)} of {dtype}")
+            what = "labels" if name == self._graph.labels else f"input {name!r}"
+            array = coerce(what, inputs[name], dtype)
+            check_shape(what, array, dims)
+            feed[name] = array
+        if self._classes is not None and self._graph.labels is not None:
+            labels = feed[self._graph.labels]
+            if labels.size and (labels.min() < 0 or labels.max() >= self._classes):
+                raise ValueError(f"labels must lie in [0, {self._classes}), got values in "
+                                 f"[{labels.min()}, {labels.max()}]")
+        if self._bind_outputs:
+            results = run_bound(self._session, feed, self._output_specs)
+        else:
+            results = self._session.run(self._fetches, feed)
+        loss = float(results[0])
+        return loss, {name: value.reshape(self._initial[name].shape)
+                      for name, value in zip(self.trainable_names, results[1:])}
+
+    def predict(self, parameters: Mapping[str, np.ndarray],
+                inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The model's outputs for `inputs` at `parameters`, any batch size.
+
+        Runs the model itself (no loss, no gradient), keeping its own batch axis; a model
+        exported with a fixed batch size is run on zero-padded chunks of that size.
+        """
+        if self._eval_session is None:
+            self._eval_session = open_session(self._lifted, self._placement,
+                                              threads=self._threads, source=self.model_path)
+        feed = parameter_feed(parameters, self._initial)
+        declared = {v.name: v for v in self._lifted.graph.input}
+        unknown = set(inputs) - set(self.input_names) - {"labels"}
+        if unknown:
+            raise ValueError(f"unknown inputs {sorted(unknown)}; the model takes "
+                             f"{self.input_names}")
+        batch: int | None = None
+        for name in self.input_names:
+            if name not in inputs:
+                raise ValueError(f"input {name!r} is missing; expected shape "
+                                 f"{shown(declared_dims(declared[name]))}")
+            array = coerce(f"input {name!r}", inputs[name], element_dtype(declared[name]))
+            check_shape(f"input {name!r}", array, declared_dims(declared[name]),
+                        free_batch=True)
+            if array.ndim:
+                if batch is not None and array.shape[0] != batch:
+                    raise ValueError(f"input {name!r}: batch of {array.shape[0]}, but other "
+                                     f"inputs have {batch}")
+                batch = array.shape[0]
+            feed[name] = array
+        fixed = self._fixed_batch()
+        if fixed is None or batch is None or batch == fixed:
+            values = self._eval_session.run(self.output_names, feed)
+            return dict(zip(self.output_names, values))
+        return self._predict_in_chunks(feed, batch, fixed)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _fixed_batch(self) -> int | None:
+        """The model's own batch size when its first shaped input fixes axis 0, else None."""
+        for name in self.input_names:
+            value = next(v for v in self._lifted.graph.input if v.name == name)
+            dims = declared_dims(value)
+            if dims:
+                return dims[0] if isinstance(dims[0], int) else None
+        return None
+
+    def _predict_in_chunks(self, feed: dict[str, np.ndarray], batch: int,
+                           fixed: int) -> dict[str, np.ndarray]:
+        pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
+        assert self._eval_session is not None
+        for start in range(0, batch, fixed):
+            chunk = dict(feed)
+            for name in self.input_names:
+                part = feed[name][start:start + fixed]
+                if part.ndim and part.shape[0] < fixed:
+                    padding = np.zeros((fixed - part.shape[0],) + part.shape[1:], part.dtype)
+                    part = np.concatenate([part, padding])
+                chunk[name] = part
+            for name, value in zip(self.output_names,
+                                   self._eval_session.run(self.output_names, chunk)):
+                if value.ndim == 0 or value.shape[0] != fixed:
+                    raise ValueError(
+                        f"output {name!r} has no batch axis (shape {value.shape}), so a "
+                        f"batch of {batch} cannot be run in chunks of the model's fixed "
+                        f"batch size {fixed}")
+                pieces[name].append(value)
+        return {name: np.concatenate(parts)[:batch] for name, parts in pieces.items()}

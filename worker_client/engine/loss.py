@@ -1,0 +1,184 @@
+"""Stage "loss": the loss appended to the model as its one, scalar output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ps_common.errors import UnsupportedModelError
+from worker_client.engine.trainables import FLOAT_TYPES
+
+__all__ = ["LossSpec", "attach_loss", "parse_loss"]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Which loss to attach: "cross_entropy", "mse", or "output" (a scalar the model outputs)."""
+
+    kind: str
+    output: str | None = None
+
+    def key(self) -> str:
+        """The spelling used in cache keys and metadata."""
+        return self.kind if self.output is None else f"output:{self.output}"
+
+
+def parse_loss(loss: str) -> LossSpec:
+    """`"cross_entropy"`, `"mse"` or `"output:NAME"` as a LossSpec."""
+    if loss in ("cross_entropy", "mse"):
+        return LossSpec(loss)
+    if loss.startswith("output:") and len(loss) > len("output:"):
+        return LossSpec("output", loss[len("output:"):])
+    raise ValueError(f"loss must be 'cross_entropy', 'mse', 'output:NAME' or None, "
+                     f"got {loss!r}")
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
+    tensor_type = value.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in tensor_type.shape.dim]
+
+
+def _shape_of(model: onnx.ModelProto, name: str) -> tuple[int, list[int | str | None] | None]:
+    """(elem_type, dims) of a value as declared or inferred in `model`."""
+    graph = model.graph
+    for value in list(graph.output) + list(graph.value_info) + list(graph.input):
+        if value.name == name:
+            return value.type.tensor_type.elem_type, _dims(value)
+    for tensor in graph.initializer:
+        if tensor.name == name:
+            return tensor.data_type, list(tensor.dims)
+    return TensorProto.UNDEFINED, None
+
+
+class _Names:
+    """Fresh tensor names that collide with nothing in the graph."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        graph = model.graph
+        self.taken = {v.name for v in list(graph.input) + list(graph.output)
+                      + list(graph.value_info)}
+        self.taken.update(t.name for t in graph.initializer)
+        self.taken.update(out for node in graph.node for out in node.output)
+
+    def __call__(self, stem: str) -> str:
+        name, counter = stem, 0
+        while name in self.taken:
+            counter += 1
+            name = f"{stem}_{counter}"
+        self.taken.add(name)
+        return name
+
+
+def _constant(names: _Names, nodes: list[onnx.NodeProto], array: np.ndarray,
+              stem: str) -> str:
+    out = names(stem)
+    nodes.append(helper.make_node("Constant", [], [out], name=out,
+                                  value=numpy_helper.from_array(array, out)))
+    return out
+
+
+def attach_loss(model: onnx.ModelProto, spec: LossSpec,
+                batch_size: int) -> tuple[onnx.ModelProto, str, str | None]:
+    """Append the loss to `model` (in place); its only output becomes the scalar loss.
+
+    Returns the model, the loss output's name and the labels input's name (None when the
+    loss adds none). Cross-entropy is spelled LogSoftmax, OneHot, Mul and ReduceSum: every
+    one has an onnx-ad rule at any opset, where GatherElements' adjoint needs opset 16
+    (ScatterElements with reduction), and a ReduceSum without axes means "all axes" in both
+    its attribute (< 13) and input (>= 13) forms, so one spelling serves every opset.
+    """
+    graph = model.graph
+    names = _Names(model)
+    nodes: list[onnx.NodeProto] = []
+    labels = None
+    if spec.kind == "output" and spec.output is not None:
+        output = spec.output
+        if output not in {v.name for v in graph.output}:
+            raise UnsupportedModelError(
+                f"loss='output:{output}' names no graph output; the outputs are "
+                f"{[v.name for v in graph.output]}")
+        elem_type, dims = _shape_of(model, output)
+        sizes = [d for d in dims or [] if isinstance(d, int)]
+        if dims is None or len(sizes) != len(dims) or int(np.prod(sizes)) != 1:
+            raise UnsupportedModelError(
+                f"loss output {output!r} must be a scalar (one element), but its shape is "
+                f"{dims if dims is not None else 'unknown'}")
+        if elem_type not in FLOAT_TYPES:
+            raise UnsupportedModelError(
+                f"loss output {output!r} has element type "
+                f"{TensorProto.DataType.Name(elem_type)}, not a floating-point type")
+        if not dims:
+            loss = output
+        else:
+            loss = names("loss")
+            nodes.append(helper.make_node("ReduceSum", [output], [loss], name=loss,
+                                          keepdims=0))
+    else:
+        prediction = graph.output[0].name
+        elem_type, dims = _shape_of(model, prediction)
+        if elem_type not in FLOAT_TYPES:
+            raise UnsupportedModelError(
+                f"the loss {spec.kind!r} needs a floating-point first output, but "
+                f"{prediction!r} has element type {TensorProto.DataType.Name(elem_type)}")
+        if "labels" in {v.name for v in graph.input}:
+            raise UnsupportedModelError(
+                "the model already has an input named 'labels'; compute the loss in the "
+                "model and pass loss='output:NAME'")
+        dtype = helper.tensor_dtype_to_np_dtype(elem_type)
+        labels = "labels"
+        names.taken.add(labels)
+        if spec.kind == "cross_entropy":
+            if dims is not None and len(dims) != 2:
+                raise UnsupportedModelError(
+                    f"cross_entropy needs logits shaped (batch, classes), but the first "
+                    f"output {prediction!r} has shape {dims}")
+            graph.input.append(helper.make_tensor_value_info(labels, TensorProto.INT64,
+                                                             [batch_size]))
+            log_probs, shape, depth, onehot, picked, total, loss = (names(stem) for stem in (
+                "ce_log_probs", "ce_shape", "ce_depth", "ce_onehot", "ce_picked",
+                "ce_total", "loss"))
+            # onnxruntime's OneHot kernels produce float32 (not float64 or float16)
+            one_hot_values = _constant(names, nodes, np.array([0, 1], np.float32),
+                                       "ce_values")
+            class_axis = _constant(names, nodes, np.array(1, np.int64), "ce_class_axis")
+            scale = _constant(names, nodes, np.array(-1.0 / batch_size, dtype), "ce_scale")
+            nodes += [
+                helper.make_node("LogSoftmax", [prediction], [log_probs], name=log_probs,
+                                 axis=1),
+                helper.make_node("Shape", [prediction], [shape], name=shape),
+                helper.make_node("Gather", [shape, class_axis], [depth], name=depth, axis=0),
+                helper.make_node("OneHot", [labels, depth, one_hot_values], [onehot],
+                                 name=onehot, axis=-1),
+            ]
+            if elem_type != TensorProto.FLOAT:
+                float_onehot, onehot = onehot, names("ce_onehot_cast")
+                nodes.append(helper.make_node("Cast", [float_onehot], [onehot], name=onehot,
+                                              to=elem_type))
+            nodes += [
+                helper.make_node("Mul", [onehot, log_probs], [picked], name=picked),
+                helper.make_node("ReduceSum", [picked], [total], name=total, keepdims=0),
+                helper.make_node("Mul", [total, scale], [loss], name=loss),
+            ]
+        else:
+            graph.input.append(helper.make_tensor_value_info(labels, elem_type, dims))
+            difference, squared, total, size, count, loss = (names(stem) for stem in (
+                "mse_difference", "mse_squared", "mse_total", "mse_size", "mse_count",
+                "loss"))
+            nodes += [
+                helper.make_node("Sub", [prediction, labels], [difference], name=difference),
+                helper.make_node("Mul", [difference, difference], [squared], name=squared),
+                helper.make_node("ReduceSum", [squared], [total], name=total, keepdims=0),
+                helper.make_node("Size", [difference], [size], name=size),
+                helper.make_node("Cast", [size], [count], name=count, to=elem_type),
+                helper.make_node("Div", [total, count], [loss], name=loss),
+            ]
+    graph.node.extend(nodes)
+    graph.ClearField("output")
+    graph.output.append(helper.make_tensor_value_info(loss, elem_type, []))
+    return model, loss, labels

@@ -1,0 +1,54 @@
+"""Stage "rewrite": exact graph rewrites that steer the model onto onnxruntime's fast kernels.
+
+Every pass computes the same values as the graph it replaces (tests/unit/
+test_gradient_engine.py checks each one); each module's docstrings say which slow path it
+avoids and why the replacement is exact.
+
+- `matmul`: batched weight MatMuls flattened to one GEMM (on the forward graph, so that
+  onnx-ad's weight adjoint is one GEMM too);
+- `fold`: shape queries on static tensors folded into constants;
+- `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops;
+- `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
+  those axes;
+- `prune`: nodes and initializers nothing reads, dropped;
+- `toolkit`: what the passes share (static shapes, constants, fresh names).
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from worker_client.engine.rewrites.conv import (
+    assign_unique_scatters,
+    gemm_large_kernel_convs,
+    resize_window_spreads,
+    route_max_pool_adjoints,
+)
+from worker_client.engine.rewrites.fold import fold_shape_queries
+from worker_client.engine.rewrites.layout import canonicalize_layout_ops
+from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
+from worker_client.engine.rewrites.prune import prune
+
+__all__ = ["rewrite_adjoints", "rewrite_forward"]
+
+
+def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The loss model before differentiation, rewritten in place and returned.
+
+    Its inferred shapes are dropped when anything changed; differentiation infers afresh.
+    """
+    if flatten_weight_matmuls(model):
+        model.graph.ClearField("value_info")
+    return model
+
+
+def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The differentiated model, rewritten in place and returned; the passes run in order."""
+    fold_shape_queries(model)           # everything static, so the passes below apply
+    gemm_large_kernel_convs(model)
+    resize_window_spreads(model)
+    route_max_pool_adjoints(model)
+    assign_unique_scatters(model)
+    canonicalize_layout_ops(model)
+    prune(model)
+    return model

@@ -1,0 +1,82 @@
+"""Shape arithmetic on statically shaped tensors folded into constants."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from worker_client.engine.rewrites.toolkit import constants, opset_of, static_shapes
+
+__all__ = ["fold_shape_queries"]
+
+#: Largest integer tensor (elements) that shape folding turns into a constant.
+_FOLD_LIMIT = 64
+#: Most folding sweeps (each can make the next query static): a bound, not a target.
+_MAX_FOLD_ROUNDS = 16
+
+
+def _evaluate(node: onnx.NodeProto, values: dict[str, np.ndarray],
+              opset: int) -> list[np.ndarray] | None:
+    """The outputs of one node on constant operands, by onnx's reference evaluator."""
+    try:
+        evaluator = ReferenceEvaluator(node, opsets={"": opset})
+        return list(evaluator.run(None, {name: values[name] for name in node.input if name}))
+    except Exception:  # noqa: BLE001 -- an op the evaluator lacks is simply left alone
+        return None
+
+
+def fold_shape_queries(model: onnx.ModelProto) -> int:
+    """Fold shape arithmetic on statically shaped tensors into constants, in place.
+
+    onnx-ad builds some zero tensors from run-time queries (MaxPool's adjoint scatters into
+    `ConstantOfShape(Concat(Size(x), nseed))`), and onnx's shape inference does not see
+    through Size, so everything downstream loses its static shape and escapes
+    `canonicalize_layout_ops`. Shape and Size of a static tensor become constants, and so
+    does every integer node whose operands are all constant. Returns the number folded.
+    """
+    opset = opset_of(model)
+    folded = 0
+    for _ in range(_MAX_FOLD_ROUNDS):  # a fold can make the next query static
+        shapes = static_shapes(model)
+        values = {name: value for name, value in constants(model).items()
+                  if value.dtype.kind in "iub" and value.size <= _FOLD_LIMIT}
+        nodes: list[onnx.NodeProto] = []
+        changed = 0
+        for node in model.graph.node:
+            shape = shapes.get(node.input[0]) if node.input else None
+            results: list[np.ndarray] | None = None
+            if shape is not None and node.op_type == "Shape":
+                attributes = {a.name: a.i for a in node.attribute}
+                start = attributes.get("start", 0)
+                end = attributes.get("end", len(shape))
+                results = [np.array(shape[start:end], np.int64)]
+            elif shape is not None and node.op_type == "Size":
+                results = [np.array(int(np.prod(shape, dtype=np.int64)), np.int64)]
+            elif node.op_type != "Constant" and node.input and not _subgraphs(node) and all(
+                    not name or name in values for name in node.input):
+                results = _evaluate(node, values, opset)
+                if results is not None and not all(
+                        r.dtype.kind in "iub" and r.size <= _FOLD_LIMIT for r in results):
+                    results = None
+            if results is None:
+                nodes.append(node)
+                continue
+            for out, result in zip(node.output, results):
+                if out:
+                    nodes.append(helper.make_node(
+                        "Constant", [], [out], name=out,
+                        value=numpy_helper.from_array(np.asarray(result), out)))
+            changed += 1
+        if not changed:
+            break
+        model.graph.ClearField("node")
+        model.graph.node.extend(nodes)
+        folded += changed
+    return folded
+
+
+def _subgraphs(node: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for a in node.attribute)

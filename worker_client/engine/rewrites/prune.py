@@ -1,0 +1,45 @@
+"""Dead nodes and initializers dropped: the clean-up after onnx-ad and the other rewrites."""
+
+from __future__ import annotations
+
+import onnx
+
+__all__ = ["prune"]
+
+
+def _reads(graph: onnx.GraphProto) -> set[str]:
+    """Every name a graph's nodes read, subgraphs (which may capture outer names) included."""
+    names = {value.name for value in graph.output}
+    for node in graph.node:
+        names |= _node_reads(node)
+    return names
+
+
+def _node_reads(node: onnx.NodeProto) -> set[str]:
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        for inner in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH
+                      else list(attribute.graphs)):
+            names |= _reads(inner)
+    return names
+
+
+def prune(model: onnx.ModelProto) -> None:
+    """Drop nodes and initializers no output depends on, in place.
+
+    onnx-ad's constant folding leaves dead Constant nodes and initializers behind, and
+    onnxruntime logs a warning for every one of them.
+    """
+    graph = model.graph
+    needed = {value.name for value in graph.output}
+    live = []
+    for node in reversed(graph.node):
+        if any(name in needed for name in node.output):
+            live.append(node)
+            needed |= _node_reads(node)
+    live.reverse()
+    graph.ClearField("node")
+    graph.node.extend(live)
+    kept = [tensor for tensor in graph.initializer if tensor.name in needed]
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept)

@@ -1,0 +1,79 @@
+"""What every rewrite pass uses: the opset, static shapes, constant values, fresh names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+__all__ = ["Emitter", "constants", "opset_of", "static_shapes"]
+
+
+def opset_of(model: onnx.ModelProto) -> int:
+    """The model's default-domain opset."""
+    return max([o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] or [1])
+
+
+def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """Every value whose shape is fully static, as inferred by onnx."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except onnx.shape_inference.InferenceError:
+        inferred = model
+    graph = inferred.graph
+    shapes: dict[str, tuple[int, ...]] = {t.name: tuple(t.dims) for t in graph.initializer}
+    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
+        tensor_type = value.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue
+        dims = tensor_type.shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            shapes[value.name] = tuple(d.dim_value for d in dims)
+    return shapes
+
+
+def constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Initializers and Constant-node values by name."""
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(attribute.t)
+    return values
+
+
+class Emitter:
+    """New nodes and int64 shape constants with names that collide with nothing."""
+
+    def __init__(self, model: onnx.ModelProto, stem: str) -> None:
+        graph = model.graph
+        self.taken = {v.name for v in list(graph.input) + list(graph.output)}
+        self.taken.update(t.name for t in graph.initializer)
+        self.taken.update(out for node in graph.node for out in node.output)
+        self.stem = stem
+        self.counter = 0
+        self.initializers: list[onnx.TensorProto] = []
+
+    def name(self) -> str:
+        """A fresh tensor (and node) name."""
+        while True:
+            self.counter += 1
+            candidate = f"{self.stem}_{self.counter}"
+            if candidate not in self.taken:
+                self.taken.add(candidate)
+                return candidate
+
+    def ints(self, values: Sequence[int]) -> str:
+        """A new int64 initializer holding `values`; returns its name."""
+        name = self.name()
+        self.initializers.append(numpy_helper.from_array(np.array(values, np.int64), name))
+        return name
+
+    def reshape(self, value: str, shape: Sequence[int], out: str | None = None
+                ) -> tuple[onnx.NodeProto, str]:
+        """A Reshape of `value` to the static `shape`, and its output name."""
+        out = out or self.name()
+        return helper.make_node("Reshape", [value, self.ints(shape)], [out], name=out), out

@@ -1,0 +1,39 @@
+"""Helpers several stages share; no stage of its own."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import onnx
+
+from ps_common.errors import UnsupportedModelError
+
+__all__ = ["infer_shapes", "node_label", "warn_caller"]
+
+#: This package's folder: frames in files under it are the engine's own, not its caller's.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    """The node's name, or for an unnamed node its op and first output, for messages."""
+    return node.name or f"<unnamed {node.op_type} -> {node.output[0] if node.output else ''}>"
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Shape inference with data propagation, so shapes computed by Shape/Concat/Reshape
+    chains (how exporters spell a dynamic flatten) become static once the batch is."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except onnx.shape_inference.InferenceError as exc:
+        raise UnsupportedModelError(f"ONNX shape inference failed: {exc}") from exc
+
+
+def warn_caller(message: str) -> None:
+    """A UserWarning reported at the line that called into the engine (the first frame
+    outside this package), however deep in the pipeline the stage that warns runs."""
+    depth, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        depth, frame = depth + 1, frame.f_back
+    warnings.warn(message, UserWarning, stacklevel=depth + 1)

@@ -27,8 +27,8 @@ import numpy as np
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
-from ps_common.errors import (REASON_KEY, InvalidTensorError, NotInitializedError, ServerError, UnknownWorkerError,
-                              error_for_reason)
+from ps_common.errors import (REASON_KEY, InvalidTensorError, NotInitializedError, OverloadedError, ServerError,
+                              UnknownWorkerError, error_for_reason)
 from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 
 log = logging.getLogger(__name__)
@@ -178,10 +178,12 @@ class PSClient:
             except grpc.RpcError as exc:
                 code = exc.code()
                 elapsed = time.monotonic() - started
-                pause = self.retry.pause(attempt, elapsed, backoff) if code == grpc.StatusCode.UNAVAILABLE else None
+                retryable = code == grpc.StatusCode.UNAVAILABLE or reason_of(exc) == OverloadedError.reason
+                pause = self.retry.pause(attempt, elapsed, backoff) if retryable else None
                 if pause is not None:
-                    log.warning("%s on shard %d (%s) unavailable (attempt %d, %.1f s), retrying in %.2f s: %s", what,
-                                shard, self.addresses[shard], attempt, elapsed, pause, exc.details())
+                    log.warning("%s on shard %d (%s) %s (attempt %d, %.1f s), retrying in %.2f s: %s", what, shard,
+                                self.addresses[shard], "unavailable" if code == grpc.StatusCode.UNAVAILABLE else
+                                "overloaded", attempt, elapsed, pause, exc.details())
                     time.sleep(pause)
                     backoff = min(backoff * 2, self.retry.max_backoff)
                     continue

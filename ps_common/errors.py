@@ -161,6 +161,12 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     reason = "CHECKPOINT_MISMATCH"
 
 
+class StoppedError(PSError):
+    """A client wait (connect, retry, barrier, pull) ended because the process was asked to stop (SIGTERM, Ctrl-C)."""
+
+    status, reason = None, "STOPPED"
+
+
 class ServerError(PSError):
     """A shard answered an rpc with an error status (client side, after retries for UNAVAILABLE).
 
@@ -222,3 +228,18 @@ class DeviceUnavailableError(PSError, RuntimeError):
     """A device (cuda, cuda:N) without a working onnxruntime execution provider in this installation."""
 
     status, reason = None, "DEVICE_UNAVAILABLE"
+
+
+# ---------------------------------------------------------------------- training and data
+
+
+class TrainingError(PSError, RuntimeError):
+    """A training run that cannot go on; the message says what was awaited or what differs."""
+
+    status, reason = None, "TRAINING"
+
+
+class DatasetError(PSError, ValueError):
+    """A dataset spec, file or array that cannot be used; the message names it."""
+
+    status, reason = None, "DATASET"

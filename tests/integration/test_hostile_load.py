@@ -118,9 +118,22 @@ def _unparseable(message_type, raw: bytes) -> bool:
     return False
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux /proc)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+#: How much a shard's memory may grow over the battery (bytes): caches and allocator slack, not leaks.
+RSS_GROWTH_LIMIT = 64 << 20
+
+
 def test_generated_malformed_requests_to_every_rpc_get_documented_statuses_and_change_nothing(shard) -> None:
     address = shard.addresses[0]
     before = state_of(address)
+    rss_before = rss_bytes(shard.shards[0].pid)
     channel = grpc.insecure_channel(address)
     statuses: collections.Counter[tuple[str, str]] = collections.Counter()
     for service in (PS, ADMIN):
@@ -165,6 +178,9 @@ def test_generated_malformed_requests_to_every_rpc_get_documented_statuses_and_c
     assert all(code in ALLOWED for (_, code) in statuses)
     assert shard.shards[0].alive(), "the shard died"
     assert state_of(address) == before
+    growth = rss_bytes(shard.shards[0].pid) - rss_before
+    print(f"shard memory growth over the battery: {growth / 1e6:.1f} MB")
+    assert growth < RSS_GROWTH_LIMIT
 
 
 def test_a_mixed_dtype_push_from_a_registered_worker_is_refused_and_changes_nothing(shard) -> None:

@@ -42,7 +42,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_server.status import owned_parts_and_bytes
+from ps_common.cluster_info import owned_parts_and_bytes
 
 if TYPE_CHECKING:
     from ps_server.server import ShardServer

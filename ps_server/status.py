@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ import grpc
 
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from ps_common import codec
+from ps_common.cluster_info import owned_parts_and_bytes
 
 
 @dataclass(frozen=True)
@@ -34,21 +33,6 @@ class ShardReply:
 
 
 # ---------------------------------------------------------------------- pure helpers
-
-def owned_parts_and_bytes(info: pb.ClusterInfo) -> tuple[int, int]:
-    """(parts, bytes of parameter values) the shard that sent `info` holds, from its shard map."""
-    specs = {p.name: p for p in info.parameters}
-    parts = nbytes = 0
-    for part in info.parts:
-        if part.shard != info.shard_index:
-            continue
-        parts += 1
-        spec = specs.get(part.name)
-        if spec is not None:
-            row = math.prod(spec.shape[1:]) * codec.dtype_from_wire(spec.dtype, name=spec.name).itemsize
-            nbytes += (part.row_end - part.row_start) * row
-    return parts, nbytes
-
 
 def describe_mode(info: pb.ClusterInfo) -> str:
     """The mode with its settings as one word (awk-friendly), e.g. "sync(N=2,M=3)", "ssp(b=1)", "async"."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_common import codec
+from ps_common import cluster_info, codec
 from ps_common.logs import configure_logging
 from ps_common.shard_map import ParamSpec
 from ps_server import status
@@ -235,8 +235,8 @@ def _info(index: int, step: int, workers: list[tuple[str, int, bool, int]]) -> p
 
 
 def test_status_counts_only_the_parts_and_bytes_each_shard_holds():
-    assert status.owned_parts_and_bytes(_info(0, 1, [])) == (1, 6 * 4 * 4)
-    assert status.owned_parts_and_bytes(_info(1, 1, [])) == (1, 4 * 4 * 4)
+    assert cluster_info.owned_parts_and_bytes(_info(0, 1, [])) == (1, 6 * 4 * 4)
+    assert cluster_info.owned_parts_and_bytes(_info(1, 1, [])) == (1, 4 * 4 * 4)
 
 
 def test_status_table_shows_each_shard_step_and_every_worker_clock_per_shard():

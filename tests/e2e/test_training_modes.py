@@ -30,7 +30,7 @@ JOB_TIMEOUT = 150
 def launch(tmp_path: Path, *flags: str) -> dict[str, Any]:
     """Runs ps-launch with flags; returns its final JSON line, after checking the exit status and the record."""
     record = tmp_path / "record"
-    argv = [sys.executable, "-m", "ps_server.launch", *OPTIMIZER, "--data", "digits", "--batch-size", "32",
+    argv = [sys.executable, "-m", "ps_tools.launch", *OPTIMIZER, "--data", "digits", "--batch-size", "32",
             "--eval-every", "50", "--log-level", "WARNING", "--timeout", str(JOB_TIMEOUT), "--record", str(record),
             *flags]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=JOB_TIMEOUT + 30)

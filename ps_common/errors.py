@@ -183,3 +183,29 @@ def error_for_reason(reason: str) -> type[PSError] | None:
 def catalog() -> dict[str, type[PSError]]:
     """Every error class by reason, for docs and tests."""
     return dict(sorted(_BY_REASON.items()))
+
+
+# ---------------------------------------------------------------------- jobs and tools
+# Raised before or around the processes of a job, never across the wire (status None). Each
+# keeps the built-in base its callers always caught (ValueError, RuntimeError).
+
+
+class JobConfigError(PSError, ValueError):
+    """A setting, job file or TF_CONFIG that cannot be used; the message names it and the value."""
+
+    status, reason = None, "JOB_CONFIG"
+
+
+class ProcessStartError(PSError, RuntimeError):
+    """A child process that exited, or stayed silent past its timeout, instead of printing its READY line.
+
+    The message names the process, its argv and its last lines of output (ps_common.process).
+    """
+
+    status, reason = None, "PROCESS_START"
+
+
+class LaunchError(PSError, RuntimeError):
+    """ps-launch could not run the job to the end; the message names the process and what happened."""
+
+    status, reason = None, "LAUNCH_FAILED"

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ps_common import jobconfig
+from ps_common.errors import LaunchError
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_server.cli import READY_PREFIX, server_config
 
@@ -44,10 +45,6 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 TAIL_LINES = 30
 #: Longest wait for a finished worker's output pipes to drain.
 DRAIN_TIMEOUT = 10.0
-
-
-class LaunchError(RuntimeError):
-    """The job could not run to the end; the message names the process and what happened."""
 
 
 @dataclass

@@ -286,3 +286,94 @@ class WorkerProcess(_ChildProcess):
 
     def __repr__(self) -> str:
         return f"WorkerProcess(name={self.name!r}, pid={self.pid})"
+
+
+# ---------------------------------------------------------------------- leftovers of a test session
+
+#: Seconds a leftover descendant gets between SIGTERM and SIGKILL, and after SIGKILL.
+REAP_GRACE = 5.0
+#: How often reap_descendants checks whether the signalled processes are gone, in seconds.
+REAP_POLL_INTERVAL = 0.05
+_PROC = Path("/proc")
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of a live process from /proc/PID/stat; None when it is gone."""
+    try:
+        text = (_PROC / str(pid) / "stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()   # after "pid (comm) ": the comm may hold spaces and parentheses
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def _command_line(pid: int) -> str:
+    try:
+        raw = (_PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part) or "?"
+
+
+def descendants(root: int) -> dict[int, int]:
+    """Every live (not zombie) descendant of process `root`, from /proc: {pid: start time}. {} without /proc."""
+    if not _PROC.is_dir():
+        return {}
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in _PROC.iterdir():
+        if entry.name.isdigit():
+            stat = _proc_stat(int(entry.name))
+            if stat is not None and stat[0] != "Z":
+                children.setdefault(stat[1], []).append((int(entry.name), stat[2]))
+    found: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        for pid, started in children.get(todo.pop(), []):
+            if pid not in found and pid != root:
+                found[pid] = started
+                todo.append(pid)
+    return found
+
+
+def _same_process_alive(pid: int, started: int) -> bool:
+    """Whether `pid` still runs and is the process first seen (not a new one that reused the pid)."""
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] != "Z" and stat[2] == started
+
+
+def reap_descendants(root: int, *, grace: float = REAP_GRACE) -> list[str]:
+    """Stops every descendant of process `root` by PID: SIGTERM, then SIGKILL after grace s; what it stopped.
+
+    Each stopped process is described as "pid N (COMMAND LINE): stopped by SIGTERM|SIGKILL"
+    (or "survived SIGKILL"). A pid is signalled only while it is still the process first
+    seen (same start time), and never by name. Blocks at most 2 x grace s.
+    """
+    found = descendants(root)
+    commands = {pid: _command_line(pid) for pid in found}
+    how: dict[int, str] = {}
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        targets = [pid for pid, started in found.items() if _same_process_alive(pid, started)]
+        for pid in targets:
+            try:
+                os.kill(pid, signum)
+                how[pid] = f"stopped by {signal.Signals(signum).name}"
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while any(_same_process_alive(pid, found[pid]) for pid in targets) and time.monotonic() < deadline:
+            _reap_zombie_children(targets)
+            time.sleep(REAP_POLL_INTERVAL)
+        _reap_zombie_children(targets)
+    for pid, started in found.items():
+        if _same_process_alive(pid, started):
+            how[pid] = "survived SIGKILL"
+    return [f"pid {pid} ({commands[pid]}): {what}" for pid, what in sorted(how.items())]
+
+
+def _reap_zombie_children(pids: Sequence[int]) -> None:
+    """Collects the exit status of those of pids that are this process's exited children (no zombies left)."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass   # not our child, or already collected

@@ -165,3 +165,34 @@ def test_child_env_drops_adds_and_unbuffers(monkeypatch: pytest.MonkeyPatch) -> 
     assert "TF_CONFIG" not in env
     assert (env["PS_KEEP_ME"], env["PS_EXTRA"], env["PYTHONUNBUFFERED"]) == ("1", "2", "1")
     assert os.environ["TF_CONFIG"] == "{}"
+
+
+def test_the_session_sweep_stops_every_descendant_by_pid_and_says_how() -> None:
+    from tests.helpers.processes import descendants, reap_descendants
+
+    # A parent with a polite child and a stubborn one (ignores SIGTERM), which has a child of its own.
+    parent = subprocess.Popen(script("""
+        import subprocess, sys, time
+        polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        stubborn = subprocess.Popen([sys.executable, "-c", (
+            "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)")])
+        print(polite.pid, stubborn.pid, flush=True)
+        time.sleep(60)
+    """), stdout=subprocess.PIPE, text=True)
+    try:
+        polite, stubborn = map(int, parent.stdout.readline().split())
+        deadline = time.monotonic() + TIMEOUT
+        while len(descendants(parent.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = descendants(parent.pid)
+        assert {polite, stubborn} <= set(found) and len(found) == 3, found
+        report = reap_descendants(parent.pid, grace=1.0)
+        assert descendants(parent.pid) == {}
+        assert parent.poll() is None, "the root itself is not stopped"
+        assert any(line.startswith(f"pid {polite} (") and line.endswith("stopped by SIGTERM") for line in report)
+        assert any(line.startswith(f"pid {stubborn} (") and line.endswith("stopped by SIGKILL") for line in report)
+        assert len(report) == 3, report
+    finally:
+        process.stop(parent, grace=5)
+        parent.stdout.close()

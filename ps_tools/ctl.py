@@ -22,6 +22,11 @@ from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common.cluster_info import owned_parts_and_bytes
 
+#: Seconds to wait for each shard's answer unless --timeout says otherwise.
+DEFAULT_TIMEOUT = 5.0
+#: Most GetClusterInfo calls in flight at once.
+MAX_PARALLEL_CALLS = 32
+
 
 @dataclass(frozen=True)
 class ShardReply:
@@ -123,7 +128,7 @@ def fetch(address: str, timeout: float) -> ShardReply:
 
 def collect(addresses: Sequence[str], timeout: float) -> list[ShardReply]:
     """fetch() on every address concurrently; replies in the order given. Blocks at most about timeout s."""
-    with ThreadPoolExecutor(max_workers=max(1, min(32, len(addresses)))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL_CALLS, len(addresses)))) as pool:
         return list(pool.map(lambda a: fetch(a, timeout), addresses))
 
 
@@ -136,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("addresses", metavar="ADDRESS[,ADDRESS...]",
                    help="shard addresses host:port, comma-separated (one or more arguments)", nargs="+")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each shard (default 5)")
+    s.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"seconds to wait for each shard (default {DEFAULT_TIMEOUT:g})")
     return p
 
 

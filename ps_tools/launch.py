@@ -69,6 +69,7 @@ class Child:
     role: str                       # "shard" | "worker"
     index: int
     process: ChildProcess
+    open_streams: int = 2           # stdout and stderr until their ends were handled (then every line was)
     result: dict[str, Any] | None = None
     progress: dict[str, Any] | None = None
     finished_at: float | None = None
@@ -203,6 +204,7 @@ class Launcher:
     def _handle(self, name: str, output: Output) -> None:
         child = self._by_name[name]
         if output.kind == process.CLOSED:
+            child.open_streams -= 1
             return
         if output.kind == process.READY:
             if output.data is None:
@@ -273,7 +275,7 @@ class Launcher:
     def _fail(self, child: Child, why: str) -> LaunchError:
         """A LaunchError naming the child, its argv and its last lines (read for at most FAIL_DRAIN_TIMEOUT s)."""
         drain_end = time.monotonic() + FAIL_DRAIN_TIMEOUT
-        while child.process.streams_open and time.monotonic() < drain_end:
+        while child.open_streams > 0 and time.monotonic() < drain_end:
             try:
                 self._handle(*self.lines.get(timeout=READY_POLL_INTERVAL))
             except queue.Empty:
@@ -318,7 +320,7 @@ class Launcher:
         while True:
             self._pump_once(RUN_POLL_INTERVAL)
             self._check_children()
-            if all(w.finished_at is not None and (not w.process.streams_open or
+            if all(w.finished_at is not None and (w.open_streams == 0 or
                                                   time.monotonic() - w.finished_at > DRAIN_TIMEOUT)
                    for w in workers):
                 break

@@ -1,9 +1,10 @@
 """One way to run the project's child processes: start one, read its READY line, follow its output, stop it by PID.
 
-`ChildProcess` starts an argv with its own environment, working directory and session
-(so a Ctrl-C at the terminal reaches only the parent, which stops its children itself).
-Reader threads drain the child's stdout -- and its stderr, when that is piped -- for its
-whole life, so the child never blocks on a full pipe, and sort every line:
+`ChildProcess` starts an argv with its own environment, working directory and session (so
+a Ctrl-C at the terminal reaches only the parent, which stops its children itself;
+``new_session=False`` keeps it in the caller's). Reader threads drain the child's stdout --
+and its stderr, when that is piped -- for its whole life, so the child never blocks on a
+full pipe, and sort every line:
 
 - the READY line, ``<ready_prefix>{json}``: the first stdout line that starts with the
   prefix. Its JSON object becomes `ready` (a malformed one: `ready_error`); `wait_ready`
@@ -132,11 +133,13 @@ class ChildProcess:
     def __init__(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                  cwd: str | os.PathLike[str] | None = None, ready_prefix: str | None = None, events: bool = False,
                  keep_events: bool = True, stderr: str | os.PathLike[str] = PIPE, sink: Sink | None = None,
-                 tail_lines: int = TAIL_LINES) -> None:
+                 tail_lines: int = TAIL_LINES, new_session: bool = True) -> None:
         """Starts argv; it does not wait for anything (see wait_ready). ProcessStartError when it cannot start.
 
         `stderr` is PIPE (read like stdout), MERGE (into stdout) or a log file's path (appended
         to; its end is quoted in errors). `keep_events=False` parses events for the sink only.
+        `new_session=False` keeps the child in the caller's session (and, where the kernel
+        groups CPU time by session, in the caller's share of the CPU).
         """
         self.name = name
         self.argv = [str(a) for a in argv]
@@ -163,7 +166,7 @@ class ChildProcess:
             self.popen = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr_target, text=True,
                 encoding="utf-8", errors="replace", bufsize=1, env=None if env is None else dict(env), cwd=cwd,
-                start_new_session=True)
+                start_new_session=new_session)
         except OSError as exc:
             raise ProcessStartError(f"{name} could not start (argv: {shlex.join(self.argv)}): {exc}") from exc
         finally:

@@ -67,8 +67,12 @@ class _ChildProcess:
         fd, log_name = tempfile.mkstemp(prefix=f"ps-{name}-", suffix=".log")
         os.close(fd)
         self.log_path = Path(log_name)
+        # In the test session's own session: with the kernel's per-session CPU groups
+        # (sched_autogroup) a child in a session of its own gets a CPU share of its own,
+        # which speeds a job up against the machine's other load and upsets the timing the
+        # fault tests rely on (a worker paused for a fixed time must resume mid-job).
         self.child = ChildProcess(name, python_module_argv(module, *self.args), env=_child_env(env), cwd=REPO_ROOT,
-                                  ready_prefix=ready_prefix, events=events, stderr=self.log_path)
+                                  ready_prefix=ready_prefix, events=events, stderr=self.log_path, new_session=False)
         self.process = self.child.popen
 
     @property

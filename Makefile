@@ -54,7 +54,7 @@ clean:
 ## writes runs/demo/plot.png and runs/demo/run.json; the last line is the run's JSON summary.
 demo: $(STAMP)
 	$(PY) -m ps_models.build --model mlp --out runs/demo/mlp.onnx
-	$(PY) -m ps_server.launch --mode sync --shards 2 --workers 2 --optimizer momentum --lr 0.05 \
+	$(PY) -m ps_tools.launch --mode sync --shards 2 --workers 2 --optimizer momentum --lr 0.05 \
 		--model runs/demo/mlp.onnx --data digits --batch-size 32 --steps 500 --eval-every 25 \
 		--min-accuracy 0.95 --log-level WARNING --record runs/demo
 

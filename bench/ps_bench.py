@@ -24,12 +24,24 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ps_bench import raw_grpc
 from ps_bench.raw_grpc import RawClient
-from ps_common.process import start_and_wait_ready, stop
+from ps_common.process import python_module_argv, start_and_wait_ready, stop_all
+from ps_server.cli import READY_PREFIX
 from worker_client.client import PSClient
 
 SYSTEM = "onnx-ps"
 BASELINE = "grpc-raw"
+#: Longest wait for a started shard's or baseline server's READY line, in seconds.
+READY_TIMEOUT = 60.0
+#: Columns of the benchmark tensor (float32); its rows follow from the size.
+COLUMNS = 256
+#: Bytes per float32 value.
+FLOAT32_BYTES = 4
+#: The shards' SGD learning rate: every push is applied, yet the values barely move.
+TINY_LR = "1e-9"
+#: The gradient pushed: a constant this size.
+GRADIENT_VALUE = 1e-3
 
 
 def emit(system: str, metric: str, size_mb: float, value: float, unit: str, **extra) -> None:
@@ -46,21 +58,22 @@ def time_median(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def run_case(size_mb: float, shards: int, *, rounds: int, repeats: int, log: Callable[[str], None]) -> None:
+def run_case(size_mb: float, shards: int, *, rounds: int, repeats: int) -> None:
     nbytes = int(size_mb * 1e6)
-    cols = 256
-    rows = max(1, nbytes // (4 * cols))
-    tensor = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
-    grad = np.full_like(tensor, 1e-3)
+    rows = max(1, nbytes // (FLOAT32_BYTES * COLUMNS))
+    tensor = np.random.default_rng(0).standard_normal((rows, COLUMNS), dtype=np.float32)
+    grad = np.full_like(tensor, GRADIENT_VALUE)
     gb = tensor.nbytes / 1e9
     children = []
     try:
         for i in range(shards):
             children.append(start_and_wait_ready(
-                f"shard{i}", [sys.executable, "-m", "ps_server", "--shard-index", str(i), "--num-shards", str(shards),
-                              "--mode", "async", "--optimizer", "sgd", "--lr", "1e-9", "--log-level", "WARNING"],
-                "PS_SERVER_READY ", timeout=60))
-            children.append(start_and_wait_ready(f"raw{i}", [sys.executable, "-m", "ps_bench.raw_grpc"], "RAW_READY ", timeout=60))
+                f"shard{i}", python_module_argv("ps_server", "--shard-index", str(i), "--num-shards", str(shards),
+                                                "--mode", "async", "--optimizer", "sgd", "--lr", TINY_LR,
+                                                "--log-level", "WARNING"),
+                READY_PREFIX, timeout=READY_TIMEOUT))
+            children.append(start_and_wait_ready(f"raw{i}", python_module_argv("ps_bench.raw_grpc"),
+                                                 raw_grpc.READY_PREFIX, timeout=READY_TIMEOUT))
         ps_addresses = [c.ready["address"] for c in children if c.name.startswith("shard")]
         raw_addresses = [f"127.0.0.1:{c.ready['port']}" for c in children if c.name.startswith("raw")]
         client = PSClient(ps_addresses, worker_id="bench")
@@ -68,7 +81,6 @@ def run_case(size_mb: float, shards: int, *, rounds: int, repeats: int, log: Cal
         client.register(heartbeat=False)
         raw = RawClient(raw_addresses)
         raw.push(tensor)
-
 
         ours = {"push": [], "pull": []}
         base = {"push": [], "pull": []}
@@ -87,8 +99,7 @@ def run_case(size_mb: float, shards: int, *, rounds: int, repeats: int, log: Cal
         client.close()
         raw.close()
     finally:
-        for child in children:
-            stop(child.popen)
+        stop_all(children)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in [float(s) for s in args.sizes_mb.split(",")]:
             log(f"ps-bench: {size:g} MB over {shards} shard(s), {args.rounds} rounds x {args.repeats} calls ...")
             t0 = time.monotonic()
-            run_case(size, shards, rounds=args.rounds, repeats=args.repeats, log=log)
+            run_case(size, shards, rounds=args.rounds, repeats=args.repeats)
             log(f"ps-bench: done in {time.monotonic() - t0:.1f} s")
     return 0
 

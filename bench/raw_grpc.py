@@ -19,6 +19,16 @@ import grpc
 import numpy as np
 from google.protobuf import empty_pb2, wrappers_pb2
 
+#: The line the server prints on stdout once it listens, before a JSON object with its port.
+READY_PREFIX = "RAW_READY "
+#: Server threads (concurrent calls).
+SERVER_THREADS = 8
+#: Longest wait for one Put or Get, in seconds (a 100 MB message on a loaded machine).
+RPC_TIMEOUT = 300
+#: How often the server checks for SIGTERM / SIGINT, and its grace for calls in flight when stopping, in seconds.
+STOP_POLL_INTERVAL = 0.5
+STOP_GRACE = 1
+
 _SERVICE = "bench.RawBytes"
 _OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
@@ -41,7 +51,7 @@ def serve(port: int = 0) -> tuple[grpc.Server, int]:
         "Put": grpc.unary_unary_rpc_method_handler(store.put, wrappers_pb2.BytesValue.FromString, empty_pb2.Empty.SerializeToString),
         "Get": grpc.unary_unary_rpc_method_handler(store.get, empty_pb2.Empty.FromString, wrappers_pb2.BytesValue.SerializeToString),
     }
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=SERVER_THREADS), options=_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
@@ -61,11 +71,11 @@ class RawClient:
 
     def push(self, array: np.ndarray) -> None:
         pieces = np.array_split(array, len(self.put))
-        list(self.pool.map(lambda i: self.put[i](wrappers_pb2.BytesValue(value=pieces[i].tobytes()), timeout=300),
+        list(self.pool.map(lambda i: self.put[i](wrappers_pb2.BytesValue(value=pieces[i].tobytes()), timeout=RPC_TIMEOUT),
                            range(len(self.put))))
 
     def pull(self, dtype: np.dtype) -> list[np.ndarray]:
-        return list(self.pool.map(lambda i: np.frombuffer(self.get[i](empty_pb2.Empty(), timeout=300).value, dtype),
+        return list(self.pool.map(lambda i: np.frombuffer(self.get[i](empty_pb2.Empty(), timeout=RPC_TIMEOUT).value, dtype),
                                   range(len(self.get))))
 
     def close(self) -> None:
@@ -79,10 +89,10 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())
-    print("RAW_READY " + json.dumps({"port": port}), flush=True)
-    while not stop.wait(0.5):
+    print(READY_PREFIX + json.dumps({"port": port}), flush=True)
+    while not stop.wait(STOP_POLL_INTERVAL):
         pass
-    server.stop(1)
+    server.stop(STOP_GRACE)
     return 0
 
 

@@ -243,3 +243,29 @@ class DatasetError(PSError, ValueError):
     """A dataset spec, file or array that cannot be used; the message names it."""
 
     status, reason = None, "DATASET"
+
+
+# ---------------------------------------------------------------------- jobs and tools
+# Raised before or around the processes of a job, never across the wire (status None). Each
+# keeps the built-in base its callers always caught (ValueError, RuntimeError).
+
+
+class JobConfigError(PSError, ValueError):
+    """A setting, job file or TF_CONFIG that cannot be used; the message names it and the value."""
+
+    status, reason = None, "JOB_CONFIG"
+
+
+class ProcessStartError(PSError, RuntimeError):
+    """A child process that exited, or stayed silent past its timeout, instead of printing its READY line.
+
+    The message names the process, its argv and its last lines of output (ps_common.process).
+    """
+
+    status, reason = None, "PROCESS_START"
+
+
+class LaunchError(PSError, RuntimeError):
+    """ps-launch could not run the job to the end; the message names the process and what happened."""
+
+    status, reason = None, "LAUNCH_FAILED"

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ps_common.errors import JobConfigError  # noqa: F401 -- callers catch it as jobconfig.JobConfigError
 from ps_common.settings import (  # noqa: F401 -- re-exported: the settings' public names live here too
     DEFAULT_STEPS,
     LOG_LEVELS,
     MODES,
     SCOPES,
     SECTIONS,
-    JobConfigError,
     JobSettings,
     LaunchSettings,
     ServerSettings,

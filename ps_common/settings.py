@@ -32,10 +32,6 @@ _WORKER = frozenset({"worker", "launch"})
 _LAUNCH = frozenset({"launch"})
 
 
-class JobConfigError(ValueError):
-    """A setting, job file or TF_CONFIG that cannot be used; the message names it and the value."""
-
-
 def _setting(default: Any, *flags: str, help: str, scopes: frozenset[str] = _ALL, toml: bool = True,
              tf_config: str = "", choices: Sequence[str] | None = None, minimum: float | None = None,
              positive: bool = False, metavar: str | None = None, default_doc: str | None = None) -> Any:

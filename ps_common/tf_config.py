@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ps_common.settings import JobConfigError
+from ps_common.errors import JobConfigError
 
 #: The environment variable TensorFlow (and Kubeflow's TFJob) uses to describe the cluster.
 TF_CONFIG_ENV = "TF_CONFIG"

@@ -1,12 +1,38 @@
-"""Shared fixtures: real shard processes on port 0 (reaped by pid), and the contract suite's --ps-address."""
+"""Shared fixtures: real shard processes on port 0 (reaped by pid), the contract suite's --ps-address, and a
+session-end sweep that stops, by pid, every process the test session started and left running."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
 
-from tests.helpers.processes import ShardCluster
+from ps_common.process import running_children, stop_all
+from tests.helpers.processes import REAP_GRACE, ShardCluster, reap_descendants
+
+
+class LeftoverProcessWarning(pytest.PytestWarning):
+    """A process the test session started was still running at its end and had to be stopped."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reap_leftover_processes() -> Iterator[None]:
+    """At the end of the session: stops every descendant of this pytest process, by PID, and warns about each.
+
+    Descendants are found in /proc (children, grandchildren, ...); where there is no /proc,
+    the children started through ps_common.process are. SIGTERM, then SIGKILL after
+    REAP_GRACE s. Runs after every other fixture's teardown, so what it finds is a leak.
+    """
+    yield
+    stopped = reap_descendants(os.getpid(), grace=REAP_GRACE)
+    leftovers = running_children()   # none after the sweep where /proc exists
+    stop_all(leftovers, grace=REAP_GRACE)
+    stopped += [f"pid {c.pid} ({' '.join(c.argv)}): exit status {c.returncode}" for c in leftovers]
+    if stopped:
+        warnings.warn(LeftoverProcessWarning(f"{len(stopped)} process(es) the tests left running were stopped:\n  "
+                                             + "\n  ".join(stopped)), stacklevel=1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -62,7 +62,7 @@ def test_build_context_is_an_allow_list() -> None:
              if line.strip() and not line.startswith("#")]
     assert lines[0] == "*", "the .dockerignore should exclude everything, then allow what the image needs"
     allowed = {line[1:] for line in lines if line.startswith("!")}
-    for needed in ("pyproject.toml", "protos", "ps_common", "ps_server", "worker_client", "models",
+    for needed in ("pyproject.toml", "protos", "ps_common", "ps_server", "worker_client", "ps_tools", "models",
                    "deploy/containers/entrypoint.sh", "deploy/containers/requirements.py"):
         assert needed in allowed, f".dockerignore does not allow {needed}"
     assert not {".git", ".venv", "tests"} & allowed

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ps_common.process import python_module_argv
 from ps_models.builders import write_model
 from ps_models.datasets import load_dataset
 from ps_server.config import ServerConfig
@@ -30,9 +30,9 @@ JOB_TIMEOUT = 150
 def launch(tmp_path: Path, *flags: str) -> dict[str, Any]:
     """Runs ps-launch with flags; returns its final JSON line, after checking the exit status and the record."""
     record = tmp_path / "record"
-    argv = [sys.executable, "-m", "ps_server.launch", *OPTIMIZER, "--data", "digits", "--batch-size", "32",
-            "--eval-every", "50", "--log-level", "WARNING", "--timeout", str(JOB_TIMEOUT), "--record", str(record),
-            *flags]
+    argv = python_module_argv("ps_tools.launch", *OPTIMIZER, "--data", "digits", "--batch-size", "32",
+                              "--eval-every", "50", "--log-level", "WARNING", "--timeout", str(JOB_TIMEOUT),
+                              "--record", str(record), *flags)
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=JOB_TIMEOUT + 30)
     assert done.returncode == 0, f"ps-launch exited {done.returncode}:\n{done.stderr[-4000:]}"
     lines = done.stdout.strip().splitlines()

@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common.logs import configure_logging
-from ps_server import metrics, status
+from ps_server import metrics
+from ps_tools import ctl
 from ps_server.config import ServerConfig
 from ps_server.server import ShardServer, create_server
 from worker_client.client import PSClient
@@ -189,7 +190,7 @@ def test_status_prints_each_shard_step_and_the_registered_workers(two_shards, ca
             a.push(GRADS)
         b.pull()
         b.push(GRADS)
-        assert status.main(["status", ",".join(addresses)]) == 0
+        assert ctl.main(["status", ",".join(addresses)]) == 0
     shards, workers = table_rows(capsys.readouterr().out)
     assert [(s["index"], s["address"], s["step"], s["initialized"]) for s in shards] == [
         ("0", addresses[0], "4", "yes"), ("1", addresses[1], "4", "yes")]   # 3 + 1 pushes applied on each
@@ -199,7 +200,7 @@ def test_status_prints_each_shard_step_and_the_registered_workers(two_shards, ca
 
 def test_status_json_holds_the_same_cluster(two_shards, capsys):
     addresses = [s.address for s in two_shards]
-    assert status.main(["status", *addresses, "--json"]) == 0
+    assert ctl.main(["status", *addresses, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert [s["address"] for s in summary["shards"]] == addresses
     assert [s["step"] for s in summary["shards"]] == [0, 0]
@@ -210,7 +211,7 @@ def test_status_names_an_unreachable_address_and_still_prints_the_others(two_sha
     with socket.socket() as probe:         # a port that was free a moment ago: nothing listens there
         probe.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{probe.getsockname()[1]}"
-    assert status.main(["status", f"{two_shards[0].address},{dead}", "--timeout", "2"]) == 1
+    assert ctl.main(["status", f"{two_shards[0].address},{dead}", "--timeout", "2"]) == 1
     captured = capsys.readouterr()
     assert f"shard at {dead} unreachable" in captured.err
     assert two_shards[0].address in captured.out

@@ -8,10 +8,8 @@ directories: CA "a" for the job, CA "b" as a stranger.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common.codec import MAX_MESSAGE_BYTES
+from ps_common.process import child_env, python_module_argv
 from ps_common.tls import bearer_metadata, client_security
 from ps_server.config import ServerConfig
 from ps_server.server import ShardServer, create_server
@@ -387,10 +386,9 @@ def test_rpcs_beyond_max_concurrent_rpcs_are_refused_with_resource_exhausted(sta
 
 
 def run_server_command(*flags: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    env.pop("TF_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "ps_server", *flags], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    """Runs ``python -P -m ps_server *flags`` to its end (at most timeout s), without TF_CONFIG."""
+    return subprocess.run(python_module_argv("ps_server", *flags), cwd=REPO_ROOT, env=child_env(drop=["TF_CONFIG"]),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_the_server_command_refuses_plaintext_on_a_non_loopback_host():

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_common import codec
+from ps_common import cluster_info, codec
 from ps_common.logs import configure_logging
 from ps_common.shard_map import ParamSpec
-from ps_server import status
 from ps_server.config import ServerConfig
 from ps_server.metrics import ShardMetrics
 from ps_server.shard import Shard
 from tests.helpers.domain import decode, initialize, pull_values
+from ps_tools import ctl
 
 WEIGHT = np.arange(12, dtype=np.float32).reshape(4, 3)   # 48 bytes
 BIAS = np.zeros(3, dtype=np.float64)                     # 24 bytes
@@ -236,14 +236,14 @@ def _info(index: int, step: int, workers: list[tuple[str, int, bool, int]]) -> p
 
 
 def test_status_counts_only_the_parts_and_bytes_each_shard_holds():
-    assert status.owned_parts_and_bytes(_info(0, 1, [])) == (1, 6 * 4 * 4)
-    assert status.owned_parts_and_bytes(_info(1, 1, [])) == (1, 4 * 4 * 4)
+    assert cluster_info.owned_parts_and_bytes(_info(0, 1, [])) == (1, 6 * 4 * 4)
+    assert cluster_info.owned_parts_and_bytes(_info(1, 1, [])) == (1, 4 * 4 * 4)
 
 
 def test_status_table_shows_each_shard_step_and_every_worker_clock_per_shard():
-    replies = [status.ShardReply("h:1", _info(0, 12, [("w0", 12, True, 9000), ("w1", 11, True, 4000)])),
-               status.ShardReply("h:2", _info(1, 13, [("w0", 13, True, 8000)]))]
-    shards, workers = table_rows(status.format_table(status.summarize(replies)))
+    replies = [ctl.ShardReply("h:1", _info(0, 12, [("w0", 12, True, 9000), ("w1", 11, True, 4000)])),
+               ctl.ShardReply("h:2", _info(1, 13, [("w0", 13, True, 8000)]))]
+    shards, workers = table_rows(ctl.format_table(ctl.summarize(replies)))
     assert [(s["index"], s["address"], s["step"], s["bytes"], s["dropped"]) for s in shards] == [
         ("0", "h:1", "12", "96B", "4"), ("1", "h:2", "13", "64B", "5")]
     assert workers == [{"worker": "w0", "clock@0": "12", "clock@1": "13", "live": "yes", "lease_left": "8.0s"},
@@ -251,10 +251,10 @@ def test_status_table_shows_each_shard_step_and_every_worker_clock_per_shard():
 
 
 def test_a_worker_is_live_only_where_every_shard_that_knows_it_holds_its_lease():
-    replies = [status.ShardReply("h:1", _info(0, 1, [("w0", 1, True, 5000)])),
-               status.ShardReply("h:2", _info(1, 1, [("w0", 1, False, 0)])),
-               status.ShardReply("h:3", error="unreachable: UNAVAILABLE: refused")]
-    summary = status.summarize(replies)
+    replies = [ctl.ShardReply("h:1", _info(0, 1, [("w0", 1, True, 5000)])),
+               ctl.ShardReply("h:2", _info(1, 1, [("w0", 1, False, 0)])),
+               ctl.ShardReply("h:3", error="unreachable: UNAVAILABLE: refused")]
+    summary = ctl.summarize(replies)
     assert summary["workers"] == [{"id": "w0", "clocks": {"0": 1, "1": 1}, "live": False, "lease_remaining_ms": 0}]
     assert summary["errors"] == [{"address": "h:3", "error": "unreachable: UNAVAILABLE: refused"}]
     assert [s["mode"] for s in summary["shards"]] == ["sync(N=2,M=3)", "sync(N=2,M=3)"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,12 @@ import grpc
 
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from ps_common import codec
+from ps_common.cluster_info import owned_parts_and_bytes
+
+#: Seconds to wait for each shard's answer unless --timeout says otherwise.
+DEFAULT_TIMEOUT = 5.0
+#: Most GetClusterInfo calls in flight at once.
+MAX_PARALLEL_CALLS = 32
 
 
 @dataclass(frozen=True)
@@ -34,21 +38,6 @@ class ShardReply:
 
 
 # ---------------------------------------------------------------------- pure helpers
-
-def owned_parts_and_bytes(info: pb.ClusterInfo) -> tuple[int, int]:
-    """(parts, bytes of parameter values) the shard that sent `info` holds, from its shard map."""
-    specs = {p.name: p for p in info.parameters}
-    parts = nbytes = 0
-    for part in info.parts:
-        if part.shard != info.shard_index:
-            continue
-        parts += 1
-        spec = specs.get(part.name)
-        if spec is not None:
-            row = math.prod(spec.shape[1:]) * codec.dtype_from_wire(spec.dtype, name=spec.name).itemsize
-            nbytes += (part.row_end - part.row_start) * row
-    return parts, nbytes
-
 
 def describe_mode(info: pb.ClusterInfo) -> str:
     """The mode with its settings as one word (awk-friendly), e.g. "sync(N=2,M=3)", "ssp(b=1)", "async"."""
@@ -139,7 +128,7 @@ def fetch(address: str, timeout: float) -> ShardReply:
 
 def collect(addresses: Sequence[str], timeout: float) -> list[ShardReply]:
     """fetch() on every address concurrently; replies in the order given. Blocks at most about timeout s."""
-    with ThreadPoolExecutor(max_workers=max(1, min(32, len(addresses)))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL_CALLS, len(addresses)))) as pool:
         return list(pool.map(lambda a: fetch(a, timeout), addresses))
 
 
@@ -152,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("addresses", metavar="ADDRESS[,ADDRESS...]",
                    help="shard addresses host:port, comma-separated (one or more arguments)", nargs="+")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each shard (default 5)")
+    s.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"seconds to wait for each shard (default {DEFAULT_TIMEOUT:g})")
     return p
 
 

@@ -1,18 +1,24 @@
 """The `ps-launch` command: a whole job -- N shards and M workers as separate local processes -- with one progress line.
 
-The launcher starts the shards (``python -m ps_server`` on port 0), reads each one's
+The launcher starts the shards (``python -P -m ps_server`` on port 0), reads each one's
 ``PS_SERVER_READY {json}`` line to learn its address, then starts the workers
-(``python -m worker_client --events --servers ...``). It streams every child's log lines
-with a ``[shard0]`` / ``[worker1]`` prefix, keeps one progress line for the job (step,
-loss, samples/s, stale drops: updated in place on a terminal, printed every
-``--print-every`` seconds otherwise), and ends with ONE JSON line on stdout -- the job's
-summary (`test_accuracy`, `steps`, `seconds`, `samples_per_second`, ...). Everything else
-goes to stderr, so ``ps-launch ... | tail -1`` is the summary.
+(``python -P -m worker_client --events --servers ...``); -P keeps the user's working
+directory off the children's sys.path, so a folder of the user's cannot shadow the
+installed packages. Starting, reading and stopping the children is ps_common.process's.
+It streams every child's log lines with a ``[shard0]`` / ``[worker1]`` prefix, keeps one
+progress line for the job (step, loss, samples/s, stale drops: updated in place on a
+terminal, printed every ``--print-every`` seconds otherwise), and ends with ONE JSON line
+on stdout -- the job's summary (`test_accuracy`, `steps`, `seconds`, `samples_per_second`,
+...). Everything else goes to stderr, so ``ps-launch ... | tail -1`` is the summary.
 
 It stops everything, workers first, by PID (SIGTERM, then SIGKILL after
 ``--stop-timeout``), when a child fails (and prints that child's last lines), on Ctrl-C
 or SIGTERM, and when the job runs past ``--timeout``. Children run in their own sessions
 with ``--stop-with-parent``, so they also exit if the launcher is killed outright.
+
+What blocks, and for how long: the shards' READY lines (``--ready-timeout``), the whole
+job (``--timeout``), stopping (at most 2 x ``--stop-timeout`` per group: workers, then
+shards), and quoting a failed child's last lines (`FAIL_DRAIN_TIMEOUT`).
 """
 
 from __future__ import annotations
@@ -23,52 +29,63 @@ import math
 import os
 import queue
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from ps_common import jobconfig
+from ps_common import jobconfig, process
+from ps_common.errors import LaunchError, ProcessStartError
 from ps_common.jobconfig import JobConfig, JobConfigError
+from ps_common.process import ChildProcess, Output
 from ps_server.cli import READY_PREFIX, server_config
+from worker_client.cli import resolve_model
+from worker_client.training import format_event
 
-#: The repository (or installed package) root, put on the children's PYTHONPATH.
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 #: Lines of each child's output kept to show when it fails.
 TAIL_LINES = 30
 #: Longest wait for a finished worker's output pipes to drain.
 DRAIN_TIMEOUT = 10.0
-
-
-class LaunchError(RuntimeError):
-    """The job could not run to the end; the message names the process and what happened."""
+#: Longest wait for a failed child's last lines before quoting them.
+FAIL_DRAIN_TIMEOUT = 2.0
+#: How long one pass of the loop handles output while waiting for the shards' READY lines, in seconds.
+READY_POLL_INTERVAL = 0.1
+#: How long one pass of the loop handles output while the workers train, in seconds.
+RUN_POLL_INTERVAL = 0.2
+#: Returns to the start of the terminal line and clears it (the status line is redrawn there).
+CLEAR_LINE = "\r\x1b[K"
+#: Guards divisions by a duration that may be 0.
+MIN_SECONDS = 1e-9
 
 
 @dataclass
 class Child:
-    """One started process: its role, command, output tail and what it reported."""
+    """One started process (ps_common.process.ChildProcess): its role and what it reported."""
 
     name: str                       # "shard0", "worker1"
     role: str                       # "shard" | "worker"
     index: int
-    argv: list[str]
-    popen: subprocess.Popen
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    open_streams: int = 2
-    ready: dict[str, Any] | None = None
+    process: ChildProcess
+    open_streams: int = 2           # stdout and stderr until their ends were handled (then every line was)
     result: dict[str, Any] | None = None
     progress: dict[str, Any] | None = None
     finished_at: float | None = None
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.process.pid
+
+    @property
+    def argv(self) -> list[str]:
+        return self.process.argv
+
+    @property
+    def ready(self) -> dict[str, Any] | None:
+        """The READY line's fields (shards), once it arrived."""
+        return self.process.ready
 
 
 class StatusLine:
@@ -84,7 +101,7 @@ class StatusLine:
     def log(self, line: str) -> None:
         """Prints a log line above the status line."""
         if self.tty and self.text:
-            self.stream.write("\r\x1b[K" + line + "\n" + self.text)
+            self.stream.write(CLEAR_LINE + line + "\n" + self.text)
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
@@ -93,7 +110,7 @@ class StatusLine:
         now = time.monotonic()
         if self.tty:
             if text != self.text:
-                self.stream.write("\r\x1b[K" + text)
+                self.stream.write(CLEAR_LINE + text)
                 self.stream.flush()
         elif text and (force or now - self._printed_at >= self.every):
             self.stream.write("[launch] " + text + "\n")
@@ -103,7 +120,7 @@ class StatusLine:
 
     def close(self) -> None:
         if self.tty and self.text:
-            self.stream.write("\r\x1b[K")
+            self.stream.write(CLEAR_LINE)
             self.stream.flush()
         self.text = ""
 
@@ -120,14 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != jobconfig.TF_CONFIG_ENV}   # the launcher's cluster is local
-    env["PYTHONUNBUFFERED"] = "1"
-    paths = [str(PACKAGE_ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    return env
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -141,7 +150,8 @@ class Launcher:
         self.stderr = stderr
         self.status = StatusLine(stderr, tty=stderr.isatty(), every=config.launch.print_every)
         self.children: list[Child] = []
-        self.lines: queue.Queue[tuple[Child, str, str | None]] = queue.Queue()
+        self.lines: queue.Queue[tuple[str, Output]] = queue.Queue()   # (child name, line), from the readers
+        self._by_name: dict[str, Child] = {}
         self.evaluations: list[dict[str, Any]] = []
         self.progress: list[dict[str, Any]] = []
         self.started = time.monotonic()
@@ -154,27 +164,25 @@ class Launcher:
         self.status.log(f"[launch] {text}")
 
     def _start(self, name: str, role: str, index: int, argv: list[str]) -> Child:
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, encoding="utf-8", errors="replace", bufsize=1, env=_child_env(),
-                                 start_new_session=True)
-        child = Child(name, role, index, argv, popen)
+        """Starts one child; its output lines arrive in self.lines (LaunchError when it cannot start)."""
+        try:
+            started = ChildProcess(name, argv, env=process.child_env(drop=[jobconfig.TF_CONFIG_ENV]),  # a local cluster
+                                   ready_prefix=READY_PREFIX if role == "shard" else None, events=role == "worker",
+                                   keep_events=False, sink=lambda child, output: self.lines.put((child.name, output)),
+                                   tail_lines=TAIL_LINES)
+        except ProcessStartError as exc:
+            raise LaunchError(str(exc)) from exc
+        child = self._by_name[name] = Child(name, role, index, started)
         self.children.append(child)
-        for stream_name, pipe in (("stdout", popen.stdout), ("stderr", popen.stderr)):
-            threading.Thread(target=self._pump, args=(child, stream_name, pipe), name=f"{name}-{stream_name}",
-                             daemon=True).start()
         return child
-
-    def _pump(self, child: Child, stream_name: str, pipe: TextIO) -> None:
-        for line in pipe:
-            self.lines.put((child, stream_name, line.rstrip("\r\n")))
-        self.lines.put((child, stream_name, None))
 
     def shard_argv(self, index: int) -> list[str]:
         c = self.config
         skip = ("server.shard_index", "server.host", "server.port", "server.metrics_port", "server.checkpoint_dir",
                 "job.stop_with_parent")
-        argv = [sys.executable, "-m", "ps_server", *jobconfig.to_argv(c, scope="server", skip=skip),
-                "--shard-index", str(index), "--host", "127.0.0.1", "--port", "0", "--stop-with-parent"]
+        argv = process.python_module_argv(
+            "ps_server", *jobconfig.to_argv(c, scope="server", skip=skip),
+            "--shard-index", str(index), "--host", "127.0.0.1", "--port", "0", "--stop-with-parent")
         if c.server.checkpoint_dir is not None:   # a checkpoint folder belongs to one shard
             argv += ["--checkpoint-dir", str(Path(c.server.checkpoint_dir) / f"shard{index}")]
         if c.server.metrics_port is not None:   # one port each: the job file's, plus the shard index (0: any)
@@ -186,38 +194,30 @@ class Launcher:
         skip = ("worker.index", "worker.worker_id", "worker.servers", "worker.events", "worker.model",
                 "job.stop_with_parent", "worker.intra_op_threads")
         threads = c.worker.intra_op_threads or max(1, (os.cpu_count() or 1) // max(1, c.job.workers or 1))
-        return [sys.executable, "-m", "worker_client", *jobconfig.to_argv(c, scope="worker", skip=skip),
-                "--model", model_path, "--worker-index", str(index), "--servers", ",".join(addresses),
-                "--intra-op-threads", str(threads), "--events", "--stop-with-parent"]
+        return process.python_module_argv(
+            "worker_client", *jobconfig.to_argv(c, scope="worker", skip=skip),
+            "--model", model_path, "--worker-index", str(index), "--servers", ",".join(addresses),
+            "--intra-op-threads", str(threads), "--events", "--stop-with-parent")
 
     # ------------------------------------------------------------------ output
 
-    def _handle(self, child: Child, stream_name: str, line: str | None) -> None:
-        if line is None:
+    def _handle(self, name: str, output: Output) -> None:
+        child = self._by_name[name]
+        if output.kind == process.CLOSED:
             child.open_streams -= 1
             return
-        child.tail.append(line)
-        if stream_name == "stdout" and child.role == "shard" and line.startswith(READY_PREFIX):
-            try:
-                child.ready = json.loads(line[len(READY_PREFIX):])
-            except json.JSONDecodeError as exc:
-                raise LaunchError(f"{child.name} (pid {child.pid}) printed a malformed READY line {line!r}: {exc}") \
-                    from exc
-            self._say(f"{child.name} ready at {child.ready.get('address')} (pid {child.pid})")
+        if output.kind == process.READY:
+            if output.data is None:
+                raise LaunchError(child.process.describe(child.process.ready_error or "printed a malformed READY line"))
+            self._say(f"{child.name} ready at {output.data.get('address')} (pid {child.pid})")
             return
-        if stream_name == "stdout" and child.role == "worker" and line.startswith("{"):
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                event = None
-            if isinstance(event, dict) and "event" in event:
-                self._on_event(child, event)
-                return
-        self.status.log(f"[{child.name}] {line}")
+        if output.kind == process.EVENT and output.data is not None:
+            self._on_event(child, dict(output.data))
+            return
+        self.status.log(f"[{child.name}] {output.text}")
 
     def _on_event(self, child: Child, event: dict[str, Any]) -> None:
-        from worker_client.training import format_event   # the worker's own wording for its events
-
+        """Takes a worker's JSON event; logs it in the worker's own wording (format_event)."""
         kind = event.pop("event")
         if kind == "progress":
             child.progress = event
@@ -240,7 +240,7 @@ class Launcher:
         losses = [r["loss"] for r in reports if r.get("loss") is not None]
         if all(c.result for c in workers):
             seconds = max(c.result["seconds"] for c in workers if c.result)
-            rate = sum(c.result["samples"] for c in workers if c.result) / max(seconds, 1e-9)
+            rate = sum(c.result["samples"] for c in workers if c.result) / max(seconds, MIN_SECONDS)
         else:
             rate = sum((c.progress or {}).get("samples_per_second", 0.0) for c in workers if c.result is None)
         stale = sum(r.get("stale_drops", 0) for r in reports)
@@ -273,19 +273,18 @@ class Launcher:
             raise LaunchError(f"the job ran past --timeout {self.config.launch.timeout:g} s while {what}")
 
     def _fail(self, child: Child, why: str) -> LaunchError:
-        # let the last lines of the failed child arrive before quoting them
-        drain_end = time.monotonic() + 2.0
+        """A LaunchError naming the child, its argv and its last lines (read for at most FAIL_DRAIN_TIMEOUT s)."""
+        drain_end = time.monotonic() + FAIL_DRAIN_TIMEOUT
         while child.open_streams > 0 and time.monotonic() < drain_end:
             try:
-                self._handle(*self.lines.get(timeout=0.1))
+                self._handle(*self.lines.get(timeout=READY_POLL_INTERVAL))
             except queue.Empty:
                 pass
-        tail = "\n".join(f"  [{child.name}] {line}" for line in child.tail) or "  (no output)"
-        return LaunchError(f"{child.name} (pid {child.pid}) {why}; its last lines:\n{tail}")
+        return LaunchError(child.process.describe(why))
 
     def _check_children(self, *, shards_only: bool = False) -> None:
         for child in self.children:
-            code = child.popen.poll()
+            code = child.process.returncode
             if code is None:
                 continue
             if child.role == "shard":
@@ -304,7 +303,7 @@ class Launcher:
         shards = [self._start(f"shard{i}", "shard", i, self.shard_argv(i)) for i in range(self.config.job.shards)]
         ready_deadline = time.monotonic() + self.config.launch.ready_timeout
         while any(s.ready is None for s in shards):
-            self._pump_once(0.1)
+            self._pump_once(READY_POLL_INTERVAL)
             self._check_children(shards_only=True)
             if time.monotonic() > ready_deadline:
                 late = next(s for s in shards if s.ready is None)
@@ -315,13 +314,11 @@ class Launcher:
 
     def run_workers(self, addresses: list[str]) -> None:
         """Starts every worker and waits until all finished with a result (or one fails, or the timeout)."""
-        from worker_client.cli import resolve_model
-
         model_path, _ = resolve_model(self.config.worker.model, Path(self._scratch.name))
         workers = [self._start(f"worker{i}", "worker", i, self.worker_argv(i, addresses, str(model_path)))
                    for i in range(self.config.job.workers or 1)]
         while True:
-            self._pump_once(0.2)
+            self._pump_once(RUN_POLL_INTERVAL)
             self._check_children()
             if all(w.finished_at is not None and (w.open_streams == 0 or
                                                   time.monotonic() - w.finished_at > DRAIN_TIMEOUT)
@@ -335,29 +332,22 @@ class Launcher:
     def stop_all(self) -> None:
         """Stops every child still running, workers first: SIGTERM, then SIGKILL after --stop-timeout (by PID)."""
         grace = self.config.launch.stop_timeout
+
+        def killing(p: ChildProcess) -> None:
+            self._say(f"{p.name} (pid {p.pid}) did not stop within {grace:g} s; killing it")
+
         for role in ("worker", "shard"):
-            group = [c for c in self.children if c.role == role and c.popen.poll() is None]
-            for child in group:
-                child.popen.terminate()
-            end = time.monotonic() + grace
-            for child in group:
-                try:
-                    child.popen.wait(timeout=max(0.0, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self._say(f"{child.name} (pid {child.pid}) did not stop within {grace:g} s; killing it")
-                    child.popen.kill()
-                    try:
-                        child.popen.wait(timeout=grace)
-                    except subprocess.TimeoutExpired:
-                        self._say(f"{child.name} (pid {child.pid}) survived SIGKILL for {grace:g} s")
+            group = [c.process for c in self.children if c.role == role]
+            for p in process.stop_all(group, grace=grace, on_kill=killing):
+                self._say(f"{p.name} (pid {p.pid}) survived SIGKILL for {grace:g} s")
         # show what the children said while stopping
         while True:
             try:
-                child, stream_name, line = self.lines.get_nowait()
+                name, output = self.lines.get_nowait()
             except queue.Empty:
                 break
-            if line is not None and not (stream_name == "stdout" and line.startswith("{")):
-                self.status.log(f"[{child.name}] {line}")
+            if output.kind == process.LINE:
+                self.status.log(f"[{name}] {output.text}")
 
     def summary(self) -> dict[str, Any]:
         """The job's result: the fields of the final JSON line."""
@@ -369,7 +359,7 @@ class Launcher:
         return {
             "test_accuracy": chief.get("test_accuracy"), "test_loss": chief.get("test_loss"),
             "steps": chief.get("steps"), "seconds": round(time.monotonic() - self.started, 3),
-            "train_seconds": train_seconds, "samples_per_second": round(samples / max(train_seconds, 1e-9), 1),
+            "train_seconds": train_seconds, "samples_per_second": round(samples / max(train_seconds, MIN_SECONDS), 1),
             "samples": samples, "mode": c.job.mode, "workers": c.job.workers, "shards": c.job.shards,
             "replicas_to_aggregate": c.job.replicas_to_aggregate if c.job.mode == "sync" else None,
             "stale_drops": sum(r["stale_drops"] for r in results), "dropped": sum(r["dropped"] for r in results),
@@ -380,6 +370,12 @@ class Launcher:
 
     def run(self) -> int:
         """The whole job; the exit status: 0, 1 (a failure, timeout or accuracy below --min-accuracy), 128+signal."""
+        try:
+            return self._run()
+        finally:
+            self._scratch.cleanup()   # the bundled model written for the workers
+
+    def _run(self) -> int:
         received: list[int] = []
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -429,7 +425,6 @@ class Launcher:
             status = 1
         self.stdout.write(json.dumps(summary) + "\n")
         self.stdout.flush()
-        self._scratch.cleanup()
         return status
 
 
@@ -439,7 +434,7 @@ def write_record(directory: Path, *, summary: dict[str, Any], launcher: Launcher
     record = {
         "summary": summary,
         "settings": launcher.config.as_dict(),
-        "processes": [{"name": c.name, "pid": c.pid, "argv": c.argv, "exit_code": c.popen.returncode}
+        "processes": [{"name": c.name, "pid": c.pid, "argv": c.argv, "exit_code": c.process.returncode}
                       for c in launcher.children],
         "workers": [c.result for c in launcher.children if c.role == "worker"],
         "evaluations": launcher.evaluations,

@@ -18,6 +18,9 @@ ADDRESS_ENV = "PS_HEALTH_ADDRESS"
 TLS_ENV = {"tls_ca": "PS_HEALTH_TLS_CA", "tls_cert": "PS_HEALTH_TLS_CERT", "tls_key": "PS_HEALTH_TLS_KEY",
            "tls_server_name": "PS_HEALTH_TLS_SERVER_NAME"}
 
+#: Seconds to wait for the answer unless --timeout says otherwise.
+DEFAULT_TIMEOUT = 3.0
+
 EXIT_SERVING = 0
 EXIT_NOT_SERVING = 1   # what Docker's HEALTHCHECK reads as unhealthy
 EXIT_USAGE = 2
@@ -36,7 +39,7 @@ def open_channel(address: str, *, tls_ca: str | None = None, tls_cert: str | Non
     return grpc.secure_channel(address, credentials, options=options)
 
 
-def check(address: str, *, service: str = "", timeout: float = 3.0, tls_ca: str | None = None,
+def check(address: str, *, service: str = "", timeout: float = DEFAULT_TIMEOUT, tls_ca: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None,
           server_name: str | None = None) -> tuple[bool, str]:
     """One Health.Check call: (serving, what was seen).
@@ -68,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", nargs="?", default=None,
                    help=f"HOST:PORT of the shard (default ${ADDRESS_ENV}, else {DEFAULT_ADDRESS})")
     p.add_argument("--service", default="", help="health service name; '' is the whole server (default '')")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"seconds to wait for the answer (default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--tls-ca", metavar="PEM",
                    help=f"CA bundle to verify a TLS shard with; turns TLS on (default ${TLS_ENV['tls_ca']})")
     p.add_argument("--tls-cert", metavar="PEM",

@@ -301,6 +301,26 @@ def decode_message(raw: bytes) -> tuple[int | memoryview | None, list[ChunkView]
     return first, chunks
 
 
+def decode_with_extras(raw: bytes) -> tuple[int | memoryview | None, list[ChunkView], dict[int, int | memoryview]]:
+    """decode_message, plus the last value of every other field by number (PushPullRequest, PushPullResponse).
+
+    Fields 1 and 2 are read as decode_message reads them; for the others, a varint field
+    gives an int and a length-delimited one a view (a nested message to parse).
+    """
+    buf = memoryview(raw)
+    first: int | memoryview | None = None
+    chunks: list[ChunkView] = []
+    extras: dict[int, int | memoryview] = {}
+    for number, wire_type, value in _fields(buf, 0, len(buf)):
+        if number == 1:
+            first = _signed(value) if wire_type == 0 else value
+        elif number == 2 and wire_type == 2:
+            chunks.append(_chunk_view(value))
+        else:
+            extras[number] = value
+    return first, chunks, extras
+
+
 def decode_pull_response(raw: bytes) -> tuple[int, list[ChunkView]]:
     """(step, chunks) of a serialized PullResponse (see decode_message)."""
     step, chunks = decode_message(raw)
@@ -350,6 +370,16 @@ def encode_message(header: bytes | None, chunks: Iterable[dict]) -> bytes:
         ])
         pieces += [_len_field(2, len(prefix) + len(data)), prefix, data]
     return b"".join(pieces)
+
+
+def scalar_field(number: int, value: int) -> bytes:
+    """A varint field as protobuf writes it (nothing for 0, proto3's default)."""
+    return _scalar_field(number, int(value))
+
+
+def message_field(number: int, serialized: bytes) -> bytes:
+    """A length-delimited field holding a serialized message (always written, even when empty)."""
+    return _len_field(number, len(serialized)) + serialized
 
 
 def pack_encoded(chunks: Iterable[dict], header: bytes, *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:

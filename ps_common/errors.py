@@ -92,6 +92,13 @@ class InitMismatchError(PSError):
     status, reason = "FAILED_PRECONDITION", "INIT_MISMATCH"
 
 
+class SharedMemoryUnavailableError(PSError):
+    """Shared memory asked for where there is none (no /dev/shm, no segment opened): FAILED_PRECONDITION;
+    the client goes on over gRPC bytes."""
+
+    status, reason = "FAILED_PRECONDITION", "SHARED_MEMORY_UNAVAILABLE"
+
+
 class CheckpointUnavailableError(PSError):
     """A checkpoint asked for where there is nothing or nowhere to write it: FAILED_PRECONDITION."""
 

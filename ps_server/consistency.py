@@ -324,6 +324,20 @@ class AsyncPolicy(ConsistencyPolicy):
         return f"async (max_staleness={self.max_staleness or 'none'})"
 
 
+def step_after_push(accepted: bool, drop_reason: DropReason, read_step: int, step: int) -> int:
+    """The step a sync worker's next pull waits for after its push (0: no wait).
+
+    Accepted: the step after the one it read (its gradient is in that step). Already
+    contributed: the step after the shard's current one. Dropped as stale or step-ahead
+    (the shard rolled back): nothing to wait for; pull the state as it is and compute again.
+    """
+    if accepted:
+        return read_step + 1
+    if drop_reason == DropReason.ALREADY_CONTRIBUTED:
+        return step + 1
+    return 0
+
+
 def make_policy(mode: str, *, replicas_to_aggregate: int = 1, total_replicas: int = 1,
                 staleness: float = 0, max_staleness: int = 0) -> ConsistencyPolicy:
     """The default policy for a job's mode."""

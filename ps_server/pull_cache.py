@@ -40,6 +40,22 @@ class PullCache:
         self.chunk_bytes = chunk_bytes
         # A part state dropped by a reset or restore takes its entry with it.
         self._entries: weakref.WeakKeyDictionary[PartState, tuple[int, list[EncodedChunk]]] = weakref.WeakKeyDictionary()
+        self._fields: weakref.WeakKeyDictionary[PartState, tuple[int, bytes]] = weakref.WeakKeyDictionary()
+
+    def chunk_fields(self, state: PartState) -> bytes:
+        """The part's value as the `chunks` fields (field 2) of one message, serialized once per version."""
+        cached = self._fields.get(state)
+        if cached is not None and cached[0] == state.version:
+            return cached[1]
+        encoded = codec.encode_message(None, codec.chunk_fields(state.part.name, state.value,
+                                                                row_start=state.part.row_start,
+                                                                chunk_bytes=self.chunk_bytes))
+        self._fields[state] = (state.version, encoded)
+        return encoded
+
+    def body(self, step: int, parts: list[PartState]) -> tuple[int, bytes]:
+        """(step, the chunks fields of every part): the values of a one-message response (PushPullResponse)."""
+        return step, b"".join(self.chunk_fields(state) for state in parts)
 
     def encoded(self, state: PartState, step: int) -> list[EncodedChunk]:
         """The part's value as chunks ready to send, encoded (and serialized) once per version.

@@ -24,6 +24,7 @@ from ps_server.config import ServerConfig
 from ps_server.consistency import ConsistencyPolicy
 from ps_server.metrics import ShardMetrics
 from ps_server.service import ParameterServerServicer
+from ps_server.shared_memory import Segments
 from ps_server.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,9 @@ class ShardServer:
         )
         self.watchdog = StreamWatchdog(config.stream_idle_seconds)
         admission = Admission(config.data_plane_limit, shard_index=config.shard_index)
-        service.add_to_server(ParameterServerServicer(self.shard, admission=admission, watchdog=self.watchdog),
-                              self.server)
+        self.segments = Segments(limit=config.max_registered_workers, shard_index=config.shard_index)
+        service.add_to_server(ParameterServerServicer(self.shard, admission=admission, watchdog=self.watchdog,
+                                                      segments=self.segments), self.server)
         service.add_to_server(AdminServicer(self.shard, self.checkpointer, self.stop), self.server, "Admin")
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -99,6 +101,7 @@ class ShardServer:
         if self.checkpointer is not None:
             self.checkpointer.stop()   # the final checkpoint: no push is taken after shard.stop()
         self.server.stop(grace).wait(grace + 1)
+        self.segments.close_all()
         self.metrics.close()
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -13,16 +13,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from ps_common import codec
-from ps_common.errors import REASON_KEY, InvalidRequestError, PSError, shorten
+from ps_common.errors import (REASON_KEY, InvalidRequestError, PSError, SharedMemoryUnavailableError,
+                              UnknownWorkerError, WaitTimeoutError, shorten)
+from ps_common.shared_memory import Layout
 from ps_common.shard_map import ParamSpec
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.admission import Admission, StreamWatchdog
-from ps_server.consistency import Mode
+from ps_server.consistency import Mode, step_after_push
 from ps_server.membership import PushResult
 from ps_server.pull_cache import PullCache
+from ps_server.shared_memory import Segments
 from ps_server.shard import Shard, ShardView
 
 log = logging.getLogger(__name__)
@@ -164,9 +168,9 @@ def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
 
 
 #: The ParameterServer rpcs whose requests are taken as raw bytes and walked by the codec.
-RAW_REQUESTS = frozenset({"Push", "InitParameters"})
+RAW_REQUESTS = frozenset({"Push", "InitParameters", "PushPull"})
 #: The ParameterServer rpcs whose responses may be bytes serialized ahead (ps_server/pull_cache.py).
-RAW_RESPONSES = frozenset({"Pull"})
+RAW_RESPONSES = frozenset({"Pull", "PushPull"})
 
 
 def add_to_server(servicer: object, server: grpc.Server, service_name: str = "ParameterServer") -> None:
@@ -189,7 +193,7 @@ def add_to_server(servicer: object, server: grpc.Server, service_name: str = "Pa
             serialize = _pass_bytes(serialize)
         if raw and method.name in RAW_REQUESTS:
             deserialize = None
-        elif method.client_streaming:
+        elif method.client_streaming:  # pragma: no cover - every streamed request is in RAW_REQUESTS
             raise NotImplementedError(f"{service.full_name}/{method.name}: a streamed request type needs a decoder here")
         else:
             deserialize = safe_deserializer(request, f"{service_name}.{method.name}")
@@ -209,11 +213,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """
 
     def __init__(self, shard: Shard, *, admission: Admission | None = None,
-                 watchdog: StreamWatchdog | None = None) -> None:
+                 watchdog: StreamWatchdog | None = None, segments: Segments | None = None) -> None:
         self.shard = shard
         self.pull_cache = PullCache(shard.config.chunk_bytes)
         self.admission = admission or Admission(shard.config.data_plane_limit, shard_index=shard.config.shard_index)
         self.watchdog = watchdog
+        self.segments = segments or Segments(limit=shard.config.max_registered_workers,
+                                             shard_index=shard.config.shard_index)
 
     def _stream(self, requests: Iterator[bytes], context, rpc: str) -> Iterator[bytes]:
         return requests if self.watchdog is None else self.watchdog.watch(requests, context, rpc)
@@ -270,8 +276,101 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @translate_errors
     def DeregisterWorker(self, request, context):
         self.shard.deregister(request.worker_id)
+        self.segments.close(request.worker_id)
         return pb.DeregisterWorkerResponse()
 
     @translate_errors
     def GetClusterInfo(self, request, context):
         return cluster_info(self.shard, self.shard.view())
+
+    @translate_errors
+    def PushPull(self, request: bytes, context):
+        """Push, then the pull the worker needs next, in one message each way (docs/protocol.md, "PushPull")."""
+        with self.admission.enter("PushPull"):
+            header_view, chunks, extras = codec.decode_with_extras(request)
+            if not isinstance(header_view, memoryview):
+                raise InvalidRequestError("PushPull: the request must carry a header (field 1)")
+            header = _parse(pb.PushHeader, header_view, "PushPull header")
+            pull = _parse(pb.PullAfterPush, extras.get(3, b""), "PushPull pull")
+            segment = None
+            if extras.get(4) or pull.shared_memory:
+                segment = self._segment_of(header.worker_id)
+            if extras.get(4):
+                if chunks:
+                    raise InvalidRequestError("PushPull: gradients in shared memory and in chunks at once")
+                self.shard.push_layout()   # FAILED_PRECONDITION before init
+                current = Layout.of((key, state.value.dtype, state.value.shape) for key, state in self.shard.store_parts())
+                if segment[1] != current:
+                    self.segments.close(header.worker_id)
+                    raise SharedMemoryUnavailableError(
+                        f"worker {header.worker_id!r}: the shared-memory layout no longer fits shard "
+                        f"{self.shard.config.shard_index}'s parts (re-initialized?): open it again")
+                grads = {slot.key: segment[0].view(slot) for slot in segment[1].gradients}
+            else:
+                grads = _assemble(chunks, self.shard.push_layout())
+            result = self.shard.push(header.worker_id, header.clock, header.read_step, grads)
+            min_step = step_after_push(result.accepted, result.drop_reason, header.read_step, result.step) \
+                if pull.wait_for_step else 0
+            read = self.pull_cache.body if segment is None or not pull.shared_memory else _write_values(segment)
+            try:
+                step, body = self.shard.pull(list(pull.names), min_step=min_step,
+                                             worker_id=header.worker_id if pull.ssp else "",
+                                             clock=result.clock, timeout=self._push_pull_wait(pull, context),
+                                             read=read)
+                ready = True
+            except WaitTimeoutError:
+                step, body, ready = 0, b"", False
+        return b"".join([codec.scalar_field(1, step), body,
+                         codec.message_field(3, push_response(result).SerializeToString()),
+                         codec.scalar_field(4, ready)])
+
+    def _push_pull_wait(self, pull: pb.PullAfterPush, context) -> float:
+        if pull.wait_timeout_ms < 0:
+            raise InvalidRequestError(f"PushPull: wait_timeout_ms must be >= 0, got {pull.wait_timeout_ms}")
+        if pull.wait_timeout_ms == 0:
+            return 0.0
+        return self.shard.wait_timeout(pull.wait_timeout_ms, context.time_remaining())
+
+    def _segment_of(self, worker_id: str):
+        found = self.segments.get(worker_id)
+        if found is None:
+            raise SharedMemoryUnavailableError(f"worker {worker_id!r} has no shared-memory segment on shard "
+                                               f"{self.shard.config.shard_index}: call OpenSharedMemory first")
+        return found
+
+    @translate_errors
+    def OpenSharedMemory(self, request, context):
+        self.shard.check_id("OpenSharedMemory: worker_id", request.worker_id)
+        view = self.shard.view()
+        known = {w.worker_id for w in view.workers}
+        if request.worker_id not in known:
+            raise UnknownWorkerError(f"worker {request.worker_id!r} is not registered on this shard; "
+                                     "call RegisterWorker")
+        layout = Layout.of((key, state.value.dtype, state.value.shape)
+                           for key, state in self.shard.store_parts())
+        segment, layout = self.segments.open(request.worker_id, layout, known=known)
+        return pb.SharedMemoryResponse(name=segment.name, size=layout.size, values_offset=layout.values_offset)
+
+
+def _parse(message_type, raw, what: str):
+    try:
+        return message_type.FromString(bytes(raw))
+    except Exception as exc:  # protobuf's DecodeError
+        raise InvalidRequestError(f"{what}: malformed ({exc})") from exc
+
+
+def _write_values(segment):
+    """A Shard.pull read callback that copies the values into the worker's segment (under the shard's lock)."""
+    memory, layout = segment
+    slots = {slot.key: slot for slot in layout.values}
+
+    def read(step: int, parts) -> tuple[int, bytes]:
+        for state in parts:
+            slot = slots.get((state.part.name, state.part.row_start))
+            if slot is None:
+                raise InvalidRequestError(f"part {state.part.name!r} rows from {state.part.row_start} is not in the "
+                                          "worker's shared-memory layout: open it again (OpenSharedMemory)")
+            np.copyto(memory.view(slot), state.value, casting="no")
+        return step, b""
+
+    return read

@@ -238,6 +238,13 @@ class Shard:
                 f"shard {self.config.shard_index} has no parameters yet: push before InitParameters")
         return self.store.expected
 
+    def store_parts(self) -> list[tuple[PartKey, PartState]]:
+        """The owned parts in shard-map order (a consistent read), e.g. for a shared-memory layout."""
+        if not self.store.initialized:
+            raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet")
+        with self._cond:
+            return list(self.store.parts.items())
+
     def push(self, worker_id: str, clock: int, read_step: int, grads: Mapping[PartKey, np.ndarray]) -> PushResult:
         """Applies, accumulates or drops one decoded push; answers retries without re-applying."""
         self.check_id("push header: worker_id", worker_id)

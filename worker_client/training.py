@@ -494,11 +494,15 @@ class Trainer:
             tally.epoch, x, y = next(batches)
             tally.loss, grads = self.engine.gradients(parameters, {self.input_name: x, "labels": y})
             read_steps = list(client.steps)
-            outcome = client.push(grads, read_steps=read_steps)
+            # One round trip per shard: the push, and the pull the mode needs next (at most
+            # RECHECK_SECONDS of waiting; past that, the waiting loop of _pull takes over).
+            outcome, parameters = client.push_pull(grads, read_steps=read_steps, wait_for_step=self.mode == "sync",
+                                                   ssp=self.mode == "ssp", wait=RECHECK_SECONDS)
             tally.count(outcome)
             window.add(tally.loss, plan.batch_size)
             self._eval_window.add(tally.loss, plan.batch_size)
-            parameters = self._pull(read_steps, outcome)
+            if parameters is None:
+                parameters = self._pull(read_steps, outcome)
             if parameters is None:
                 return True   # stopped while waiting: the step is abandoned (its gradient may still count)
             now = time.monotonic()

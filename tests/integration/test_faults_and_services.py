@@ -71,4 +71,5 @@ def test_reflection_lists_the_parameter_server_and_health_services_and_describes
              for raw in described.file_descriptor_response.file_descriptor_proto]
     services = {(f.package, s.name): [m.name for m in s.method] for f in files for s in f.service}
     assert set(services[("ps.v1", "ParameterServer")]) == {
-        "InitParameters", "Push", "Pull", "Barrier", "RegisterWorker", "Heartbeat", "DeregisterWorker", "GetClusterInfo"}
+        "InitParameters", "Push", "Pull", "Barrier", "RegisterWorker", "Heartbeat", "DeregisterWorker", "GetClusterInfo",
+        "PushPull", "OpenSharedMemory"}

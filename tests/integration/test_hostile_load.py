@@ -78,7 +78,10 @@ def _valid_unary(method: str) -> bytes:
         "Checkpoint": pb.CheckpointRequest(),
         "Shutdown": pb.ShutdownRequest(reason="fuzz"),
         "ResetParameters": pb.ResetParametersRequest(),
+        "OpenSharedMemory": pb.SharedMemoryRequest(worker_id="fuzz"),
     }
+    if method == "PushPull":   # a whole push from an unregistered worker, and the pull after it
+        return _valid_push() + codec.message_field(3, pb.PullAfterPush(wait_timeout_ms=100).SerializeToString())
     return examples[method].SerializeToString()
 
 

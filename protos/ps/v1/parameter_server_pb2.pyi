@@ -167,6 +167,60 @@ class PullResponse(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
     def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
+class PullAfterPush(_message.Message):
+    __slots__ = ("names", "wait_for_step", "ssp", "wait_timeout_ms", "shared_memory")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_STEP_FIELD_NUMBER: _ClassVar[int]
+    SSP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    wait_for_step: bool
+    ssp: bool
+    wait_timeout_ms: int
+    shared_memory: bool
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., wait_for_step: _Optional[bool] = ..., ssp: _Optional[bool] = ..., wait_timeout_ms: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+
+class PushPullRequest(_message.Message):
+    __slots__ = ("header", "chunks", "pull", "gradients_in_shared_memory")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_IN_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    pull: PullAfterPush
+    gradients_in_shared_memory: bool
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., pull: _Optional[_Union[PullAfterPush, _Mapping]] = ..., gradients_in_shared_memory: _Optional[bool] = ...) -> None: ...
+
+class PushPullResponse(_message.Message):
+    __slots__ = ("step", "chunks", "push", "ready")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    push: PushResponse
+    ready: bool
+    def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class SharedMemoryRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class SharedMemoryResponse(_message.Message):
+    __slots__ = ("name", "size", "values_offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    values_offset: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., values_offset: _Optional[int] = ...) -> None: ...
+
 class BarrierRequest(_message.Message):
     __slots__ = ("name", "participant_id", "participants", "timeout_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]

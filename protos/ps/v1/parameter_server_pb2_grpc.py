@@ -76,6 +76,16 @@ class ParameterServerStub:
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfoRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfo.FromString,
                 _registered_method=True)
+        self.PushPull = channel.unary_unary(
+                '/ps.v1.ParameterServer/PushPull',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushPullRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushPullResponse.FromString,
+                _registered_method=True)
+        self.OpenSharedMemory = channel.unary_unary(
+                '/ps.v1.ParameterServer/OpenSharedMemory',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -153,6 +163,27 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPull(self, request, context):
+        """A push and the pull the worker needs next, in one round trip (the training loop's
+        step). The push part is exactly Push (at most once, the same checks and statuses);
+        then the pull waits as PullAfterPush says, at most its wait_timeout_ms, and the values
+        come back in the response (or in shared memory). A wait that runs out is not an
+        error: ready = false. For messages up to the receive limit: larger models use Push and
+        Pull, or shared memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSharedMemory(self, request, context):
+        """Opens (or reopens) the caller's shared-memory segment for PushPull; FAILED_PRECONDITION
+        before InitParameters, NOT_FOUND for an unregistered worker, RESOURCE_EXHAUSTED past
+        the shard's limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +226,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetClusterInfo,
                     request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfoRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfo.SerializeToString,
+            ),
+            'PushPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushPullRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushPullResponse.SerializeToString,
+            ),
+            'OpenSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSharedMemory,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -415,6 +456,60 @@ class ParameterServer:
             '/ps.v1.ParameterServer/GetClusterInfo',
             ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfoRequest.SerializeToString,
             ps__proto_dot_v1_dot_parameter__server__pb2.ClusterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/PushPull',
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushPullRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PushPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/OpenSharedMemory',
+            ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,113 @@
+"""PSClient.push_pull through real shard processes, over gRPC bytes and over shared memory: the same
+results as Push then Pull, a clean fallback, and segments only this user can open."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from ps_common import shared_memory
+from ps_common.shared_memory import Segment
+from worker_client.client import GRPC_PUSH_PULL_MAX_BYTES, PSClient, RetryPolicy
+
+LR = 0.5
+FLAGS = ["--optimizer", "sgd", "--lr", str(LR), "--workers", "1"]
+QUICK = RetryPolicy(attempts=3, initial_backoff=0.05, max_backoff=0.2)
+needs_shm = pytest.mark.skipif(not shared_memory.available(), reason="no writable /dev/shm on this host")
+
+
+def model(rows: int = 16) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {"w": rng.standard_normal((rows, 8)).astype(np.float32), "b": np.zeros(8, np.float32),
+            "ids": np.arange(4, dtype=np.int64)}
+
+
+def grads(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {n: np.full_like(v, 0.25) for n, v in values.items() if v.dtype.kind == "f"}
+
+
+def client(cluster, *, shm: bool) -> PSClient:
+    c = PSClient(cluster.addresses, worker_id="w0", rpc_timeout=20, wait_timeout=20, retry=QUICK, shared_memory=shm)
+    c.wait_ready(20)
+    return c
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
+@pytest.mark.parametrize("shm", [False, pytest.param(True, marks=needs_shm)])
+def test_push_pull_gives_what_push_then_pull_gives_on_either_data_path(start_cluster, mode: str, shm: bool) -> None:
+    values = model()
+    cluster = start_cluster(2, mode=mode, flags=[*FLAGS, "--partition-min-bytes", "256"])
+    with client(cluster, shm=shm) as worker:
+        worker.initialize(values)
+        worker.register(heartbeat=False)
+        worker.pull()
+        for _ in range(4):
+            report, pulled = worker.push_pull(grads(values), wait_for_step=mode == "sync", ssp=mode == "ssp")
+            assert report.accepted and pulled is not None
+        assert (worker._segments.get(0) is not None) == shm
+        assert worker.steps == [4, 4] and worker.clock == 4
+        for name, value in values.items():
+            expected = value - 4 * LR * 0.25 if value.dtype.kind == "f" else value
+            np.testing.assert_allclose(pulled[name], expected, rtol=1e-6)
+            np.testing.assert_allclose(worker.pull()[name], expected, rtol=1e-6)
+
+
+@needs_shm
+def test_a_segment_is_the_users_alone_and_goes_away_when_the_worker_leaves(start_cluster) -> None:
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with client(cluster, shm=True) as worker:
+        worker.initialize(model())
+        worker.register(heartbeat=False)
+        worker.pull()
+        worker.push_pull(grads(model()))
+        segment, _ = worker._segments[0]
+        mode = os.stat(segment.path).st_mode
+        assert stat.S_IMODE(mode) == 0o600
+        worker.deregister()
+        assert not segment.path.exists()
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "onnx-ps-../../x", "other-segment"])
+def test_attaching_a_name_that_is_not_a_segment_of_ours_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="is not a shared-memory segment name"):
+        Segment.attach(name, 64)
+
+
+@needs_shm
+def test_after_a_reset_and_a_new_parameter_list_the_client_reopens_or_falls_back(start_cluster) -> None:
+    from ps_proto.v1 import parameter_server_pb2 as pb
+    from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+    import grpc
+
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with client(cluster, shm=True) as worker:
+        worker.initialize(model())
+        worker.register(heartbeat=False)
+        worker.pull()
+        worker.push_pull(grads(model()))
+    with grpc.insecure_channel(cluster.addresses[0]) as channel:
+        pb_grpc.AdminStub(channel).ResetParameters(pb.ResetParametersRequest(), timeout=10)
+    other = model(rows=32)
+    with client(cluster, shm=True) as worker:
+        worker.initialize(other)
+        worker.register(heartbeat=False)
+        worker.pull()
+        report, pulled = worker.push_pull(grads(other))
+        assert report.accepted and pulled is not None
+        np.testing.assert_allclose(pulled["w"], other["w"] - LR * 0.25, rtol=1e-6)
+
+
+def test_a_model_too_large_for_one_message_without_shared_memory_is_pushed_and_pulled_apart(start_cluster) -> None:
+    rows = GRPC_PUSH_PULL_MAX_BYTES // (8 * 4) + 64
+    values = model(rows=rows)
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with client(cluster, shm=False) as worker:
+        worker.initialize(values)
+        worker.register(heartbeat=False)
+        worker.pull()
+        report, pulled = worker.push_pull(grads(values))
+        assert report.accepted and pulled is None        # the push went alone; the caller pulls
+        np.testing.assert_allclose(worker.pull()["w"], values["w"] - LR * 0.25, rtol=1e-6)

@@ -18,6 +18,7 @@ from worker_client.engine.differentiate import (
     gradient_graph,
     refuse_training_mode,
 )
+from worker_client.engine.exporters import folded_bias_layers, folded_variables_warning
 from worker_client.engine.feeds import (
     check_shape,
     coerce,
@@ -31,6 +32,7 @@ from worker_client.engine.load import load_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.session import open_session, placement, run_bound
+from worker_client.engine.support import warn_caller
 from worker_client.engine.trainables import initial_values, trainable_parameters
 
 __all__ = ["GradientEngine"]
@@ -46,9 +48,11 @@ class GradientEngine:
     ~/.cache/onnx-ps/gradients), keyed by the model's graph and the options that shape it,
     and written atomically.
 
-    Trainable parameters are the floating-point initializers (BatchNormalization running
-    statistics excepted), narrowed by `include` / `exclude` glob patterns; a constant that
-    must not train should be a Constant node, or excluded.
+    Trainable parameters are the floating-point initializers that `selection.classify`
+    calls parameters (not BatchNormalization running statistics, not constants such as an
+    epsilon or a shape), narrowed by `include` / `exclude` glob patterns; an include
+    pattern without wildcards that names a constant exactly trains it. With
+    `expect_parameters` a different count is an error (an exporter folded variables away).
 
     Exporting from torch: ``torch.onnx.export(model, args, path, dynamo=False,
     training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
@@ -72,6 +76,7 @@ class GradientEngine:
     def __init__(self, model_path: str | os.PathLike[str], *, batch_size: int,
                  loss: str | None = "cross_entropy", device: str = "cpu",
                  include: Sequence[str] = (), exclude: Sequence[str] = (),
+                 expect_parameters: int | None = None,
                  intra_op_threads: int | None = None, inter_op_threads: int | None = None,
                  cache_dir: str | os.PathLike[str] | None = None) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -82,6 +87,11 @@ class GradientEngine:
                 raise ValueError(f"{name} must be a positive integer or None, got {threads!r}")
         if isinstance(include, str) or isinstance(exclude, str):
             raise TypeError("include and exclude are sequences of glob patterns, not strings")
+        if expect_parameters is not None and (not isinstance(expect_parameters, int)
+                                              or expect_parameters < 1):
+            raise ValueError(f"expect_parameters must be a positive integer or None, got "
+                             f"{expect_parameters!r}")
+        self._expect = expect_parameters
         self.model_path = Path(model_path)
         self.batch_size = batch_size
         self.device = device
@@ -101,7 +111,11 @@ class GradientEngine:
         """The stages, in order; the gradient model's own are in `_gradient_graph`."""
         model = load_model(self.model_path)
         self.trainable_names: list[str] = trainable_parameters(
-            model, include=include, exclude=exclude, source=self.model_path)
+            model, include=include, exclude=exclude, source=self.model_path,
+            expect=self._expect)
+        folded = folded_bias_layers(model, self.trainable_names)
+        if folded:
+            warn_caller(f"{self.model_path}: {folded_variables_warning(folded)}")
         self._initial = initial_values(model, self.trainable_names)
         self._lifted = lift_parameters(model, self.trainable_names)
         trainable = set(self.trainable_names)

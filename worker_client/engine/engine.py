@@ -30,6 +30,7 @@ from worker_client.engine.feeds import (
 from worker_client.engine.lift import lift_parameters
 from worker_client.engine.load import load_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
+from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.session import open_session, placement, run_bound
 from worker_client.engine.support import warn_caller
@@ -109,7 +110,7 @@ class GradientEngine:
 
     def _build(self, include: Sequence[str], exclude: Sequence[str]) -> None:
         """The stages, in order; the gradient model's own are in `_gradient_graph`."""
-        model = load_model(self.model_path)
+        model = upgrade_opset(load_model(self.model_path), self.model_path)
         self.trainable_names: list[str] = trainable_parameters(
             model, include=include, exclude=exclude, source=self.model_path,
             expect=self._expect)

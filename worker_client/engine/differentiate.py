@@ -117,7 +117,14 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
     except onnx_ad.UnsupportedOperator as exc:
         match = _RULE_MESSAGE.search(str(exc))
         if match is None:
-            raise UnsupportedModelError(f"cannot differentiate the model: {exc}") from exc
+            node = _failing_node(exc)
+            where = "the model" if node is None else \
+                f"node {node_label(node)!r} ({node.op_type})"
+            raise UnsupportedModelError(
+                f"cannot differentiate {where}: onnx-ad {onnx_ad.__version__} says: {exc}. "
+                f"Exclude the parameters upstream of it (exclude=[...] patterns), give the "
+                f"model static shapes, or re-export it without that form of the op "
+                f"(docs/models.md lists the known limits)") from exc
         op_type, node = match.groups()
         raise UnsupportedModelError(
             f"cannot differentiate node {node!r} ({op_type}): onnx-ad "
@@ -134,6 +141,19 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
     graph.initializer.append(numpy_helper.from_array(
         np.ones((1,), helper.tensor_dtype_to_np_dtype(loss_type)), seed))
     return derived
+
+
+def _failing_node(exc: BaseException) -> onnx.NodeProto | None:
+    """The node whose rule raised `exc`: onnx-ad's rule messages do not name it, but the
+    rule's frame holds it as its `node` argument (the innermost frame that has one)."""
+    found = None
+    trace = exc.__traceback__
+    while trace is not None:
+        candidate = trace.tb_frame.f_locals.get("node")
+        if isinstance(candidate, onnx.NodeProto):
+            found = candidate
+        trace = trace.tb_next
+    return found
 
 
 def gradient_graph(model: onnx.ModelProto, loss_output: str, labels: str | None,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from worker_client import GradientEngine
+from worker_client.engine.training_mode import MASK_PREFIX
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 #: fixture -> its folder; every one is exported with the default trainable selection.
@@ -21,6 +22,9 @@ MODELS = {"gru_reader": "torch", "lstm_reader": "torch", "depthwise_separable": 
           "scalar_temperature": "torch", "keras_cnn": "keras", "keras_layernorm_mlp": "keras"}
 #: The agreement the issue asks for, relative to the gradient's norm.
 TOLERANCE = 1e-5
+#: A reference gradient this small against the whole gradient is zero up to float64
+#: rounding (what is left of exactly cancelling terms).
+ZERO_IN_THEORY = 1e-9
 
 
 def load_fixture(name: str, folder: str):
@@ -63,3 +67,55 @@ def test_a_plain_tf2onnx_export_warns_that_its_biases_were_folded_away(tmp_path:
         engine = GradientEngine(FIXTURES / "keras" / "keras_layernorm_mlp_plain.onnx",
                                 batch_size=4, cache_dir=tmp_path)
     assert len(engine.trainable_names) == 3   # of the six Keras variables
+
+
+def test_training_mode_batch_norm_and_dropout_match_torch_for_the_same_batch_and_mask(
+        tmp_path: Path) -> None:
+    path, inputs, kind, reference_loss, reference, prefixed = load_fixture("bn_dropout_train",
+                                                                           "torch")
+    engine = GradientEngine(path, batch_size=len(inputs["labels"]), loss=kind,
+                            cache_dir=tmp_path)
+    assert engine.state_names == ["bn.running_mean", "bn.running_var"]
+    assert sorted(engine.trainable_names) == sorted(reference)
+    masks = {MASK_PREFIX + node: mask for node, mask in prefixed("mask:").items()}
+    assert engine.mask_names == list(masks)
+    result = engine.step({**engine.parameters(), **engine.state()}, {**inputs, **masks})
+    assert abs(result.loss - reference_loss) <= TOLERANCE * abs(reference_loss)
+    # conv.bias feeds BatchNorm, whose batch mean cancels it: its gradient is 0 in exact
+    # arithmetic, so it is measured against the whole gradient's scale, not its own
+    whole = float(np.sqrt(sum(np.sum(g ** 2) for g in reference.values())))
+    for key, expected in reference.items():
+        error = float(np.linalg.norm(result.gradients[key] - expected))
+        own = float(np.linalg.norm(expected))
+        assert error <= TOLERANCE * (own if own > ZERO_IN_THEORY * whole else whole), key
+    for key, expected in prefixed("state:").items():
+        assert relative_error(result.state[key], expected) <= TOLERANCE, key
+
+
+def test_dropout_masks_are_drawn_from_the_seeded_generator(tmp_path: Path) -> None:
+    path, inputs, kind, _, _, _ = load_fixture("bn_dropout_train", "torch")
+    batch = len(inputs["labels"])
+    runs = {}
+    for label, seed in (("a", 3), ("b", 3), ("c", 4)):
+        engine = GradientEngine(path, batch_size=batch, loss=kind, seed=seed,
+                                cache_dir=tmp_path)
+        values = {**engine.parameters(), **engine.state()}
+        runs[label] = [engine.step(values, inputs).loss for _ in range(2)]
+    assert runs["a"] == runs["b"]                 # same seed, same masks
+    assert runs["a"][0] != runs["a"][1]           # a fresh mask every step
+    assert runs["a"] != runs["c"]
+
+
+def test_predict_uses_the_running_statistics_and_no_dropout(tmp_path: Path) -> None:
+    """Evaluation mode: BatchNorm normalizes with the state it is given, Dropout is off --
+    so a batch of one gives the same answer alone as inside a larger batch."""
+    path, inputs, kind, _, _, _ = load_fixture("bn_dropout_train", "torch")
+    engine = GradientEngine(path, batch_size=len(inputs["labels"]), loss=kind,
+                            cache_dir=tmp_path)
+    values = {**engine.parameters(), **engine.state()}
+    images = inputs["image"]
+    together = engine.predict(values, {"image": images})["output"]
+    alone = engine.predict(values, {"image": images[:1]})["output"]
+    np.testing.assert_allclose(alone[0], together[0], rtol=1e-5)
+    moved = dict(values, **{"bn.running_mean": values["bn.running_mean"] + 1.0})
+    assert not np.allclose(engine.predict(moved, {"image": images[:1]})["output"], alone)

@@ -41,6 +41,8 @@ from typing import Literal
 
 import numpy as np
 
+from ps_common.errors import DatasetError  # noqa: F401 - raised here, and imported from here by callers
+
 __all__ = [
     "DIGITS_PATH",
     "Dataset",
@@ -61,10 +63,6 @@ REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 OPTIONAL_ARRAYS = ("input_name", "num_classes")
 
 Remainder = Literal["wrap", "drop"]
-
-
-class DatasetError(ValueError):
-    """A dataset spec, file or array that cannot be used; the message names it."""
 
 
 @dataclass(eq=False, repr=False)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_common.errors import InvalidTensorError
+from ps_common.errors import InvalidRequestError, InvalidTensorError
 
 #: Largest ``data`` field in one chunk, and the most bytes of chunks packed in one message.
 CHUNK_BYTES = 4 << 20
@@ -234,6 +234,8 @@ class ChunkView:
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
+        if pos >= len(buf):
+            raise InvalidRequestError(f"malformed message: a varint runs past the end at byte {pos} of {len(buf)}")
         byte = buf[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
@@ -241,11 +243,15 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
             return result, pos
         shift += 7
         if shift > 63:
-            raise InvalidTensorError("malformed message: varint longer than 10 bytes")
+            raise InvalidRequestError("malformed message: varint longer than 10 bytes")
 
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+#: Bytes of the fixed-width wire types: I64 (1) and I32 (5).
+_FIXED_WIDTH = {1: 8, 5: 4}
 
 
 def _fields(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int | memoryview]]:
@@ -259,14 +265,17 @@ def _fields(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, i
         elif wire_type == 2:
             length, pos = _varint(buf, pos)
             if pos + length > end:
-                raise InvalidTensorError(f"malformed message: field {number} runs past the end ({pos + length} > {end})")
+                raise InvalidRequestError(f"malformed message: field {number} runs past the end ({pos + length} > {end})")
             value, pos = buf[pos:pos + length], pos + length
-        elif wire_type == 1:
-            value, pos = int.from_bytes(buf[pos:pos + 8], "little"), pos + 8
-        elif wire_type == 5:
-            value, pos = int.from_bytes(buf[pos:pos + 4], "little"), pos + 4
+        elif wire_type in _FIXED_WIDTH:
+            width = _FIXED_WIDTH[wire_type]
+            if pos + width > end:
+                raise InvalidRequestError(f"malformed message: field {number} runs past the end ({pos + width} > {end})")
+            value, pos = int.from_bytes(buf[pos:pos + width], "little"), pos + width
         else:
-            raise InvalidTensorError(f"malformed message: wire type {wire_type} of field {number} is not supported")
+            raise InvalidRequestError(f"malformed message: wire type {wire_type} of field {number} is not supported")
+        if number == 0:
+            raise InvalidRequestError("malformed message: field number 0")
         yield number, wire_type, value
 
 
@@ -279,7 +288,7 @@ def decode_message(raw: bytes) -> tuple[int | memoryview | None, list[ChunkView]
     (`chunk.data`); walking the wire format instead leaves each chunk's data as a view
     into the received message, so a whole part is used where it arrived. Field numbers
     follow parameter_server.proto; unknown fields are skipped, as protobuf does, so peers
-    that add fields still decode. Malformed bytes raise InvalidTensorError.
+    that add fields still decode. Malformed bytes raise InvalidRequestError.
     """
     buf = memoryview(raw)
     first: int | memoryview | None = None
@@ -367,7 +376,11 @@ def _chunk_view(msg: memoryview) -> ChunkView:
     name, dtype, shape, row_start, byte_offset, data = "", 0, [], 0, 0, memoryview(b"")
     for number, wire_type, value in _fields(msg, 0, len(msg)):
         if number == 1 and wire_type == 2:
-            name = bytes(value).decode("utf-8")
+            try:
+                name = bytes(value).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidRequestError(f"malformed chunk: tensor name is not UTF-8 ({len(value)} bytes, "
+                                          f"bad byte at {exc.start})") from None
         elif number == 2 and wire_type == 0:
             dtype = value
         elif number == 3 and wire_type == 2:   # packed repeated int64

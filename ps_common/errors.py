@@ -18,6 +18,18 @@ from typing import ClassVar
 #: Trailing-metadata key carrying an error's `reason` from the server to the client.
 REASON_KEY = "ps-error-reason"
 
+#: The longest error message sent in a status (characters): gRPC refuses status details over
+#: its metadata limit (8 KiB by default) with RESOURCE_EXHAUSTED, so a huge name echoed back
+#: would replace the real status; longer messages are cut, saying how much was cut.
+MAX_MESSAGE_CHARS = 2000
+
+
+def shorten(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` cut to at most about `limit` characters, saying how many were left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
 
 _BY_REASON: dict[str, type["PSError"]] = {}
 
@@ -104,6 +116,12 @@ class ResourceExhaustedError(PSError):
     status, reason = "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED"
 
 
+class OverloadedError(PSError):
+    """Data-plane admission is full (every data-plane slot is busy): RESOURCE_EXHAUSTED; retry with backoff."""
+
+    status, reason = "RESOURCE_EXHAUSTED", "OVERLOADED"
+
+
 class PermissionDeniedError(PSError):
     """A caller without the role an rpc needs: PERMISSION_DENIED."""
 
@@ -143,6 +161,12 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     reason = "CHECKPOINT_MISMATCH"
 
 
+class StoppedError(PSError):
+    """A client wait (connect, retry, barrier, pull) ended because the process was asked to stop (SIGTERM, Ctrl-C)."""
+
+    status, reason = None, "STOPPED"
+
+
 class ServerError(PSError):
     """A shard answered an rpc with an error status (client side, after retries for UNAVAILABLE).
 
@@ -174,8 +198,8 @@ class ServerError(PSError):
 def error_for_reason(reason: str) -> type[PSError] | None:
     """The catalog class of a machine-readable reason (as sent in REASON_KEY), or None when unknown.
 
-    The catalog holds every PSError subclass imported so far (the gradient engine's and
-    the data sets' join when their modules are imported).
+    The catalog holds every PSError subclass defined in this module, and any defined
+    elsewhere once its module is imported.
     """
     return _BY_REASON.get(reason)
 
@@ -204,3 +228,18 @@ class DeviceUnavailableError(PSError, RuntimeError):
     """A device (cuda, cuda:N) without a working onnxruntime execution provider in this installation."""
 
     status, reason = None, "DEVICE_UNAVAILABLE"
+
+
+# ---------------------------------------------------------------------- training and data
+
+
+class TrainingError(PSError, RuntimeError):
+    """A training run that cannot go on; the message says what was awaited or what differs."""
+
+    status, reason = None, "TRAINING"
+
+
+class DatasetError(PSError, ValueError):
+    """A dataset spec, file or array that cannot be used; the message names it."""
+
+    status, reason = None, "DATASET"

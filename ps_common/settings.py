@@ -166,6 +166,40 @@ class ServerSettings:
     max_concurrent_rpcs: int | None = _setting(None, "--max-concurrent-rpcs", scopes=_SERVER, minimum=1,
                                                default_doc="4 x rpc_threads",
                                                help="more rpcs at once get RESOURCE_EXHAUSTED")
+    data_plane_calls: int | None = _setting(None, "--data-plane-calls", scopes=_SERVER, minimum=1,
+                                            default_doc="3/4 of rpc_threads",
+                                            help="Push, Pull, InitParameters and Barrier calls served at once; one "
+                                                 "more gets RESOURCE_EXHAUSTED (reason OVERLOADED, retried by "
+                                                 "clients); the other threads keep health checks and cluster info "
+                                                 "answered under load")
+    stream_idle_seconds: float = _setting(30.0, "--stream-idle-seconds", scopes=_SERVER, positive=True,
+                                          help="a client stream (Push, InitParameters) whose next message takes "
+                                               "longer than this is cut (CANCELLED)")
+    max_shard_bytes: int | None = _setting(None, "--max-shard-bytes", scopes=_SERVER, minimum=0,
+                                           default_doc="the machine's memory",
+                                           help="parameter bytes one shard takes; a parameter list putting more on "
+                                                "it is refused (RESOURCE_EXHAUSTED) before anything is allocated")
+    max_name_bytes: int = _setting(1024, "--max-name-bytes", scopes=_SERVER, minimum=1,
+                                   help="longest tensor name, in UTF-8 bytes (INVALID_ARGUMENT beyond)")
+    max_id_bytes: int = _setting(256, "--max-id-bytes", scopes=_SERVER, minimum=1,
+                                 help="longest worker id, barrier name or participant id, in UTF-8 bytes")
+    max_tensors: int = _setting(100_000, "--max-tensors", scopes=_SERVER, minimum=1,
+                                help="most tensors in one parameter list")
+    max_registered_workers: int = _setting(4096, "--max-registered-workers", scopes=_SERVER, minimum=1,
+                                           help="most worker records a shard holds (live or gone); a new worker "
+                                                "beyond it gets RESOURCE_EXHAUSTED; also the most barrier "
+                                                "participants")
+    max_barriers: int = _setting(1024, "--max-barriers", scopes=_SERVER, minimum=1,
+                                 help="most barrier names a shard holds at once (idle ones are dropped first)")
+    max_clock_ahead: int = _setting(1_000_000, "--max-clock-ahead", scopes=_SERVER, minimum=1,
+                                    help="how far a push's clock may run ahead of the shard's record for its "
+                                         "worker (INVALID_ARGUMENT beyond)")
+    worker_retention_seconds: float = _setting(3600.0, "--worker-retention-seconds", scopes=_SERVER, positive=True,
+                                               help="a worker that left or whose lease expired this long ago is "
+                                                    "forgotten (its clock and recent outcomes with it)")
+    barrier_retention_seconds: float = _setting(600.0, "--barrier-retention-seconds", scopes=_SERVER,
+                                                positive=True,
+                                                help="a barrier nobody has waited at for this long is forgotten")
 
 
 @dataclass

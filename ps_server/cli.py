@@ -54,7 +54,12 @@ def server_config(job: JobConfig, *, env: Mapping[str, str] | None = None) -> Se
         metrics_port=s.metrics_port, log_json=job.job.log_json, tls_cert=s.tls_cert, tls_key=s.tls_key,
         tls_client_ca=s.tls_client_ca, auth_token=token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV, environ=env),
         admin_token=token_from(s.admin_token_file, env_var=ADMIN_TOKEN_ENV, environ=env), insecure=s.insecure,
-        max_receive_message_bytes=s.max_receive_message_bytes, max_concurrent_rpcs=s.max_concurrent_rpcs)
+        max_receive_message_bytes=s.max_receive_message_bytes, max_concurrent_rpcs=s.max_concurrent_rpcs,
+        data_plane_calls=s.data_plane_calls, stream_idle_seconds=s.stream_idle_seconds,
+        max_shard_bytes=s.max_shard_bytes, max_name_bytes=s.max_name_bytes, max_id_bytes=s.max_id_bytes,
+        max_tensors=s.max_tensors, max_registered_workers=s.max_registered_workers, max_barriers=s.max_barriers,
+        max_clock_ahead=s.max_clock_ahead, worker_retention_seconds=s.worker_retention_seconds,
+        barrier_retention_seconds=s.barrier_retention_seconds)
 
 
 def config_from_args(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> ServerConfig:

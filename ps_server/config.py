@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,22 @@ from ps_common.codec import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from ps_common.shard_map import DEFAULT_PARTITION_MIN_BYTES
 
 MODES = ("sync", "ssp", "async")
+
+#: Limits on what a request may declare, checked before anything is allocated or applied
+#: (docs/settings.md; docs/protocol.md, "Limits"). Each is a setting; these are the defaults.
+DEFAULT_MAX_NAME_BYTES = 1024            # a tensor name, UTF-8 bytes
+DEFAULT_MAX_ID_BYTES = 256               # a worker id, barrier name or participant id
+DEFAULT_MAX_TENSORS = 100_000            # tensors in one parameter list
+DEFAULT_MAX_REGISTERED_WORKERS = 4096    # worker records a shard holds (live, left or expired)
+DEFAULT_MAX_BARRIERS = 1024              # barrier names a shard holds at once
+DEFAULT_MAX_CLOCK_AHEAD = 1_000_000      # how far a push's clock may run ahead of the shard's record
+DEFAULT_WORKER_RETENTION_SECONDS = 3600.0   # a worker gone (left or expired) this long is forgotten
+DEFAULT_BARRIER_RETENTION_SECONDS = 600.0   # an idle barrier (nobody waiting) this long is forgotten
+DEFAULT_STREAM_IDLE_SECONDS = 30.0       # a client stream silent this long is cut
+#: Clocks, steps and counts a shard accepts or holds stay below this (the wire carries int64;
+#: the margin keeps every "+ 1" representable). Larger values are refused, in requests and
+#: in checkpoints alike.
+MAX_COUNTER = 2**62
 
 
 @dataclass
@@ -48,6 +65,18 @@ class ServerConfig:
     insecure: bool = False              # allow plaintext on a non-loopback host (logged as a warning)
     max_receive_message_bytes: int = MAX_MESSAGE_BYTES  # larger requests get RESOURCE_EXHAUSTED
     max_concurrent_rpcs: int | None = None  # more at once get RESOURCE_EXHAUSTED; None: 4 x max_workers
+    # Load and input limits (docs/protocol.md, "Limits").
+    data_plane_calls: int | None = None  # Push/Pull/Init/Barrier at once; None: 3/4 of max_workers
+    stream_idle_seconds: float = DEFAULT_STREAM_IDLE_SECONDS
+    max_shard_bytes: int | None = None   # parameter bytes this shard may hold; None: the machine's memory
+    max_name_bytes: int = DEFAULT_MAX_NAME_BYTES
+    max_id_bytes: int = DEFAULT_MAX_ID_BYTES
+    max_tensors: int = DEFAULT_MAX_TENSORS
+    max_registered_workers: int = DEFAULT_MAX_REGISTERED_WORKERS
+    max_barriers: int = DEFAULT_MAX_BARRIERS
+    max_clock_ahead: int = DEFAULT_MAX_CLOCK_AHEAD
+    worker_retention_seconds: float = DEFAULT_WORKER_RETENTION_SECONDS
+    barrier_retention_seconds: float = DEFAULT_BARRIER_RETENTION_SECONDS
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +120,38 @@ class ServerConfig:
         if self.checkpoint_dir is not None and not str(self.checkpoint_dir).strip():
             raise ValueError(f"Invalid checkpoint_dir: {self.checkpoint_dir!r} (a directory path, or None for no checkpoints)")
         self._validate_security()
+        self._validate_limits()
+
+    @property
+    def data_plane_limit(self) -> int:
+        """Data-plane calls at once: data_plane_calls, or 3/4 of the server threads (the rest serve control rpcs)."""
+        return self.data_plane_calls or max(1, self.max_workers * 3 // 4)
+
+    @property
+    def shard_bytes_limit(self) -> int:
+        """The most parameter bytes this shard takes: max_shard_bytes, or the machine's physical memory."""
+        if self.max_shard_bytes:
+            return self.max_shard_bytes
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):   # no sysconf (not POSIX): a fixed bound
+            return 1 << 40
+
+    def _validate_limits(self) -> None:
+        if self.data_plane_calls is not None and not 1 <= self.data_plane_calls < self.max_workers:
+            raise ValueError(f"Invalid data_plane_calls: {self.data_plane_calls} (must be in [1, max_workers="
+                             f"{self.max_workers}): the other threads answer health checks and cluster info)")
+        if not self.stream_idle_seconds > 0:
+            raise ValueError(f"Invalid stream_idle_seconds: {self.stream_idle_seconds} (must be > 0)")
+        if self.max_shard_bytes is not None and self.max_shard_bytes < 0:
+            raise ValueError(f"Invalid max_shard_bytes: {self.max_shard_bytes} (must be >= 0; 0 or None: memory size)")
+        for name in ("max_name_bytes", "max_id_bytes", "max_tensors", "max_registered_workers", "max_barriers",
+                     "max_clock_ahead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Invalid {name}: {getattr(self, name)} (must be >= 1)")
+        for name in ("worker_retention_seconds", "barrier_retention_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Invalid {name}: {getattr(self, name)} (must be > 0 seconds)")
 
     def _validate_security(self) -> None:
         for name in ("tls_cert", "tls_key", "tls_client_ca"):

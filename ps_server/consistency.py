@@ -13,6 +13,9 @@ and whether a pull may be answered yet. The rules (docs/protocol.md, "Consistenc
   until every live worker's clock is >= c - b.
 - async: a push is applied as it arrives (t += 1), unless max_staleness > 0 and
   t - s > max_staleness, when it is dropped as stale.
+- ssp and async: a push without gradients moves only the worker's clock (never the step).
+  sync: a push must carry a gradient for every trainable part of the shard; on a shard
+  without trainable parts an empty push is the worker's contribution to the step.
 
 A policy sees the shard only through a `PolicyHost`: the step, the live workers and their
 clocks, and `apply`. It never advances the step or emits events itself: it returns a
@@ -262,6 +265,11 @@ class SyncPolicy(ConsistencyPolicy):
         return f"sync (N={self.replicas_to_aggregate} of M={self.total_replicas})"
 
 
+#: What an ssp or async push without gradients does: it moves the worker's clock (a client
+#: sends one to each shard its update does not touch, so SSP clocks stay in step) and nothing else.
+CLOCK_ONLY = "no gradients: the worker's clock moved, nothing was applied and the step did not move"
+
+
 class SSPPolicy(ConsistencyPolicy):
     """Stale-synchronous parallel: apply on arrival, hold pulls that run more than b clocks ahead."""
 
@@ -272,6 +280,8 @@ class SSPPolicy(ConsistencyPolicy):
 
     def on_push(self, host: PolicyHost, worker_id: str, read_step: int,
                 grads: Mapping[PartKey, np.ndarray]) -> Decision:
+        if not grads:
+            return Decision(message=CLOCK_ONLY)
         host.apply(grads)
         return Decision(applied=1)
 
@@ -300,6 +310,8 @@ class AsyncPolicy(ConsistencyPolicy):
 
     def on_push(self, host: PolicyHost, worker_id: str, read_step: int,
                 grads: Mapping[PartKey, np.ndarray]) -> Decision:
+        if not grads:
+            return Decision(message=CLOCK_ONLY)
         lag = host.step - read_step
         if self.max_staleness and lag > self.max_staleness:
             return Decision.drop(DropReason.STALE,

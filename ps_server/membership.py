@@ -35,6 +35,7 @@ class WorkerRecord:
     worker_id: str
     clock: int = 0                      # pushes taken from this worker (next push's clock)
     lease_expires: float = 0.0          # monotonic time
+    gone_since: float | None = None     # monotonic time it left or its lease expired (None while live)
     outcomes: OrderedDict[int, PushResult] = field(default_factory=OrderedDict)  # clock -> first outcome
 
 
@@ -54,6 +55,7 @@ class Membership:
             start = min(live.values()) if live else 0
             record = self.workers[worker_id] = WorkerRecord(worker_id, clock=start)
         record.lease_expires = self._now() + self.lease_seconds
+        record.gone_since = None
         return record
 
     def get(self, worker_id: str) -> WorkerRecord:
@@ -67,6 +69,7 @@ class Membership:
         """Extends the lease of a registered worker."""
         record = self.get(worker_id)
         record.lease_expires = self._now() + self.lease_seconds
+        record.gone_since = None
         return record
 
     def deregister(self, worker_id: str) -> bool:
@@ -75,6 +78,7 @@ class Membership:
         if record is None:
             return False
         record.lease_expires = 0.0
+        record.gone_since = self._now()
         return True
 
     def is_live(self, record: WorkerRecord) -> bool:
@@ -110,6 +114,25 @@ class Membership:
         self.workers = workers
         for worker_id in live:
             self.renew(worker_id)
+
+    def evict(self, retention_seconds: float) -> list[str]:
+        """Forgets workers that left or whose lease expired more than `retention_seconds` ago; their ids.
+
+        A forgotten worker that comes back registers as new (at the slowest live clock);
+        its push outcomes older than that are no longer answered as duplicates.
+        """
+        now = self._now()
+        gone = []
+        for worker_id, record in self.workers.items():
+            if record.lease_expires > now:
+                continue
+            if record.gone_since is None:   # noticed now: the lease ran out since the last look
+                record.gone_since = record.lease_expires or now
+            if now - record.gone_since > retention_seconds:
+                gone.append(worker_id)
+        for worker_id in gone:
+            del self.workers[worker_id]
+        return gone
 
     def clear(self) -> None:
         """Forgets every worker (Admin.ResetParameters)."""

@@ -16,9 +16,9 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_common.codec import MAX_MESSAGE_BYTES
 from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server import security, service
 from ps_server.admin import AdminServicer
+from ps_server.admission import Admission, StreamWatchdog
 from ps_server.checkpoints import Checkpointer
 from ps_server.config import ServerConfig
 from ps_server.consistency import ConsistencyPolicy
@@ -55,8 +55,11 @@ class ShardServer:
             maximum_concurrent_rpcs=config.max_concurrent_rpcs or config.max_workers * 4,
             interceptors=[self.metrics.interceptor, *security.interceptors(config)],
         )
-        service.add_to_server(ParameterServerServicer(self.shard), self.server)
-        pb_grpc.add_AdminServicer_to_server(AdminServicer(self.shard, self.checkpointer, self.stop), self.server)
+        self.watchdog = StreamWatchdog(config.stream_idle_seconds)
+        admission = Admission(config.data_plane_limit, shard_index=config.shard_index)
+        service.add_to_server(ParameterServerServicer(self.shard, admission=admission, watchdog=self.watchdog),
+                              self.server)
+        service.add_to_server(AdminServicer(self.shard, self.checkpointer, self.stop), self.server, "Admin")
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -73,6 +76,7 @@ class ShardServer:
     def start(self) -> "ShardServer":
         self.server.start()
         self._reaper.start()
+        self.watchdog.start()
         if self.checkpointer is not None:
             self.checkpointer.start()
         for name in ("", SERVICE_NAME):
@@ -91,6 +95,7 @@ class ShardServer:
         self.health.enter_graceful_shutdown()
         self._stop.set()
         self.shard.stop()
+        self.watchdog.stop()
         if self.checkpointer is not None:
             self.checkpointer.stop()   # the final checkpoint: no push is taken after shard.stop()
         self.server.stop(grace).wait(grace + 1)

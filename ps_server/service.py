@@ -10,14 +10,16 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
 from ps_common import codec
-from ps_common.errors import REASON_KEY, InvalidRequestError, PSError
+from ps_common.errors import REASON_KEY, InvalidRequestError, PSError, shorten
 from ps_common.shard_map import ParamSpec
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_server.admission import Admission, StreamWatchdog
 from ps_server.consistency import Mode
 from ps_server.membership import PushResult
 from ps_server.pull_cache import PullCache
@@ -37,18 +39,55 @@ def status_of(exc: PSError) -> grpc.StatusCode:
 def abort_with(context: grpc.ServicerContext, exc: PSError) -> None:
     """Ends the rpc with the error's status, its message, and its reason in the trailing metadata."""
     context.set_trailing_metadata(((REASON_KEY, exc.reason),))
-    context.abort(status_of(exc), str(exc))
+    context.abort(status_of(exc), shorten(str(exc)))
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """What a request deserializer hands the handler for bytes that do not parse (never raises)."""
+
+    rpc: str
+    nbytes: int
+    error: str
+
+
+def safe_deserializer(message_type, rpc: str) -> Callable[[bytes], object]:
+    """`message_type.FromString` that returns Malformed instead of raising.
+
+    gRPC answers a deserializer's exception with INTERNAL ("Exception deserializing
+    request!"), but bytes that do not parse are the caller's error: translate_errors turns
+    Malformed into INVALID_ARGUMENT naming the rpc and the parser's complaint.
+    """
+
+    def deserialize(raw: bytes) -> object:
+        try:
+            return message_type.FromString(raw)
+        except Exception as exc:  # protobuf's DecodeError, or anything the parser raises on garbage
+            return Malformed(rpc, len(raw), f"{type(exc).__name__}: {exc}")
+
+    return deserialize
 
 
 def translate_errors(method: Callable) -> Callable:
-    """Turns typed domain errors into their status (abort_with); anything else is a bug: INTERNAL."""
+    """Turns typed domain errors into their status (abort_with); anything else is a bug: INTERNAL.
+
+    A request that did not parse (Malformed) is INVALID_ARGUMENT. A client stream that ends
+    under the handler (the client cancelled, or the watchdog cut it) is CANCELLED, logged
+    at debug level: it is the client's doing, not the shard's.
+    """
 
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
+            if isinstance(request, Malformed):
+                raise InvalidRequestError(f"{request.rpc}: the request's {request.nbytes} bytes do not parse as "
+                                          f"its message ({request.error})")
             return method(self, request, context)
         except PSError as exc:
             abort_with(context, exc)
+        except grpc.RpcError as exc:   # raised by a client stream's request iterator when the call ends
+            log.debug("%s: the client stream ended under the handler: %s", method.__name__, exc)
+            context.abort(grpc.StatusCode.CANCELLED, f"{method.__name__}: the request stream was cancelled")
         except Exception as exc:  # a bug: log it, keep serving
             log.exception("internal error in %s", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}: {exc}")
@@ -124,22 +163,36 @@ def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
     return info
 
 
-def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
-    """Registers ps.v1.ParameterServer, as the generated add_ParameterServerServicer_to_server
-    does, except that Pull may yield pre-serialized bytes (ps_server/pull_cache.py) and Push
-    and InitParameters take raw bytes, walked by the codec without copying tensor data."""
+#: The ParameterServer rpcs whose requests are taken as raw bytes and walked by the codec.
+RAW_REQUESTS = frozenset({"Push", "InitParameters"})
+#: The ParameterServer rpcs whose responses may be bytes serialized ahead (ps_server/pull_cache.py).
+RAW_RESPONSES = frozenset({"Pull"})
+
+
+def add_to_server(servicer: object, server: grpc.Server, service_name: str = "ParameterServer") -> None:
+    """Registers a ps.v1 service, as the generated add_*Servicer_to_server does, except that:
+
+    - unary requests are parsed by safe_deserializer (bytes that do not parse get
+      INVALID_ARGUMENT, not INTERNAL);
+    - Push and InitParameters take raw bytes, walked by the codec without copying tensor data;
+    - Pull may yield pre-serialized bytes (ps_server/pull_cache.py).
+    """
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    service = pb.DESCRIPTOR.services_by_name[service_name]
+    raw = service_name == "ParameterServer"
     handlers = {}
     for method in service.methods:
         request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
         serialize = response.SerializeToString
-        deserialize = request.FromString
-        if method.name == "Pull":
+        if raw and method.name in RAW_RESPONSES:
             serialize = _pass_bytes(serialize)
-        if method.name in ("Push", "InitParameters"):
+        if raw and method.name in RAW_REQUESTS:
             deserialize = None
+        elif method.client_streaming:
+            raise NotImplementedError(f"{service.full_name}/{method.name}: a streamed request type needs a decoder here")
+        else:
+            deserialize = safe_deserializer(request, f"{service_name}.{method.name}")
         handlers[method.name] = kinds[(method.client_streaming, method.server_streaming)](
             getattr(servicer, method.name), request_deserializer=deserialize, response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
@@ -147,26 +200,43 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
-    """ps.v1.ParameterServer over one Shard."""
+    """ps.v1.ParameterServer over one Shard.
 
-    def __init__(self, shard: Shard) -> None:
+    Data-plane rpcs (InitParameters, Push, Pull, Barrier) take a slot of `admission` first
+    (RESOURCE_EXHAUSTED when none is free); client streams are watched by `watchdog`, which
+    cuts a stream that stalls. Control rpcs (registration, heartbeats, cluster info) take no
+    slot, so they are answered while the data plane is full.
+    """
+
+    def __init__(self, shard: Shard, *, admission: Admission | None = None,
+                 watchdog: StreamWatchdog | None = None) -> None:
         self.shard = shard
         self.pull_cache = PullCache(shard.config.chunk_bytes)
+        self.admission = admission or Admission(shard.config.data_plane_limit, shard_index=shard.config.shard_index)
+        self.watchdog = watchdog
+
+    def _stream(self, requests: Iterator[bytes], context, rpc: str) -> Iterator[bytes]:
+        return requests if self.watchdog is None else self.watchdog.watch(requests, context, rpc)
 
     @translate_errors
     def InitParameters(self, request_iterator, context):
-        header, chunks = _header_and_chunks(request_iterator, "InitParameters", pb.InitHeader)
-        specs = [ParamSpec(name=s.name, dtype=codec.dtype_from_wire(s.dtype, name=s.name).name,
-                           shape=tuple(int(d) for d in s.shape)) for s in header.parameters]
-        values = _assemble(chunks, self.shard.init_layout(specs))
-        already, step, nparts = self.shard.initialize(specs, values, header.worker_id)
+        with self.admission.enter("InitParameters"):
+            header, chunks = _header_and_chunks(self._stream(request_iterator, context, "InitParameters"),
+                                                "InitParameters", pb.InitHeader)
+            specs = [ParamSpec(name=s.name, dtype=codec.dtype_from_wire(s.dtype, name=s.name).name,
+                               shape=tuple(int(d) for d in s.shape)) for s in header.parameters]
+            values = _assemble(chunks, self.shard.init_layout(specs))
+            already, step, nparts = self.shard.initialize(specs, values, header.worker_id)
         return pb.InitResponse(already_initialized=already, step=step, num_parts=nparts)
 
     @translate_errors
     def Push(self, request_iterator, context):
-        header, chunks = _header_and_chunks(request_iterator, "Push", pb.PushHeader)
-        grads = _assemble(chunks, self.shard.push_layout())
-        return push_response(self.shard.push(header.worker_id, header.clock, header.read_step, grads))
+        with self.admission.enter("Push"):
+            header, chunks = _header_and_chunks(self._stream(request_iterator, context, "Push"), "Push",
+                                                pb.PushHeader)
+            grads = _assemble(chunks, self.shard.push_layout())
+            result = self.shard.push(header.worker_id, header.clock, header.read_step, grads)
+        return push_response(result)
 
     def Pull(self, request, context):
         # A generator handler: errors must be raised before the first yield to abort cleanly.
@@ -174,14 +244,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @translate_errors
     def _pull(self, request, context) -> list[pb.PullResponse | bytes]:
-        timeout = self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())
-        return self.shard.pull(list(request.names), min_step=request.min_step, worker_id=request.worker_id,
-                               clock=request.clock, timeout=timeout, read=self.pull_cache.messages)
+        with self.admission.enter("Pull"):
+            timeout = self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())
+            return self.shard.pull(list(request.names), min_step=request.min_step, worker_id=request.worker_id,
+                                   clock=request.clock, timeout=timeout, read=self.pull_cache.messages)
 
     @translate_errors
     def Barrier(self, request, context):
-        timeout = self.shard.wait_timeout(request.timeout_ms, context.time_remaining())
-        generation, arrived = self.shard.barrier(request.name, request.participant_id, request.participants, timeout)
+        with self.admission.enter("Barrier"):
+            timeout = self.shard.wait_timeout(request.timeout_ms, context.time_remaining())
+            generation, arrived = self.shard.barrier(request.name, request.participant_id, request.participants,
+                                                     timeout)
         return pb.BarrierResponse(generation=generation, arrived=arrived)
 
     @translate_errors

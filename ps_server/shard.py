@@ -22,15 +22,18 @@ import numpy as np
 from ps_common.errors import (
     CheckpointMismatchError,
     InvalidRequestError,
+    InvalidTensorError,
     NotInitializedError,
+    ResourceExhaustedError,
     ShuttingDownError,
     WaitTimeoutError,
+    shorten,
 )
 from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 from ps_server.barrier import Barriers
 from ps_server.checkpoints.state import (OutcomeSnapshot, PartSnapshot, ShardState, WorkerSnapshot,
-                                         check_compatible, consistency_of)
-from ps_server.config import ServerConfig
+                                         check_compatible, check_ranges, consistency_of)
+from ps_server.config import MAX_COUNTER, ServerConfig
 from ps_server.consistency import ConsistencyPolicy, Decision, DropReason, PolicyInfo, PolicySnapshot, make_policy
 from ps_server.events import Events
 from ps_server.membership import Membership, PushResult, WorkerRecord
@@ -86,7 +89,7 @@ class _Host:
         return self._shard.step
 
     def parts(self) -> set[PartKey]:
-        return set(self._shard.store.parts)
+        return self._shard.store.trainable_keys()
 
 
 class Shard:
@@ -104,7 +107,7 @@ class Shard:
                                     partition_min_bytes=config.partition_min_bytes, optimizer=self.optimizer)
         self.membership = Membership(config.lease_seconds, clock=now)
         self.policy: ConsistencyPolicy = policy or self._default_policy()
-        self.barriers = Barriers()
+        self.barriers = Barriers(max_barriers=config.max_barriers)
         self.events = events or Events()
         self.step = 0
         self.dropped = 0
@@ -129,6 +132,15 @@ class Shard:
             self.events.emit("step", step=self.step)
         for event in decision.events:
             self.events.emit(event.name, **event.fields)
+
+    def check_id(self, what: str, value: str) -> None:
+        """An id (worker, barrier, participant) must be non-empty and at most max_id_bytes of UTF-8."""
+        if not value:
+            raise InvalidRequestError(f"{what} must not be empty")
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > self.config.max_id_bytes:
+            raise InvalidRequestError(f"{what} is {size} bytes long, over max_id_bytes={self.config.max_id_bytes}: "
+                                      f"{shorten(value, 64)!r}")
 
     def _check_running(self) -> None:
         if self._stopping:
@@ -173,9 +185,34 @@ class Shard:
         Raises InvalidTensorError for an invalid list, InitMismatchError when another list is in place.
         """
         self._check_running()
+        self._check_specs(specs)
         with self._cond:
             shard_map, _ = self.store.plan(specs)
+        owned = sum(p.nbytes for p in shard_map.parts_on(self.config.shard_index))
+        limit = self.config.shard_bytes_limit
+        if owned > limit:
+            raise ResourceExhaustedError(
+                f"the parameter list puts {owned} bytes on shard {self.config.shard_index}, over its limit of "
+                f"{limit} bytes (max_shard_bytes; default: the machine's memory): use more shards")
         return ParameterStore.expected_from(shard_map, self.config.shard_index)
+
+    def _check_specs(self, specs: Sequence[ParamSpec]) -> None:
+        """A parameter list within the limits: count, name length, shapes (before anything is planned or allocated)."""
+        c = self.config
+        if not specs:
+            raise InvalidRequestError("InitParameters: the parameter list is empty")
+        if len(specs) > c.max_tensors:
+            raise InvalidRequestError(f"InitParameters: {len(specs)} tensors, over max_tensors={c.max_tensors}")
+        for spec in specs:
+            size = len(spec.name.encode("utf-8", "surrogatepass"))
+            if not spec.name or size > c.max_name_bytes:
+                raise InvalidRequestError(f"InitParameters: tensor name of {size} bytes {shorten(spec.name, 64)!r}: "
+                                          f"names must have 1 to max_name_bytes={c.max_name_bytes} bytes")
+            if any(d < 0 for d in spec.shape):
+                raise InvalidTensorError(f"tensor {spec.name!r}: negative dimension in shape {list(spec.shape)}")
+            if spec.nbytes >= MAX_COUNTER:
+                raise InvalidTensorError(f"tensor {spec.name!r}: shape {list(spec.shape)} of {spec.dtype} is "
+                                         f"{spec.nbytes} bytes, more than any machine holds")
 
     def initialize(self, specs: Sequence[ParamSpec], values: Mapping[PartKey, np.ndarray],
                    worker_id: str = "") -> tuple[bool, int, int]:
@@ -203,13 +240,17 @@ class Shard:
 
     def push(self, worker_id: str, clock: int, read_step: int, grads: Mapping[PartKey, np.ndarray]) -> PushResult:
         """Applies, accumulates or drops one decoded push; answers retries without re-applying."""
-        if not worker_id:
-            raise InvalidRequestError("push header: worker_id must not be empty")
-        if clock < 0 or read_step < 0:
-            raise InvalidRequestError(f"push from {worker_id!r}: clock {clock} and read_step {read_step} must be >= 0")
+        self.check_id("push header: worker_id", worker_id)
+        if not 0 <= clock < MAX_COUNTER or not 0 <= read_step < MAX_COUNTER:
+            raise InvalidRequestError(f"push from {worker_id!r}: clock {clock} and read_step {read_step} must be in "
+                                      f"[0, {MAX_COUNTER})")
         for (name, row_start), grad in grads.items():
+            if grad.dtype.kind != "f":
+                raise InvalidTensorError(
+                    f"push from {worker_id!r} at clock {clock}: {name!r} rows from {row_start} is {grad.dtype.name}: "
+                    "only floating-point parameters train; push no gradient for it")
             # min and max propagate NaN and show inf: two fast reductions, no temporary array
-            if grad.dtype.kind == "f" and grad.size and not (np.isfinite(grad.min()) and np.isfinite(grad.max())):
+            if grad.size and not (np.isfinite(grad.min()) and np.isfinite(grad.max())):
                 raise InvalidRequestError(
                     f"push from {worker_id!r} at clock {clock}: gradient of {name!r} rows from {row_start} holds NaN or inf")
         with self._cond:
@@ -217,6 +258,10 @@ class Shard:
             record = self.membership.get(worker_id)
             if clock < record.clock:
                 return self._duplicate(record, clock)
+            if clock > record.clock + self.config.max_clock_ahead:
+                raise InvalidRequestError(
+                    f"push from {worker_id!r}: clock {clock} is more than max_clock_ahead={self.config.max_clock_ahead} "
+                    f"ahead of the shard's clock {record.clock} for it")
             staleness = self.step - read_step   # on arrival, before this push can advance the step
             if read_step > self.step:
                 # Only a shard restored from an older checkpoint can be behind a worker's read.
@@ -281,10 +326,15 @@ class Shard:
 
     def register(self, worker_id: str) -> tuple[int, int, float]:
         """(clock to resume at, step, lease seconds)."""
-        if not worker_id:
-            raise InvalidRequestError("worker_id must not be empty")
+        self.check_id("RegisterWorker: worker_id", worker_id)
         with self._cond:
             self._check_running()
+            if worker_id not in self.membership.workers:
+                self.membership.evict(self.config.worker_retention_seconds)
+                if len(self.membership.workers) >= self.config.max_registered_workers:
+                    raise ResourceExhaustedError(
+                        f"shard {self.config.shard_index} holds {len(self.membership.workers)} workers, "
+                        f"max_registered_workers={self.config.max_registered_workers}: {worker_id!r} refused")
             record = self.membership.register(worker_id)
             self._cond.notify_all()
             log.info("worker %r registered on shard %d at clock %d (step %d)", worker_id, self.config.shard_index,
@@ -292,8 +342,7 @@ class Shard:
             return record.clock, self.step, self.membership.lease_seconds
 
     def heartbeat(self, worker_id: str) -> tuple[float, int]:
-        if not worker_id:
-            raise InvalidRequestError("worker_id must not be empty")
+        self.check_id("Heartbeat: worker_id", worker_id)
         with self._cond:
             self.membership.renew(worker_id)
             return self.membership.lease_seconds, self.step
@@ -305,9 +354,14 @@ class Shard:
                 self._membership_changed()
 
     def tick(self) -> None:
-        """Periodic: lets the policy react to expired leases and wakes waiters to re-check."""
+        """Periodic: lets the policy react to expired leases, forgets long-gone workers and idle barriers,
+        and wakes waiters to re-check."""
         with self._cond:
+            for worker_id in self.membership.evict(self.config.worker_retention_seconds):
+                log.info("shard %d forgot worker %r: gone for over %g s (worker_retention_seconds)",
+                         self.config.shard_index, worker_id, self.config.worker_retention_seconds)
             self._membership_changed()
+        self.barriers.evict(self.config.barrier_retention_seconds)
 
     def _membership_changed(self) -> None:
         decision = self.policy.on_membership_change(self.policy_host)
@@ -317,13 +371,19 @@ class Shard:
 
     def barrier(self, name: str, participant: str, participants: int, timeout: float) -> tuple[int, int]:
         self._check_running()
+        self.check_id("Barrier: name", name)
+        self.check_id(f"barrier {name!r}: participant_id", participant)
+        if not 1 <= participants <= self.config.max_registered_workers:
+            raise InvalidRequestError(f"barrier {name!r}: participants must be in [1, max_registered_workers="
+                                      f"{self.config.max_registered_workers}], got {participants}")
         return self.barriers.wait(name, participant, participants, timeout)
 
     def stop(self) -> None:
-        """Refuses new work and wakes every waiter so it can fail fast with UNAVAILABLE."""
+        """Refuses new work and wakes every waiter (pulls, sync and SSP holds, barriers) to fail fast with UNAVAILABLE."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self.barriers.stop(f"shard {self.config.shard_index} is shutting down")
 
     def reset(self) -> int:
         """Drops the parameters, optimizer state, step, worker clocks and the policy's state (Admin.ResetParameters).
@@ -377,6 +437,7 @@ class Shard:
     def restore(self, state: ShardState) -> None:
         """Replaces the whole state with a checkpoint's (before serving); checked first, so a bad one changes nothing."""
         check_compatible(state, self.config, warn=False)
+        check_ranges(state)
         shard_map, parts, accumulator = self._checked_parts(state)
         workers: dict[str, WorkerRecord] = {}
         for w in state.workers:

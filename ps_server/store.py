@@ -133,6 +133,11 @@ class ParameterStore:
         """Drops the parameter list, values and optimizer state (Admin.ResetParameters)."""
         self.shard_map, self.parts = None, {}
 
+    def trainable_keys(self) -> set[PartKey]:
+        """The owned parts that train: floating point. Others (integer ids, vocabularies) are state that is
+        initialized and pulled but never pushed (docs/protocol.md, "Non-trainable tensors")."""
+        return {key for key, state in self.parts.items() if state.value.dtype.kind == "f"}
+
     @property
     def nbytes(self) -> int:
         """Bytes of parameter values held."""

@@ -16,16 +16,16 @@ from typing import Any
 import onnxruntime as ort
 
 from ps_models.builders import BUILDERS, write_model
-from ps_models.datasets import Dataset, DatasetError, load_dataset
+from ps_models.datasets import Dataset, load_dataset
 from ps_common import jobconfig
-from ps_common.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
+from ps_common.errors import PSError
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.logs import configure_logging
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
-from worker_client.client import PSClient, RetryPolicy, ServerError
+from worker_client.client import PSClient, RetryPolicy
 from worker_client.engine import GradientEngine
 from worker_client.engine.load import read_model
-from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingError, TrainingPlan
+from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingPlan
 
 log = logging.getLogger("worker_client")
 
@@ -81,7 +81,7 @@ def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threadi
                                                 token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
         client = PSClient(w.servers, worker_id=w.worker_id, rpc_timeout=w.rpc_timeout, wait_timeout=job.job.wait_timeout,
                           retry=RetryPolicy(window=w.reconnect_timeout), channel_credentials=credentials,
-                          call_metadata=metadata, duplicate_pushes=w.duplicate_pushes)
+                          call_metadata=metadata, duplicate_pushes=w.duplicate_pushes, stop=stop)
         try:
             expected_mode = job.job.mode if "job.mode" in job.sources else None   # else: follow the shards
             return Trainer(client, engine, dataset, plan=plan, report=report, stop=stop,
@@ -145,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     sink: EventSink = JsonLinesSink(sys.stdout) if job.worker.events else TextSink(sys.stdout)
     try:
         run_worker(job, report=sink, stop=stop)
-    except (JobConfigError, TrainingError, ServerError, DatasetError, ModelLoadError,
-            UnsupportedModelError, DeviceUnavailableError, ValueError) as exc:
+    except (PSError, ValueError) as exc:   # every catalog error, and bad values the settings let through
         if received:
             return 128 + received[0]
         log.debug("worker failed", exc_info=True)

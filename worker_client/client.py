@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import threading
 import time
 import uuid
@@ -27,8 +28,8 @@ import numpy as np
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
-from ps_common.errors import (REASON_KEY, InvalidTensorError, NotInitializedError, ServerError, UnknownWorkerError,
-                              error_for_reason)
+from ps_common.errors import (REASON_KEY, InvalidTensorError, NotInitializedError, OverloadedError, ServerError,
+                              StoppedError, UnknownWorkerError, WaitTimeoutError, error_for_reason)
 from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,31 @@ T = TypeVar("T")
 
 #: gRPC's reconnect backoff of a channel whose shard went away: first and largest, in milliseconds.
 RECONNECT_BACKOFF_MS = (200, 2000)
+#: Longest single wait of a blocking call: between two, the client checks `stop` (seconds).
+STOP_POLL_SECONDS = 0.25
+#: While waiting for a shard to accept connections, say why at least this often (seconds).
+CONNECT_REPORT_SECONDS = 10.0
+#: The first such report comes this soon, so a wrong address is named within seconds (seconds).
+CONNECT_FIRST_REPORT_SECONDS = 3.0
+#: A barrier is awaited in calls of at most this long, so a stop ends it quickly (seconds).
+BARRIER_SLICE_SECONDS = 1.0
+
+
+def probe(address: str, timeout: float = 1.0) -> str:
+    """Why a TCP connection to HOST:PORT fails ("connection refused", "name does not resolve", ...), or
+    "the port accepts connections, but gRPC does not answer" when it does not fail."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return "the port accepts connections, but gRPC does not answer there (TLS or another service?)"
+    except ValueError:
+        return f"{address!r} is not HOST:PORT"
+    except socket.gaierror as exc:
+        return f"the host name {host!r} does not resolve ({exc.strerror})"
+    except TimeoutError:
+        return f"no answer within {timeout:g} s (a firewall, or a host that is down?)"
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
 
 
 def reason_of(exc: grpc.RpcError) -> str:
@@ -122,9 +148,13 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], *, worker_id: str | None = None, rpc_timeout: float = 120.0,
                  wait_timeout: float = 300.0, retry: RetryPolicy = RetryPolicy(), chunk_bytes: int = codec.CHUNK_BYTES,
                  channel_credentials: grpc.ChannelCredentials | None = None,
-                 call_metadata: Sequence[tuple[str, str]] = (), duplicate_pushes: bool = False) -> None:
+                 call_metadata: Sequence[tuple[str, str]] = (), duplicate_pushes: bool = False,
+                 stop: threading.Event | None = None) -> None:
+        """`stop`, once set (e.g. by a SIGTERM handler), ends every wait of this client within about
+        STOP_POLL_SECONDS with StoppedError: connecting, retry backoffs and barriers."""
         if not addresses:
             raise ValueError("PSClient needs at least one shard address")
+        self.stop = stop or threading.Event()
         self.addresses = list(addresses)
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         self.rpc_timeout = rpc_timeout
@@ -178,11 +208,15 @@ class PSClient:
             except grpc.RpcError as exc:
                 code = exc.code()
                 elapsed = time.monotonic() - started
-                pause = self.retry.pause(attempt, elapsed, backoff) if code == grpc.StatusCode.UNAVAILABLE else None
+                retryable = code == grpc.StatusCode.UNAVAILABLE or reason_of(exc) == OverloadedError.reason
+                pause = self.retry.pause(attempt, elapsed, backoff) if retryable else None
                 if pause is not None:
-                    log.warning("%s on shard %d (%s) unavailable (attempt %d, %.1f s), retrying in %.2f s: %s", what,
-                                shard, self.addresses[shard], attempt, elapsed, pause, exc.details())
-                    time.sleep(pause)
+                    log.warning("%s on shard %d (%s) %s (attempt %d, %.1f s), retrying in %.2f s: %s", what, shard,
+                                self.addresses[shard], "unavailable" if code == grpc.StatusCode.UNAVAILABLE else
+                                "overloaded", attempt, elapsed, pause, exc.details())
+                    if self.stop.wait(pause):
+                        raise StoppedError(f"{what} on shard {shard} ({self.addresses[shard]}): stopped while "
+                                           f"retrying (attempt {attempt}, {elapsed:.1f} s)") from exc
                     backoff = min(backoff * 2, self.retry.max_backoff)
                     continue
                 details = exc.details()
@@ -204,13 +238,36 @@ class PSClient:
         return [f.result() for f in futures]
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Blocks until every shard's channel connects, at most timeout s (then TimeoutError naming the shard)."""
-        deadline = time.monotonic() + timeout
+        """Blocks until every shard's channel connects, at most timeout s (then TimeoutError naming the shard).
+
+        Every CONNECT_REPORT_SECONDS it logs which shard it waits for and why ("waiting for
+        shard 0 at HOST:PORT: connection refused, 10 s of 300 s"); `stop` ends it with
+        StoppedError.
+        """
+        started = time.monotonic()
+        deadline = started + timeout
+        next_report = started + CONNECT_FIRST_REPORT_SECONDS
         for i, channel in enumerate(self._channels):
-            try:
-                grpc.channel_ready_future(channel).result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.FutureTimeoutError:
-                raise TimeoutError(f"shard {i} at {self.addresses[i]} not reachable after {timeout:.1f} s") from None
+            ready = grpc.channel_ready_future(channel)
+            while True:
+                try:
+                    ready.result(timeout=max(0.0, min(STOP_POLL_SECONDS, deadline - time.monotonic())))
+                    break
+                except grpc.FutureTimeoutError:
+                    pass
+                now = time.monotonic()
+                if self.stop.is_set():
+                    ready.cancel()
+                    raise StoppedError(f"stopped while waiting for shard {i} at {self.addresses[i]} "
+                                       f"({now - started:.0f} s of {timeout:.0f} s)")
+                if now >= deadline:
+                    ready.cancel()
+                    raise TimeoutError(f"shard {i} at {self.addresses[i]} not reachable after {timeout:.1f} s: "
+                                       f"{probe(self.addresses[i])}; check the address and that the shard runs")
+                if now >= next_report:
+                    log.warning("waiting for shard %d at %s: %s, %.0f s of %.0f s", i, self.addresses[i],
+                                probe(self.addresses[i]), now - started, timeout)
+                    next_report = now + CONNECT_REPORT_SECONDS
 
     # ------------------------------------------------------------------ job setup
 
@@ -322,12 +379,28 @@ class PSClient:
                 log.debug("deregister failed: %s", exc.details())
 
     def barrier(self, name: str, participants: int, *, timeout: float | None = None) -> int:
-        """Blocks until `participants` callers reached barrier `name` on shard 0 (at most timeout s)."""
+        """Blocks until `participants` callers reached barrier `name` on shard 0 (at most timeout s).
+
+        Waits in calls of at most BARRIER_SLICE_SECONDS (a call that times out withdraws this
+        caller's arrival, the next one arrives again), so `stop` ends it within a slice
+        (StoppedError). Running out of time raises WaitTimeoutError (a ServerError).
+        """
         timeout = self.wait_timeout if timeout is None else timeout
-        response = self._call(0, f"Barrier {name!r}", lambda s: s.Barrier(
-            pb.BarrierRequest(name=name, participant_id=self.worker_id, participants=participants,
-                              timeout_ms=int(timeout * 1000)), timeout=timeout + self.rpc_timeout, metadata=self.metadata))
-        return response.generation
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.stop.is_set():
+                raise StoppedError(f"stopped while waiting at barrier {name!r} for {participants} participants")
+            left = deadline - time.monotonic()
+            piece = max(0.001, min(BARRIER_SLICE_SECONDS, left))
+            try:
+                response = self._call(0, f"Barrier {name!r}", lambda s: s.Barrier(
+                    pb.BarrierRequest(name=name, participant_id=self.worker_id, participants=participants,
+                                      timeout_ms=max(1, int(piece * 1000))),
+                    timeout=piece + self.rpc_timeout, metadata=self.metadata))
+                return response.generation
+            except WaitTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
 
     # ------------------------------------------------------------------ pull / push
 

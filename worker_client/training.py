@@ -47,6 +47,7 @@ from typing import Any, Protocol, TextIO
 import grpc
 import numpy as np
 
+from ps_common.errors import StoppedError, TrainingError
 from ps_models.datasets import Dataset, iterate_batches, num_batches, worker_shard
 from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PSClient, PushReport, ServerError
@@ -62,10 +63,6 @@ START_BARRIER = "training-start"
 POLL_SECONDS = 0.2
 #: The longest single wait of a pull; between two, a worker checks `stop` and `lost_progress`.
 RECHECK_SECONDS = 2.0
-
-
-class TrainingError(RuntimeError):
-    """The training run cannot go on; the message says what was awaited or what differs."""
 
 
 class EventSink(Protocol):
@@ -449,6 +446,8 @@ class Trainer:
         started = time.monotonic()
         try:
             stopped = self._train(tally, started)
+        except StoppedError:   # a wait of the client ended by `stop` (SIGTERM): the step is abandoned
+            stopped = True
         finally:
             seconds = time.monotonic() - started
             client.deregister()   # at once, so no sync step waits for this worker

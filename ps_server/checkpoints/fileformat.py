@@ -11,7 +11,7 @@ import numpy as np
 
 from ps_common.errors import CheckpointMismatchError, CorruptCheckpointError
 from ps_common.shard_map import ParamSpec
-from ps_server.checkpoints.state import OutcomeSnapshot, PartSnapshot, ShardState, WorkerSnapshot
+from ps_server.checkpoints.state import OutcomeSnapshot, PartSnapshot, ShardState, WorkerSnapshot, check_ranges
 
 FORMAT = "onnx-ps-shard-checkpoint"
 FORMAT_VERSION = 1
@@ -89,21 +89,30 @@ def decode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], *, so
     if actual != metadata["checksum"]:
         raise CorruptCheckpointError(f"{source}: checksum mismatch (recorded {metadata['checksum']}, computed {actual})")
     try:
-        doc = json.loads(state_json)
-        parts = []
-        for e in doc["parts"]:
-            parts.append(PartSnapshot(
-                name=e["name"], row_start=int(e["row_start"]), row_end=int(e["row_end"]), value=tensors[e["value"]],
-                slots={slot: tensors[key] for slot, key in e["slots"].items()},
-                accumulator=None if e["accumulator"] is None else tensors[e["accumulator"]]))
-        workers = [WorkerSnapshot(w["worker_id"], int(w["clock"]), bool(w["live"]),
-                                  [OutcomeSnapshot(**o) for o in w["outcomes"]]) for w in doc["workers"]]
-        return ShardState(
-            shard_index=int(doc["shard_index"]), num_shards=int(doc["num_shards"]), mode=doc["mode"],
-            partition_min_bytes=int(doc["partition_min_bytes"]), optimizer=doc["optimizer"]["name"],
-            optimizer_params=dict(doc["optimizer"]["hyperparameters"]), consistency=dict(doc["consistency"]),
-            step=int(doc["step"]), dropped=int(doc["dropped"]), applied_gradients=int(doc["applied_gradients"]),
-            parameters=[ParamSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in doc["parameters"]],
-            parts=parts, workers=workers, contributors=doc["contributors"], created_unix=float(doc["created_unix"]))
+        state = _state_of(json.loads(state_json), tensors)
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{source}: malformed state: {type(exc).__name__}: {exc}") from exc
+    try:
+        check_ranges(state)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{source}: {exc}") from None
+    return state
+
+
+def _state_of(doc: dict, tensors: Mapping[str, np.ndarray]) -> ShardState:
+    """The ShardState a decoded state JSON describes (KeyError, TypeError or ValueError when malformed)."""
+    parts = []
+    for e in doc["parts"]:
+        parts.append(PartSnapshot(
+            name=e["name"], row_start=int(e["row_start"]), row_end=int(e["row_end"]), value=tensors[e["value"]],
+            slots={slot: tensors[key] for slot, key in e["slots"].items()},
+            accumulator=None if e["accumulator"] is None else tensors[e["accumulator"]]))
+    workers = [WorkerSnapshot(w["worker_id"], int(w["clock"]), bool(w["live"]),
+                              [OutcomeSnapshot(**o) for o in w["outcomes"]]) for w in doc["workers"]]
+    return ShardState(
+        shard_index=int(doc["shard_index"]), num_shards=int(doc["num_shards"]), mode=doc["mode"],
+        partition_min_bytes=int(doc["partition_min_bytes"]), optimizer=doc["optimizer"]["name"],
+        optimizer_params=dict(doc["optimizer"]["hyperparameters"]), consistency=dict(doc["consistency"]),
+        step=int(doc["step"]), dropped=int(doc["dropped"]), applied_gradients=int(doc["applied_gradients"]),
+        parameters=[ParamSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in doc["parameters"]],
+        parts=parts, workers=workers, contributors=doc["contributors"], created_unix=float(doc["created_unix"]))

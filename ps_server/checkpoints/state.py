@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from ps_common.errors import CheckpointMismatchError
+from ps_common.errors import CheckpointMismatchError, CorruptCheckpointError
 from ps_common.shard_map import ParamSpec
-from ps_server.config import ServerConfig
+from ps_server.config import MAX_COUNTER, ServerConfig
 from ps_server.optimizers import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -111,3 +111,20 @@ def check_compatible(state: ShardState, config: ServerConfig, *, warn: bool = Tr
     if consistency_of(config) != state.consistency:
         log.warning("checkpoint at step %d used %s settings %s; continuing with the configured %s", state.step,
                     state.mode, state.consistency, consistency_of(config))
+
+
+def check_ranges(state: ShardState, limit: int = MAX_COUNTER) -> None:
+    """Refuses (CorruptCheckpointError) a state whose steps, clocks or counts are negative or at least `limit`.
+
+    Such values cannot come from a shard that checks its input: the file was damaged or
+    forged, and restoring it would make every later response fail to encode.
+    """
+    values = [("step", state.step), ("dropped", state.dropped), ("applied_gradients", state.applied_gradients)]
+    for w in state.workers:
+        values.append((f"clock of worker {w.worker_id!r}", w.clock))
+        for o in w.outcomes:
+            values += [(f"outcome clock of worker {w.worker_id!r}", o.clock), ("outcome step", o.step),
+                       ("outcome clock_after", o.clock_after)]
+    for what, value in values:
+        if not 0 <= value < limit:
+            raise CorruptCheckpointError(f"checkpoint at step {state.step}: {what} is {value}, outside [0, {limit})")

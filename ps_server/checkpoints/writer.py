@@ -6,7 +6,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 

@@ -362,7 +362,7 @@ def test_a_request_above_the_size_limit_is_refused_with_resource_exhausted(start
 
 
 def test_the_receive_limit_is_a_setting(start):
-    server = start(max_receive_message_bytes=2 * MAX_MESSAGE_BYTES)
+    server = start(max_receive_message_bytes=2 * MAX_MESSAGE_BYTES, max_id_bytes=4 * MAX_MESSAGE_BYTES)
     big = grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 64 << 20)])
     worker_id = "w" * (MAX_MESSAGE_BYTES + (1 << 20))
     pb_grpc.ParameterServerStub(big).RegisterWorker(pb.RegisterWorkerRequest(worker_id=worker_id), timeout=10)

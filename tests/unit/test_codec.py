@@ -5,7 +5,7 @@ import pytest
 
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common import codec
-from ps_common.errors import InvalidTensorError
+from ps_common.errors import InvalidRequestError, InvalidTensorError
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64", "uint8"])
@@ -112,7 +112,7 @@ def test_the_pull_response_walker_skips_unknown_fields_and_refuses_truncated_mes
     raw = pb.PullResponse(step=4, chunks=[chunk]).SerializeToString() + unknown
     step, [view] = codec.decode_pull_response(raw)
     assert (step, view.name, bytes(view.data)) == (4, "w", b"\0" * 8)
-    with pytest.raises(InvalidTensorError, match="runs past the end"):
+    with pytest.raises(InvalidRequestError, match="runs past the end"):
         codec.decode_pull_response(raw[:-len(unknown) - 3])
 
 

@@ -381,8 +381,8 @@ def test_a_barrier_called_with_a_different_participant_count_is_refused() -> Non
 
 @pytest.mark.parametrize("name, who, participants, message", [
     ("", "a", 1, "name must not be empty"),
-    ("x", "", 1, "participant id must not be empty"),
-    ("x", "a", 0, "participants must be >= 1, got 0"),
+    ("x", "", 1, "participant_id must not be empty"),
+    ("x", "a", 0, r"participants must be in \[1, max_registered_workers=\d+\], got 0"),
 ])
 def test_a_malformed_barrier_call_is_refused(name: str, who: str, participants: int, message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):

@@ -95,8 +95,12 @@ class ParameterServerServicer:
 
     def Push(self, request_iterator, context):
         """Sends gradients for this shard's parts. Blocks only while it is applied (never waits
-        for other workers). Returns accepted or dropped, why, and the step. Statuses:
-        INVALID_ARGUMENT, NOT_FOUND (tensor or worker), FAILED_PRECONDITION (not initialized).
+        for other workers). Returns accepted or dropped, why, and the step. The push is
+        checked whole (every part's dtype, shape, bytes and finiteness) before any part is
+        applied. In ssp and async mode a push without gradients moves only the worker's
+        clock (never the step); in sync mode a push needs a gradient for every trainable
+        part. Statuses: INVALID_ARGUMENT, NOT_FOUND (tensor or worker), FAILED_PRECONDITION
+        (not initialized), RESOURCE_EXHAUSTED (OVERLOADED), CANCELLED (stream idle).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -69,6 +69,7 @@ def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threadi
         dataset = load_data(w.data, seed=job.job.seed, kind=kind)
         engine = GradientEngine(model_path, batch_size=w.batch_size, loss=w.loss, device=w.device,
                                 include=w.include, exclude=w.exclude, expect_parameters=w.expect_parameters,
+                                seed=(job.job.seed, w.index),   # this worker's Dropout masks
                                 intra_op_threads=w.intra_op_threads)
         _log_parameters(engine, chief=w.index == 0)
         plan = TrainingPlan(worker_index=w.index, num_workers=job.job.workers or 1, batch_size=w.batch_size,

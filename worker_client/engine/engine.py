@@ -83,7 +83,7 @@ class GradientEngine:
     def __init__(self, model_path: str | os.PathLike[str], *, batch_size: int,
                  loss: str | None = "cross_entropy", device: str = "cpu",
                  include: Sequence[str] = (), exclude: Sequence[str] = (),
-                 expect_parameters: int | None = None, seed: int = 0,
+                 expect_parameters: int | None = None, seed: int | Sequence[int] = 0,
                  intra_op_threads: int | None = None, inter_op_threads: int | None = None,
                  cache_dir: str | os.PathLike[str] | None = None) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

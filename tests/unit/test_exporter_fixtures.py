@@ -1,8 +1,8 @@
 """Models from the common exporters train: each fixture's gradients against its framework's.
 
-The fixtures (tests/fixtures/torch, tests/fixtures/keras) were made by the scripts beside
-them; neither torch nor tensorflow is needed here. Every fixture is checked at 1e-5
-relative against torch autograd or GradientTape.
+The fixtures (tests/fixtures/torch, tests/fixtures/keras, tests/fixtures/jax) were made by
+the scripts beside them; no framework is needed here. Every fixture is checked at 1e-5
+relative against torch autograd, GradientTape or jax.grad.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from worker_client.engine.training_mode import MASK_PREFIX
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 #: fixture -> its folder; every one is exported with the default trainable selection.
 MODELS = {"gru_reader": "torch", "lstm_reader": "torch", "depthwise_separable": "torch",
-          "scalar_temperature": "torch", "keras_cnn": "keras", "keras_layernorm_mlp": "keras"}
+          "scalar_temperature": "torch", "keras_cnn": "keras", "keras_layernorm_mlp": "keras",
+          "jax_mlp": "jax"}
 #: The agreement the issue asks for, relative to the gradient's norm.
 TOLERANCE = 1e-5
 #: A reference gradient this small against the whole gradient is zero up to float64

@@ -251,6 +251,25 @@ class GradientEngine:
                      for name, value in zip(self.trainable_names, results[1:1 + count])}
         return StepResult(loss, gradients, dict(zip(self.state_names, results[1 + count:])))
 
+    def feed_specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """What `step` takes besides parameters, state and masks: every input and the labels,
+        name -> (dtype, shape at this engine's batch size)."""
+        if self._graph is None:
+            raise RuntimeError("this engine was built with loss=None and takes no batches")
+        return {name: (dtype, tuple(d if isinstance(d, int) else self.batch_size
+                                    for d in dims or ()))
+                for name, (dtype, dims) in self._feeds.items()}
+
+    @property
+    def num_classes(self) -> int | None:
+        """The classes of a cross-entropy loss (the logits' width), when the model says."""
+        return self._classes if self._graph is not None else None
+
+    def draw_masks(self) -> dict[str, np.ndarray]:
+        """A fresh Dropout mask for every `mask_names` entry, from the engine's generator
+        (what `step` draws for a mask it is not given)."""
+        return self._mask_feed({})
+
     def _mask_feed(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Each Dropout's mask: the caller's (checked), else drawn: keep with 1 - ratio."""
         feed = {}

@@ -14,9 +14,10 @@ floating-point initializer one role, by the first rule that applies:
    derivative is zero everywhere (a comparison, Floor, Sign, ...).
 3. **constant (stabilizer)** -- it has one element and is added to a value that is
    non-negative by construction (a variance, a squared norm, a square root): an epsilon.
-4. **constant (exporter constant)** -- it has one element and the model comes from
-   tf2onnx, which writes every constant of the TensorFlow graph as an initializer (Keras'
-   built-in layers have no one-element weights).
+4. **constant (exporter constant)** -- it has one element and the model comes from an
+   exporter that writes every constant as an initializer: tf2onnx (every constant of the
+   TensorFlow graph; Keras' built-in layers have no one-element weights) or jax2onnx
+   (every closed-over array, and a 0-d zero as each Gemm's bias).
 5. **parameter** -- everything else: it trains.
 
 `include` / `exclude` patterns (trainables.py) override the rule.
@@ -67,6 +68,8 @@ _SIGN_KEEPING = frozenset({"ReduceMean", "ReduceSum", "Identity", "Cast", "Resha
                            "Squeeze", "Unsqueeze", "Flatten", "Transpose"})
 #: The producer whose every graph constant is an initializer (ModelProto.producer_name).
 TF2ONNX = "tf2onnx"
+#: Producers that write every constant as an initializer, one-element ones included.
+CONSTANTS_AS_INITIALIZERS = frozenset({TF2ONNX, "jax2onnx"})
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
     uses = consumers(graph)
     producers = {out: node for node in graph.node for out in node.output if out}
     constants = {t.name: t for t in graph.initializer}
-    from_tf2onnx = model.producer_name == TF2ONNX
+    exporter = model.producer_name if model.producer_name in CONSTANTS_AS_INITIALIZERS else None
     roles = {}
     for tensor in graph.initializer:
         if tensor.data_type not in FLOAT_TYPES:
@@ -111,10 +114,10 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
         elif single and _is_stabilizer(tensor.name, uses, producers, constants):
             roles[tensor.name] = Role("constant", "an epsilon: added to a non-negative "
                                                   "value (a variance or a norm)")
-        elif single and from_tf2onnx:
-            roles[tensor.name] = Role("constant", "a one-element constant of a tf2onnx "
-                                                  "model (tf2onnx writes every constant as "
-                                                  "an initializer)")
+        elif single and exporter:
+            roles[tensor.name] = Role("constant", f"a one-element constant of a {exporter} "
+                                                  f"model ({exporter} writes every constant "
+                                                  f"as an initializer)")
         else:
             roles[tensor.name] = Role("parameter", "a weight")
     return roles

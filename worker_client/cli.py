@@ -99,6 +99,9 @@ def _log_parameters(engine: GradientEngine, *, chief: bool) -> None:
     log.log(level, "training %d parameters (%d values) of %s:", len(values), total, engine.model_path)
     for name, value in values.items():
         log.log(level, "  %s %s %s", name, tuple(value.shape), value.dtype)
+    for name, value in engine.state().items():
+        log.log(level, "  %s %s %s: state (running statistics), kept on the shards, not trained", name,
+                tuple(value.shape), value.dtype)
 
 
 #: After its parent is gone, the seconds a worker has to stop on its own before it is ended.

@@ -429,6 +429,8 @@ def _chunk_view(msg: memoryview) -> ChunkView:
     return ChunkView(name, dtype, tuple(shape), row_start, byte_offset, data)
 
 
-def spec_to_wire(name: str, dtype: np.dtype | str, shape: Sequence[int]) -> pb.ParameterSpec:
-    """A ParameterSpec message."""
-    return pb.ParameterSpec(name=name, dtype=dtype_to_wire(dtype), shape=[int(d) for d in shape])
+def spec_to_wire(name: str, dtype: np.dtype | str, shape: Sequence[int], *,
+                 state: bool = False) -> pb.ParameterSpec:
+    """A ParameterSpec message (`state`: model state, replaced by pushes, not optimized)."""
+    return pb.ParameterSpec(name=name, dtype=dtype_to_wire(dtype), shape=[int(d) for d in shape],
+                            state=state)

@@ -219,6 +219,15 @@ class WorkerSettings:
                          help="dataset: digits, synthetic:<kind>[?key=value&...], or a .npz file "
                               "(docs/data-format.md); each worker trains on its own strided share")
     batch_size: int = _setting(32, "--batch-size", scopes=_WORKER, minimum=1, help="examples per gradient")
+    include: list[str] = _setting([], "--include", scopes=_WORKER, metavar="PATTERN,...",
+                                  help="train only the parameters matching one of these glob patterns; a "
+                                       "pattern without wildcards that names a constant exactly trains it too "
+                                       "(docs/models.md, \"Which initializers train\")")
+    exclude: list[str] = _setting([], "--exclude", scopes=_WORKER, metavar="PATTERN,...",
+                                  help="do not train the parameters matching one of these glob patterns")
+    expect_parameters: int | None = _setting(None, "--expect-parameters", scopes=_WORKER, minimum=1,
+                                             help="fail unless the model has exactly this many trainable "
+                                                  "parameters (catches variables an exporter folded away)")
     steps: int | None = _setting(None, "--steps", scopes=_WORKER, minimum=1,
                                  default_doc=f"{DEFAULT_STEPS} when epochs is unset",
                                  help="stop when the shards' global step reaches this")

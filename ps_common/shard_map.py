@@ -63,6 +63,7 @@ class ParamSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]
+    state: bool = False   # model state (running statistics): pushes replace it, no optimizer
 
     def __post_init__(self) -> None:
         shape = tuple(int(d) if isinstance(d, np.integer) else d for d in self.shape)

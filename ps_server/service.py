@@ -158,7 +158,7 @@ def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
     )
     if view.shard_map is not None:
         for spec in sorted(view.shard_map.specs.values(), key=lambda s: s.name):
-            info.parameters.append(codec.spec_to_wire(spec.name, spec.dtype, spec.shape))
+            info.parameters.append(codec.spec_to_wire(spec.name, spec.dtype, spec.shape, state=spec.state))
         for part in view.shard_map.parts:
             info.parts.add(name=part.name, row_start=part.row_start, row_end=part.row_end, shard=part.shard)
     for w in view.workers:
@@ -230,7 +230,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             header, chunks = _header_and_chunks(self._stream(request_iterator, context, "InitParameters"),
                                                 "InitParameters", pb.InitHeader)
             specs = [ParamSpec(name=s.name, dtype=codec.dtype_from_wire(s.dtype, name=s.name).name,
-                               shape=tuple(int(d) for d in s.shape)) for s in header.parameters]
+                               shape=tuple(int(d) for d in s.shape), state=s.state) for s in header.parameters]
             values = _assemble(chunks, self.shard.init_layout(specs))
             already, step, nparts = self.shard.initialize(specs, values, header.worker_id)
         return pb.InitResponse(already_initialized=already, step=step, num_parts=nparts)

@@ -438,7 +438,8 @@ class Shard:
                 partition_min_bytes=c.partition_min_bytes, optimizer=self.optimizer.name,
                 optimizer_params=dict(self.optimizer.hyperparameters), consistency=consistency_of(c), step=self.step,
                 dropped=self.dropped, applied_gradients=self.applied_gradients,
-                parameters=[ParamSpec(s.name, s.dtype, tuple(s.shape)) for s in specs], parts=parts, workers=workers,
+                parameters=[ParamSpec(s.name, s.dtype, tuple(s.shape), s.state) for s in specs], parts=parts,
+                workers=workers,
                 contributors=policy.contributors, created_unix=time.time())
 
     def restore(self, state: ShardState) -> None:

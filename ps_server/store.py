@@ -18,6 +18,10 @@ from ps_server.optimizers import Optimizer
 PartKey = tuple[str, int]  # (tensor name, row_start)
 
 
+def _role(state: bool) -> str:
+    return "state (replaced by pushes)" if state else "a parameter (optimized)"
+
+
 @dataclass(eq=False)   # compared and hashed by identity: the boundary's pull cache keys on it
 class PartState:
     """One owned part: its value, its optimizer slots, and a version bumped by every update."""
@@ -65,6 +69,9 @@ class ParameterStore:
             if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
                 raise InitMismatchError(
                     f"tensor {name!r} is initialized as {a.dtype}{list(a.shape)}, re-init asks for {b.dtype}{list(b.shape)}")
+            if a.state != b.state:
+                raise InitMismatchError(f"tensor {name!r} is initialized as {_role(a.state)}, re-init asks for "
+                                        f"{_role(b.state)}")
         return self.shard_map, True
 
     @staticmethod
@@ -119,10 +126,15 @@ class ParameterStore:
         return [s for s in self.parts.values() if s.part.name in wanted]
 
     def apply(self, grads: Mapping[PartKey, np.ndarray]) -> None:
-        """Runs the optimizer on each given part (in place) and bumps its version."""
+        """Runs the optimizer on each given part (in place) and bumps its version. A state
+        part (ParamSpec.state: running statistics) takes the pushed value itself instead."""
+        assert self.shard_map is not None
         for key, grad in grads.items():
             state = self.parts[key]
-            self.optimizer.apply(state.value, grad, state.slots)
+            if self.shard_map.specs[key[0]].state:
+                state.value[...] = grad
+            else:
+                self.optimizer.apply(state.value, grad, state.slots)
             state.version += 1
 
     def restore(self, shard_map: ShardMap | None, parts: dict[PartKey, PartState]) -> None:

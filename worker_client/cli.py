@@ -68,7 +68,10 @@ def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threadi
         model_path, kind = resolve_model(w.model, workdir or Path(scratch))
         dataset = load_data(w.data, seed=job.job.seed, kind=kind)
         engine = GradientEngine(model_path, batch_size=w.batch_size, loss=w.loss, device=w.device,
+                                include=w.include, exclude=w.exclude, expect_parameters=w.expect_parameters,
+                                seed=(job.job.seed, w.index),   # this worker's Dropout masks
                                 intra_op_threads=w.intra_op_threads)
+        _log_parameters(engine, chief=w.index == 0)
         plan = TrainingPlan(worker_index=w.index, num_workers=job.job.workers or 1, batch_size=w.batch_size,
                             steps=w.steps, epochs=w.epochs, seed=job.job.seed, eval_every=w.eval_every,
                             progress_every=w.progress_every, start_timeout=w.start_timeout,
@@ -87,6 +90,19 @@ def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threadi
                            expected_mode=expected_mode).run()
         finally:
             client.close()
+
+
+def _log_parameters(engine: GradientEngine, *, chief: bool) -> None:
+    """The parameters that train, name and shape, one a line (INFO on worker 0, else DEBUG)."""
+    level = logging.INFO if chief else logging.DEBUG
+    values = engine.parameters()
+    total = sum(int(v.size) for v in values.values())
+    log.log(level, "training %d parameters (%d values) of %s:", len(values), total, engine.model_path)
+    for name, value in values.items():
+        log.log(level, "  %s %s %s", name, tuple(value.shape), value.dtype)
+    for name, value in engine.state().items():
+        log.log(level, "  %s %s %s: state (running statistics), kept on the shards, not trained", name,
+                tuple(value.shape), value.dtype)
 
 
 #: After its parent is gone, the seconds a worker has to stop on its own before it is ended.

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -303,7 +303,7 @@ class PSClient:
         if not info.initialized:
             raise ServerError.remote(NotInitializedError)(f"shard 0 ({self.addresses[0]}) is not initialized: no shard map yet",
                               grpc.StatusCode.FAILED_PRECONDITION, self.addresses[0])
-        specs = [ParamSpec(s.name, codec.dtype_name(s.dtype), tuple(s.shape)) for s in info.parameters]
+        specs = [ParamSpec(s.name, codec.dtype_name(s.dtype), tuple(s.shape), s.state) for s in info.parameters]
         self.shard_map = build_shard_map(specs, self.num_shards, partition_min_bytes=info.partition_min_bytes)
         served = [(p.name, p.row_start, p.row_end, p.shard) for p in info.parts]
         ours = [(p.name, p.row_start, p.row_end, p.shard) for p in self.shard_map.parts]
@@ -312,13 +312,18 @@ class PSClient:
                              "are client and server of different versions?")
         return self.shard_map
 
-    def initialize(self, parameters: Mapping[str, np.ndarray]) -> bool:
-        """Sets the initial values on every shard (idempotent). True when they were already set."""
+    def initialize(self, parameters: Mapping[str, np.ndarray], *, state: Collection[str] = ()) -> bool:
+        """Sets the initial values on every shard (idempotent). True when they were already set.
+
+        The tensors named in `state` are model state (running statistics): a push carries
+        their new values, which the shards take as they are (ParameterSpec.state)."""
         info = self.cluster_info(0)
         self._check_shards(info)
-        specs = [ParamSpec(n, codec.as_wire_array(np.asarray(a)).dtype.name, tuple(np.shape(a))) for n, a in parameters.items()]
+        specs = [ParamSpec(n, codec.as_wire_array(np.asarray(a)).dtype.name, tuple(np.shape(a)), n in state)
+                 for n, a in parameters.items()]
         shard_map = build_shard_map(specs, self.num_shards, partition_min_bytes=info.partition_min_bytes)
-        header = pb.InitHeader(parameters=[codec.spec_to_wire(s.name, s.dtype, s.shape) for s in specs], worker_id=self.worker_id)
+        header = pb.InitHeader(parameters=[codec.spec_to_wire(s.name, s.dtype, s.shape, state=s.state) for s in specs],
+                               worker_id=self.worker_id)
 
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.InitResponse:
             messages = codec.pack_encoded(self._part_chunks(shard_map, shard, parameters), header.SerializeToString(),

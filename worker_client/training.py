@@ -319,7 +319,8 @@ class Trainer:
                                 f"{client.addresses} run mode {self.mode!r}")
         known = {w.worker_id for w in info.workers}
         if plan.is_chief:
-            already = client.initialize(self.engine.parameters())
+            already = client.initialize({**self.engine.parameters(), **self.engine.state()},
+                                        state=self.engine.state_names)
             log.info("parameters %s on %d shard(s)", "were already initialized" if already else "initialized",
                      client.num_shards)
         else:
@@ -352,7 +353,7 @@ class Trainer:
             raise TrainingError(f"stopped before {what}")
 
     def _check_parameters(self, shard_map: Any) -> None:
-        mine = self.engine.parameters()
+        mine = {**self.engine.parameters(), **self.engine.state()}
         theirs = shard_map.specs
         problems = [f"{n!r} is not on the shards" for n in mine if n not in theirs]
         problems += [f"the shards hold {n!r}, the model does not" for n in theirs if n not in mine]
@@ -360,6 +361,9 @@ class Trainer:
                      f"{mine[n].dtype}{list(mine[n].shape)} in the model"
                      for n in mine if n in theirs and (tuple(theirs[n].shape) != mine[n].shape
                                                        or np.dtype(theirs[n].dtype) != mine[n].dtype)]
+        problems += [f"{n!r} is {'state' if n in self.engine.state_names else 'a parameter'} in the model, "
+                     f"{'state' if theirs[n].state else 'a parameter'} on the shards"
+                     for n in mine if n in theirs and theirs[n].state != (n in self.engine.state_names)]
         if problems:
             raise TrainingError(f"the shards' parameters differ from model {self.engine.model_path}: "
                                 + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
@@ -492,12 +496,15 @@ class Trainer:
             if self.stop.is_set():
                 return True
             tally.epoch, x, y = next(batches)
-            tally.loss, grads = self.engine.gradients(parameters, {self.input_name: x, "labels": y})
+            result = self.engine.step(parameters, {self.input_name: x, "labels": y})
+            tally.loss = result.loss
             read_steps = list(client.steps)
-            # One round trip per shard: the push, and the pull the mode needs next (at most
+            # One round trip per shard: the push (gradients, and running statistics that the
+            # shards replace: sync takes the mean), and the pull the mode needs next (at most
             # RECHECK_SECONDS of waiting; past that, the waiting loop of _pull takes over).
-            outcome, parameters = client.push_pull(grads, read_steps=read_steps, wait_for_step=self.mode == "sync",
-                                                   ssp=self.mode == "ssp", wait=RECHECK_SECONDS)
+            outcome, parameters = client.push_pull({**result.gradients, **result.state}, read_steps=read_steps,
+                                                   wait_for_step=self.mode == "sync", ssp=self.mode == "ssp",
+                                                   wait=RECHECK_SECONDS)
             tally.count(outcome)
             window.add(tally.loss, plan.batch_size)
             self._eval_window.add(tally.loss, plan.batch_size)

@@ -59,7 +59,8 @@ def encode(state: ShardState) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         "optimizer": {"name": state.optimizer, "hyperparameters": state.optimizer_params},
         "consistency": state.consistency, "step": state.step, "dropped": state.dropped,
         "applied_gradients": state.applied_gradients,
-        "parameters": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in state.parameters],
+        "parameters": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), **({"state": True} if s.state else {})}
+                       for s in state.parameters],
         "parts": parts,
         "workers": [{"worker_id": w.worker_id, "clock": w.clock, "live": w.live,
                      "outcomes": [vars(o) for o in w.outcomes]} for w in state.workers],
@@ -114,5 +115,6 @@ def _state_of(doc: dict, tensors: Mapping[str, np.ndarray]) -> ShardState:
         partition_min_bytes=int(doc["partition_min_bytes"]), optimizer=doc["optimizer"]["name"],
         optimizer_params=dict(doc["optimizer"]["hyperparameters"]), consistency=dict(doc["consistency"]),
         step=int(doc["step"]), dropped=int(doc["dropped"]), applied_gradients=int(doc["applied_gradients"]),
-        parameters=[ParamSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in doc["parameters"]],
+        parameters=[ParamSpec(s["name"], s["dtype"], tuple(s["shape"]), bool(s.get("state", False)))
+                    for s in doc["parameters"]],
         parts=parts, workers=workers, contributors=doc["contributors"], created_unix=float(doc["created_unix"]))

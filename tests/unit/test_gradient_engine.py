@@ -317,48 +317,55 @@ def test_an_unwritable_cache_only_warns(tmp_path: Path) -> None:
 
 # --- refused models and warnings ------------------------------------------------------------
 
-def _dropout_model(path: Path) -> Path:
+def _dropout_model(path: Path, *, flag_input: bool = False) -> Path:
+    """Gemm then a training-mode Dropout (ratio 0.5); with `flag_input` its training flag
+    is a graph input, computed at run time, instead of a constant."""
     constants = [
         helper.make_node("Constant", [], ["ratio"], name="ratio",
                          value=numpy_helper.from_array(np.array(0.5, np.float32), "ratio")),
-        helper.make_node("Constant", [], ["training"], name="training",
-                         value=numpy_helper.from_array(np.array(True), "training")),
     ]
+    if not flag_input:
+        constants.append(helper.make_node(
+            "Constant", [], ["training"], name="training",
+            value=numpy_helper.from_array(np.array(True), "training")))
     nodes = constants + [
         helper.make_node("Gemm", ["x", "W", "b"], ["hidden"], name="linear"),
         helper.make_node("Dropout", ["hidden", "ratio", "training"], ["y"], name="dropout_1"),
     ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])]
+    if flag_input:
+        inputs.append(helper.make_tensor_value_info("training", TensorProto.BOOL, []))
     return _save(_model(
-        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
         [numpy_helper.from_array(np.ones((3, 2), np.float32), "W"),
          numpy_helper.from_array(np.zeros(2, np.float32), "b")]), path)
 
 
-def test_a_training_mode_dropout_is_refused_naming_the_node_and_op(tmp_path: Path) -> None:
-    with pytest.raises(UnsupportedModelError, match=r"'dropout_1' \(Dropout\).*training mode"):
-        GradientEngine(_dropout_model(tmp_path / "dropout.onnx"), batch_size=2,
-                       cache_dir=tmp_path)
+def test_a_training_mode_dropout_multiplies_by_the_fed_mask_over_the_keep_rate(
+        tmp_path: Path) -> None:
+    engine = GradientEngine(_dropout_model(tmp_path / "dropout.onnx"), batch_size=2,
+                            loss="mse", cache_dir=tmp_path)
+    mask_name = "dropout_mask:dropout_1"
+    assert engine.mask_names == [mask_name]
+    x = np.array([[1.0, 2.0, 3.0], [0.5, 0.0, -1.0]], np.float32)
+    mask = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    target = np.zeros((2, 2), np.float32)
+    loss, grads = engine.gradients(engine.parameters(),
+                                   {"x": x, "labels": target, mask_name: mask})
+    hidden = x @ np.ones((3, 2), np.float32)
+    output = hidden * mask / 0.5
+    assert loss == pytest.approx(float((output ** 2).mean()), rel=1e-6)
+    np.testing.assert_allclose(grads["b"], (2 * output / output.size * mask / 0.5).sum(0),
+                               rtol=1e-6)
 
 
-def test_a_training_mode_batch_norm_is_refused_naming_the_node_and_op(tmp_path: Path) -> None:
-    channels = 2
-    parameters = [numpy_helper.from_array(np.ones((channels, 1, 1, 1), np.float32), "conv_w")]
-    parameters += [numpy_helper.from_array(np.full(channels, v, np.float32), n)
-                   for n, v in (("scale", 1.0), ("shift", 0.0), ("mean", 0.0), ("var", 1.0))]
-    nodes = [
-        helper.make_node("Conv", ["x", "conv_w"], ["conv"], name="conv"),
-        helper.make_node("BatchNormalization", ["conv", "scale", "shift", "mean", "var"],
-                         ["normed", "new_mean", "new_var"], name="bn_1", training_mode=1),
-        helper.make_node("Flatten", ["normed"], ["y"], name="flatten"),
-    ]
-    path = _save(_model(
-        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 1, 1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", channels])],
-        parameters), tmp_path / "bn.onnx")
+def test_a_dropout_whose_training_flag_is_computed_is_refused_naming_it(
+        tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError,
-                       match=r"'bn_1' \(BatchNormalization\).*training mode.*EVAL"):
-        GradientEngine(path, batch_size=2, cache_dir=tmp_path)
+                       match=r"'dropout_1' \(Dropout\): its training_mode input 'training' "
+                             r"is computed at run time"):
+        GradientEngine(_dropout_model(tmp_path / "dropout.onnx", flag_input=True),
+                       batch_size=2, cache_dir=tmp_path)
 
 
 def test_batch_norm_running_statistics_are_not_trainable(tmp_path: Path) -> None:

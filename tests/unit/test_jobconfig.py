@@ -257,3 +257,15 @@ def test_the_modes_are_the_servers_modes() -> None:
     from ps_server.config import MODES
 
     assert jobconfig.MODES == MODES
+
+
+def test_trainable_patterns_and_the_expected_count_come_from_the_job_file_and_flags(
+        tmp_path: Path) -> None:
+    path = write(tmp_path, '[worker]\ninclude = ["*", "log_temp"]\nexpect_parameters = 4\n')
+    config = load(["--config", path, "--exclude", "gamma,beta*"], scope="launch")
+    assert config.worker.include == ["*", "log_temp"]
+    assert config.worker.exclude == ["gamma", "beta*"]
+    assert config.worker.expect_parameters == 4
+    child = jobconfig.to_argv(config, scope="worker")
+    assert child[child.index("--include") + 1] == "*,log_temp"
+    assert child[child.index("--expect-parameters") + 1] == "4"

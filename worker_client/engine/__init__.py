@@ -3,11 +3,14 @@
 `GradientEngine` (engine.py) runs the stages in this order when it is built
 (docs/engine-pipeline.md says what each takes and returns):
 
-1. load          -- read the .onnx file, at an IR version onnxruntime loads
-2. trainables    -- choose the initializers that train; warn about tied ones
-3. lift          -- make those initializers graph inputs
+1. load          -- read the .onnx file, at an IR version onnxruntime loads; opset --
+                    upgrade a model below opset 16
+2. trainables    -- choose the initializers that train (selection.py's rule); warn about
+                    tied ones and folded ones (exporters.py); find the state
+3. lift          -- make the parameters and the state graph inputs
 4. cache         -- find the gradient model on disk; on a miss build it (5-9) and store it
-5. batch         -- fix the batch axis of the data inputs
+5. training mode -- training-mode BatchNormalization and Dropout as arithmetic and a mask
+   batch         -- fix the batch axis of the data inputs
 6. loss          -- append the loss as the model's one output
 7. rewrites      -- exact rewrites for fast onnxruntime kernels, on the forward graph
 8. differentiate -- onnx-ad's reverse pass: one gradient output per parameter
@@ -19,6 +22,6 @@ several stages share.
 """
 
 from worker_client.engine.cache import default_cache_dir
-from worker_client.engine.engine import GradientEngine
+from worker_client.engine.engine import GradientEngine, StepResult
 
-__all__ = ["GradientEngine", "default_cache_dir"]
+__all__ = ["GradientEngine", "StepResult", "default_cache_dir"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -15,9 +15,10 @@ from onnx import helper, numpy_helper
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.load import clamp_ir_version
 from worker_client.engine.support import infer_shapes, node_label
+from worker_client.engine.training_mode import TrainingForms
 
-__all__ = ["GRAD_PREFIX", "METADATA_KEY", "GradientGraph", "differentiate", "gradient_graph",
-           "refuse_training_mode"]
+__all__ = ["GRAD_PREFIX", "METADATA_KEY", "GradientGraph", "StepResult", "differentiate",
+           "gradient_graph"]
 
 #: Prefix of the gradient outputs and seed input onnx-ad emits.
 GRAD_PREFIX = "grad__"
@@ -25,8 +26,6 @@ GRAD_PREFIX = "grad__"
 SEED_DIM = "nseed"
 #: metadata_props key under which a built gradient model describes itself.
 METADATA_KEY = "onnx_ps.gradient_graph"
-#: Input index of Dropout's training_mode flag (opset 12 on).
-_DROPOUT_TRAINING_MODE = 2
 
 
 @dataclass(frozen=True)
@@ -37,11 +36,15 @@ class GradientGraph:
     loss_output: str
     labels: str | None                 # the labels input the loss added, if any
     gradient_outputs: dict[str, str]   # parameter name -> output holding its gradient
+    state_outputs: dict[str, str] = field(default_factory=dict)     # state -> its new value
+    dropout_rates: dict[str, float] = field(default_factory=dict)   # mask input -> ratio
 
     def describe(self) -> str:
         """The JSON stored in the model's metadata so a cached copy describes itself."""
         return json.dumps({"loss_output": self.loss_output, "labels": self.labels,
-                           "gradient_outputs": self.gradient_outputs}, sort_keys=True)
+                           "gradient_outputs": self.gradient_outputs,
+                           "state_outputs": self.state_outputs,
+                           "dropout_rates": self.dropout_rates}, sort_keys=True)
 
     @classmethod
     def from_model(cls, model: onnx.ModelProto) -> GradientGraph:
@@ -52,49 +55,19 @@ class GradientGraph:
         described = json.loads(entries[METADATA_KEY])
         return cls(model=model, loss_output=described["loss_output"],
                    labels=described["labels"],
-                   gradient_outputs=dict(described["gradient_outputs"]))
+                   gradient_outputs=dict(described["gradient_outputs"]),
+                   state_outputs=dict(described.get("state_outputs", {})),
+                   dropout_rates=dict(described.get("dropout_rates", {})))
 
 
-def _constant_value(model: onnx.ModelProto, name: str) -> np.ndarray | None:
-    """The value of the initializer or Constant node `name`; None when it is computed."""
-    for tensor in model.graph.initializer:
-        if tensor.name == name:
-            return numpy_helper.to_array(tensor)
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
-            for attribute in node.attribute:
-                if attribute.name == "value":
-                    return numpy_helper.to_array(attribute.t)
-    return None
+@dataclass(frozen=True)
+class StepResult:
+    """One training step's results: the loss, a gradient per trainable parameter, and the
+    new value of every state tensor (running statistics)."""
 
-
-def refuse_training_mode(model: onnx.ModelProto) -> None:
-    """Raise UnsupportedModelError, naming the node, for a BatchNormalization or Dropout in
-    training mode: neither has a deterministic gradient here."""
-    for node in model.graph.node:
-        if node.op_type == "BatchNormalization" and any(
-                a.name == "training_mode" and a.i for a in node.attribute):
-            raise UnsupportedModelError(
-                f"node {node_label(node)!r} (BatchNormalization) is in training mode: it "
-                f"normalizes with batch statistics and updates running ones, which the "
-                f"gradient engine does not differentiate. Export the model in eval mode, "
-                f"where BatchNormalization is an affine map of its running statistics "
-                f"(model.eval(); torch.onnx.export(..., training=torch.onnx.TrainingMode."
-                f"EVAL, keep_initializers_as_inputs=True) -- the last flag skips the "
-                f"de-duplication that ties equal-valued parameters), or fold it into the "
-                f"preceding Conv")
-        if node.op_type == "Dropout" and len(node.input) > _DROPOUT_TRAINING_MODE and \
-                node.input[_DROPOUT_TRAINING_MODE]:
-            flag = _constant_value(model, node.input[_DROPOUT_TRAINING_MODE])
-            if flag is None or bool(flag.reshape(-1)[0]):
-                raise UnsupportedModelError(
-                    f"node {node_label(node)!r} (Dropout) is in training mode: it samples "
-                    f"a random mask on every call, which the gradient engine does not "
-                    f"differentiate. Export the model in eval mode, where Dropout is the "
-                    f"identity (model.eval(); torch.onnx.export(..., training=torch.onnx."
-                    f"TrainingMode.EVAL, keep_initializers_as_inputs=True) -- the last flag "
-                    f"skips the de-duplication that ties equal-valued parameters), or "
-                    f"remove the Dropout layers; training then runs without dropout")
+    loss: float
+    gradients: dict[str, np.ndarray]
+    state: dict[str, np.ndarray]
 
 
 #: How onnx-ad's UnsupportedOperator names the op and the node it has no reverse rule for.
@@ -117,7 +90,14 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
     except onnx_ad.UnsupportedOperator as exc:
         match = _RULE_MESSAGE.search(str(exc))
         if match is None:
-            raise UnsupportedModelError(f"cannot differentiate the model: {exc}") from exc
+            node = _failing_node(exc)
+            where = "the model" if node is None else \
+                f"node {node_label(node)!r} ({node.op_type})"
+            raise UnsupportedModelError(
+                f"cannot differentiate {where}: onnx-ad {onnx_ad.__version__} says: {exc}. "
+                f"Exclude the parameters upstream of it (exclude=[...] patterns), give the "
+                f"model static shapes, or re-export it without that form of the op "
+                f"(docs/models.md lists the known limits)") from exc
         op_type, node = match.groups()
         raise UnsupportedModelError(
             f"cannot differentiate node {node!r} ({op_type}): onnx-ad "
@@ -136,12 +116,28 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
     return derived
 
 
+def _failing_node(exc: BaseException) -> onnx.NodeProto | None:
+    """The node whose rule raised `exc`: onnx-ad's rule messages do not name it, but the
+    rule's frame holds it as its `node` argument (the innermost frame that has one)."""
+    found = None
+    trace = exc.__traceback__
+    while trace is not None:
+        candidate = trace.tb_frame.f_locals.get("node")
+        if isinstance(candidate, onnx.NodeProto):
+            found = candidate
+        trace = trace.tb_next
+    return found
+
+
 def gradient_graph(model: onnx.ModelProto, loss_output: str, labels: str | None,
-                   parameters: Sequence[str]) -> GradientGraph:
+                   parameters: Sequence[str], forms: TrainingForms | None = None
+                   ) -> GradientGraph:
     """The differentiated `model` with the names the engine feeds and fetches written into
     its metadata (so a cached copy describes itself), at an IR version onnxruntime loads."""
     result = GradientGraph(model=model, loss_output=loss_output, labels=labels,
-                           gradient_outputs={p: GRAD_PREFIX + p for p in parameters})
+                           gradient_outputs={p: GRAD_PREFIX + p for p in parameters},
+                           state_outputs=dict(forms.state_outputs) if forms else {},
+                           dropout_rates=dict(forms.dropout_rates) if forms else {})
     del model.metadata_props[:]
     model.metadata_props.add(key=METADATA_KEY, value=result.describe())
     clamp_ir_version(model)

@@ -14,10 +14,11 @@ from worker_client.engine.batch import fix_batch
 from worker_client.engine.cache import cached_or_built, default_cache_dir, entry_path
 from worker_client.engine.differentiate import (
     GradientGraph,
+    StepResult,
     differentiate,
     gradient_graph,
-    refuse_training_mode,
 )
+from worker_client.engine.exporters import folded_bias_layers, folded_variables_warning
 from worker_client.engine.feeds import (
     check_shape,
     coerce,
@@ -29,11 +30,18 @@ from worker_client.engine.feeds import (
 from worker_client.engine.lift import lift_parameters
 from worker_client.engine.load import load_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
+from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.session import open_session, placement, run_bound
+from worker_client.engine.support import warn_caller
 from worker_client.engine.trainables import initial_values, trainable_parameters
+from worker_client.engine.training_mode import (
+    inference_form,
+    state_initializers,
+    training_form,
+)
 
-__all__ = ["GradientEngine"]
+__all__ = ["GradientEngine", "StepResult"]
 
 
 class GradientEngine:
@@ -46,9 +54,11 @@ class GradientEngine:
     ~/.cache/onnx-ps/gradients), keyed by the model's graph and the options that shape it,
     and written atomically.
 
-    Trainable parameters are the floating-point initializers (BatchNormalization running
-    statistics excepted), narrowed by `include` / `exclude` glob patterns; a constant that
-    must not train should be a Constant node, or excluded.
+    Trainable parameters are the floating-point initializers that `selection.classify`
+    calls parameters (not BatchNormalization running statistics, not constants such as an
+    epsilon or a shape), narrowed by `include` / `exclude` glob patterns; an include
+    pattern without wildcards that names a constant exactly trains it. With
+    `expect_parameters` a different count is an error (an exporter folded variables away).
 
     Exporting from torch: ``torch.onnx.export(model, args, path, dynamo=False,
     training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
@@ -56,10 +66,11 @@ class GradientEngine:
     initializers that hold equal values -- two fresh LayerNorms, zero-initialized biases --
     into one, so those layers silently train as one tied parameter; the engine warns when
     one initializer feeds several layers. Training mode exports BatchNormalization and
-    Dropout in their training forms, which have no deterministic gradient and are refused
-    with `UnsupportedModelError`; export such a model with ``model.eval()``,
-    ``training=torch.onnx.TrainingMode.EVAL`` and ``keep_initializers_as_inputs=True``
-    (which skips the de-duplication), or remove / fold those layers.
+    Dropout in their training forms, which train as torch trains them
+    (training_mode.py): BatchNormalization with the batch's statistics, its running
+    statistics kept as state (`state_names`, fed with the parameters; `step` returns their
+    new values) and used by `predict`; Dropout with a mask the engine draws from a generator
+    seeded with `seed`, or that the caller feeds (`mask_names`).
 
     The batch axis is axis 0 of every model input. The gradient model fixes it to
     `batch_size` (some onnx-ad rules need static shapes); `predict` keeps the model's own,
@@ -72,6 +83,7 @@ class GradientEngine:
     def __init__(self, model_path: str | os.PathLike[str], *, batch_size: int,
                  loss: str | None = "cross_entropy", device: str = "cpu",
                  include: Sequence[str] = (), exclude: Sequence[str] = (),
+                 expect_parameters: int | None = None, seed: int | Sequence[int] = 0,
                  intra_op_threads: int | None = None, inter_op_threads: int | None = None,
                  cache_dir: str | os.PathLike[str] | None = None) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -82,6 +94,12 @@ class GradientEngine:
                 raise ValueError(f"{name} must be a positive integer or None, got {threads!r}")
         if isinstance(include, str) or isinstance(exclude, str):
             raise TypeError("include and exclude are sequences of glob patterns, not strings")
+        if expect_parameters is not None and (not isinstance(expect_parameters, int)
+                                              or expect_parameters < 1):
+            raise ValueError(f"expect_parameters must be a positive integer or None, got "
+                             f"{expect_parameters!r}")
+        self._expect = expect_parameters
+        self._generator = np.random.default_rng(seed)   # Dropout masks
         self.model_path = Path(model_path)
         self.batch_size = batch_size
         self.device = device
@@ -99,20 +117,26 @@ class GradientEngine:
 
     def _build(self, include: Sequence[str], exclude: Sequence[str]) -> None:
         """The stages, in order; the gradient model's own are in `_gradient_graph`."""
-        model = load_model(self.model_path)
+        model = upgrade_opset(load_model(self.model_path), self.model_path)
         self.trainable_names: list[str] = trainable_parameters(
-            model, include=include, exclude=exclude, source=self.model_path)
+            model, include=include, exclude=exclude, source=self.model_path,
+            expect=self._expect)
+        folded = folded_bias_layers(model, self.trainable_names)
+        if folded:
+            warn_caller(f"{self.model_path}: {folded_variables_warning(folded)}")
         self._initial = initial_values(model, self.trainable_names)
-        self._lifted = lift_parameters(model, self.trainable_names)
-        trainable = set(self.trainable_names)
+        self.state_names: list[str] = state_initializers(model)
+        self._state_initial = initial_values(model, self.state_names)
+        self._lifted = lift_parameters(model, self.trainable_names + self.state_names)
+        fed = set(self.trainable_names) | set(self.state_names)
         self.input_names: list[str] = [v.name for v in self._lifted.graph.input
-                                       if v.name not in trainable]
+                                       if v.name not in fed]
         self.output_names: list[str] = [v.name for v in self._lifted.graph.output]
         loss = self._loss
         if loss is None:
             return  # predict only: no gradient model, no cache entry
         self.cache_path = entry_path(self.cache_dir, self._lifted, batch_size=self.batch_size,
-                                     loss=loss, trainable=self.trainable_names)
+                                     loss=loss, trainable=self.trainable_names + self.state_names)
         self._graph, self.cache_hit = cached_or_built(self.cache_path,
                                                       lambda: self._gradient_graph(loss))
         self._session = open_session(self._graph.model, self._placement,
@@ -123,29 +147,40 @@ class GradientEngine:
         """The stages that turn the lifted model into the gradient model, in order (run
         only when the cache has no entry for it)."""
         try:
-            refuse_training_mode(self._lifted)
-            model = fix_batch(self._lifted, self.input_names, self.batch_size)
+            model, forms = training_form(self._lifted, self.state_names)
+            model = fix_batch(model, self.input_names + list(forms.dropout_rates),
+                              self.batch_size)
+            state_outputs = [v for v in model.graph.output
+                             if v.name in forms.state_outputs.values()]
             model, loss_output, labels = attach_loss(model, loss, self.batch_size)
             model = rewrite_forward(model)
             model = differentiate(model, self.trainable_names, loss_output)
+            model.graph.output.extend(state_outputs)   # the loss took the model's outputs
             model = rewrite_adjoints(model)
-            return gradient_graph(model, loss_output, labels, self.trainable_names)
+            return gradient_graph(model, loss_output, labels, self.trainable_names, forms)
         except UnsupportedModelError as exc:
             raise UnsupportedModelError(f"{self.model_path}: {exc}") from exc
 
     def _prepare_gradient_run(self, graph: GradientGraph) -> None:
         """Everything `gradients` needs per call, computed once."""
         session_inputs = {v.name: v for v in graph.model.graph.input}
-        trainable = set(self.trainable_names)
+        fed = set(self.trainable_names) | set(self.state_names) | set(graph.dropout_rates)
         self._feeds = {name: (element_dtype(value), declared_dims(value))
-                       for name, value in session_inputs.items() if name not in trainable}
+                       for name, value in session_inputs.items() if name not in fed}
+        self.mask_names: list[str] = list(graph.dropout_rates)
+        self._masks = {name: (element_dtype(session_inputs[name]),
+                              declared_dims(session_inputs[name]), rate)
+                       for name, rate in graph.dropout_rates.items()}
         self._fetches = [graph.loss_output] + [graph.gradient_outputs[name]
-                                               for name in self.trainable_names]
+                                               for name in self.trainable_names] + [
+            graph.state_outputs[name] for name in self.state_names]
         # onnx-ad's gradients carry a trailing seed axis of length 1
         loss_type = next(v for v in graph.model.graph.output if v.name == graph.loss_output)
         self._output_specs = [(graph.loss_output, element_dtype(loss_type), ())] + [
             (graph.gradient_outputs[name], self._initial[name].dtype,
-             self._initial[name].shape + (1,)) for name in self.trainable_names]
+             self._initial[name].shape + (1,)) for name in self.trainable_names] + [
+            (graph.state_outputs[name], value.dtype, value.shape)
+            for name, value in self._state_initial.items()]
         self._bind_outputs = self._placement.cuda_index is not None
         self._classes: int | None = None
         if self._loss is not None and self._loss.kind == "cross_entropy":
@@ -159,20 +194,37 @@ class GradientEngine:
         """The model's initial trainable values (copies), in `trainable_names` order."""
         return {name: value.copy() for name, value in self._initial.items()}
 
+    def state(self) -> dict[str, np.ndarray]:
+        """The model's initial state values (copies), in `state_names` order: the running
+        statistics of training-mode BatchNormalization, fed like parameters, never
+        differentiated; `step` returns their new values."""
+        return {name: value.copy() for name, value in self._state_initial.items()}
+
     def gradients(self, parameters: Mapping[str, np.ndarray],
                   inputs: Mapping[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
-        """The loss and its gradient with respect to every trainable parameter.
+        """The loss and its gradient with respect to every trainable parameter (`step`
+        without the new state)."""
+        result = self.step(parameters, inputs)
+        return result.loss, result.gradients
 
-        `parameters` holds a value for every name in `trainable_names`; `inputs` holds every
-        model input (batch axis 0 of length `batch_size`) and, when a loss with labels was
-        attached, "labels". Float data is cast to the model's float type. Raises ValueError
+    def step(self, parameters: Mapping[str, np.ndarray],
+             inputs: Mapping[str, np.ndarray]) -> StepResult:
+        """The loss, its gradient with respect to every trainable parameter, and the new
+        value of every state tensor.
+
+        `parameters` holds a value for every name in `trainable_names` and `state_names`;
+        `inputs` holds every model input (batch axis 0 of length `batch_size`) and, when a
+        loss with labels was attached, "labels". A Dropout mask (`mask_names`) may be given
+        too (1 keeps an element, 0 drops it); one not given is drawn from the engine's
+        generator (`seed`). Float data is cast to the model's float type. Raises ValueError
         naming the input and the expected and received shapes on any mismatch.
         """
         if self._graph is None:
             raise RuntimeError("this engine was built with loss=None and computes no "
                                "gradients; pass loss='cross_entropy', 'mse' or 'output:NAME'")
-        feed = parameter_feed(parameters, self._initial)
-        unknown = set(inputs) - set(self._feeds)
+        feed = parameter_feed(parameters, {**self._initial, **self._state_initial})
+        feed.update(self._mask_feed(inputs))
+        unknown = set(inputs) - set(self._feeds) - set(self._masks)
         if unknown:
             raise ValueError(f"unknown inputs {sorted(unknown)}; the model takes "
                              f"{sorted(self._feeds)}")
@@ -194,8 +246,42 @@ class GradientEngine:
         else:
             results = self._session.run(self._fetches, feed)
         loss = float(results[0])
-        return loss, {name: value.reshape(self._initial[name].shape)
-                      for name, value in zip(self.trainable_names, results[1:])}
+        count = len(self.trainable_names)
+        gradients = {name: value.reshape(self._initial[name].shape)
+                     for name, value in zip(self.trainable_names, results[1:1 + count])}
+        return StepResult(loss, gradients, dict(zip(self.state_names, results[1 + count:])))
+
+    def feed_specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """What `step` takes besides parameters, state and masks: every input and the labels,
+        name -> (dtype, shape at this engine's batch size)."""
+        if self._graph is None:
+            raise RuntimeError("this engine was built with loss=None and takes no batches")
+        return {name: (dtype, tuple(d if isinstance(d, int) else self.batch_size
+                                    for d in dims or ()))
+                for name, (dtype, dims) in self._feeds.items()}
+
+    @property
+    def num_classes(self) -> int | None:
+        """The classes of a cross-entropy loss (the logits' width), when the model says."""
+        return self._classes if self._graph is not None else None
+
+    def draw_masks(self) -> dict[str, np.ndarray]:
+        """A fresh Dropout mask for every `mask_names` entry, from the engine's generator
+        (what `step` draws for a mask it is not given)."""
+        return self._mask_feed({})
+
+    def _mask_feed(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Each Dropout's mask: the caller's (checked), else drawn: keep with 1 - ratio."""
+        feed = {}
+        for name, (dtype, dims, rate) in self._masks.items():
+            if name in inputs:
+                mask = coerce(f"mask {name!r}", inputs[name], dtype)
+                check_shape(f"mask {name!r}", mask, dims)
+            else:
+                shape = tuple(d if isinstance(d, int) else self.batch_size for d in dims or ())
+                mask = (self._generator.random(shape) >= rate).astype(dtype)
+            feed[name] = mask
+        return feed
 
     def predict(self, parameters: Mapping[str, np.ndarray],
                 inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -205,9 +291,9 @@ class GradientEngine:
         exported with a fixed batch size is run on zero-padded chunks of that size.
         """
         if self._eval_session is None:
-            self._eval_session = open_session(self._lifted, self._placement,
+            self._eval_session = open_session(inference_form(self._lifted), self._placement,
                                               threads=self._threads, source=self.model_path)
-        feed = parameter_feed(parameters, self._initial)
+        feed = parameter_feed(parameters, {**self._initial, **self._state_initial})
         declared = {v.name: v for v in self._lifted.graph.input}
         unknown = set(inputs) - set(self.input_names) - {"labels"}
         if unknown:

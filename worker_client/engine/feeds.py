@@ -42,17 +42,23 @@ def coerce(what: str, array: object, dtype: np.dtype) -> np.ndarray:
     integer to integer when every value fits."""
     value = np.asarray(array)
     if value.dtype == dtype:
-        return np.ascontiguousarray(value)
+        return _c_order(value)
     if dtype.kind == "f" and value.dtype.kind in "fiub":
-        return np.ascontiguousarray(value, dtype=dtype)
+        return _c_order(value, dtype)
     if dtype.kind in "iu" and value.dtype.kind in "iu":
         info = np.iinfo(dtype)
         if value.size and (value.min() < info.min or value.max() > info.max):
             raise ValueError(f"{what}: values in [{value.min()}, {value.max()}] do not fit "
                              f"the expected {dtype}")
-        return np.ascontiguousarray(value, dtype=dtype)
+        return _c_order(value, dtype)
     raise ValueError(f"{what}: expected dtype {dtype}, got {value.dtype}, which does not "
                      f"convert safely")
+
+
+def _c_order(value: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
+    """`value` as a C-contiguous array of `dtype`, copying only when needed. Not
+    np.ascontiguousarray, which turns a 0-d array (a scalar parameter) into a 1-d one."""
+    return np.asarray(value, dtype=dtype, order="C")
 
 
 def check_shape(what: str, array: np.ndarray, expected: Dims | None, *,

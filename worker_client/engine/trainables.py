@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import numpy_helper
 
 from ps_common.errors import UnsupportedModelError
+from worker_client.engine.selection import FLOAT_TYPES, classify, consumers
 from worker_client.engine.support import node_label, warn_caller
 
 __all__ = ["FLOAT_TYPES", "initial_values", "select_trainable", "shared_parameters",
            "tie_warning", "trainable_parameters"]
 
-#: Element types a parameter can have.
-FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
-                         TensorProto.BFLOAT16})
 #: Ops that hold a layer's own weights; one initializer feeding two of them ties two layers.
 LAYER_OPS = frozenset({"Gemm", "MatMul", "Conv", "ConvTranspose", "Einsum", "Gather", "Add",
                        "Mul", "LayerNormalization", "BatchNormalization", "GroupNormalization",
@@ -27,9 +24,9 @@ LAYER_OPS = frozenset({"Gemm", "MatMul", "Conv", "ConvTranspose", "Einsum", "Gat
 #: Ops that hand a weight on unchanged in value; a tie is looked for through them.
 PASS_THROUGH = frozenset({"Identity", "Cast", "Transpose", "Reshape", "Flatten", "Squeeze",
                           "Unsqueeze"})
+#: The characters that make an include pattern a wildcard rather than one exact name.
+_WILDCARDS = frozenset("*?[")
 
-#: BatchNormalization's input indices of its running mean and variance: not trainable.
-_RUNNING_STATISTICS = (3, 4)
 #: Fewest elements a shared parameter needs to be reported as tied (one-element ones are not).
 _TIE_MIN_ELEMENTS = 2
 
@@ -38,20 +35,34 @@ _EXPORT_HINT = ("torch.onnx.export(..., training=torch.onnx.TrainingMode.TRAININ
 
 
 def trainable_parameters(model: onnx.ModelProto, *, include: Sequence[str],
-                         exclude: Sequence[str], source: str | os.PathLike[str]) -> list[str]:
+                         exclude: Sequence[str], source: str | os.PathLike[str],
+                         expect: int | None = None) -> list[str]:
     """The names of the parameters to train (see `select_trainable`), in initializer order.
 
-    Raises UnsupportedModelError when none is left; warns for each one that several layers
-    share (`shared_parameters`). `source` names the model file in both.
+    Raises UnsupportedModelError when none is left, or when `expect` is given and differs
+    from how many there are; warns for each one that several layers share
+    (`shared_parameters`). `source` names the model file in both.
     """
     names = select_trainable(model, include=include, exclude=exclude)
     if not names:
         raise UnsupportedModelError(
             f"{source}: no trainable parameters (floating-point initializers) "
             f"match include={list(include)} exclude={list(exclude)}")
+    if expect is not None and len(names) != expect:
+        raise UnsupportedModelError(
+            f"{source}: expected {expect} trainable parameters, but the model has "
+            f"{len(names)}: {_listed(model, names)}. If the exporter folded some away "
+            f"(tf2onnx folds zero- or one-initialized Keras variables into constants), "
+            f"re-export with the recipe in docs/models.md; if the rule picked a constant "
+            f"or missed a weight, name them with include / exclude patterns")
     for name, nodes in shared_parameters(model, names).items():
         warn_caller(f"{source}: {tie_warning(name, nodes)}")
     return names
+
+
+def _listed(model: onnx.ModelProto, names: Sequence[str]) -> str:
+    dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    return ", ".join(f"{name} {dims[name]}" for name in names)
 
 
 def initial_values(model: onnx.ModelProto, names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -60,53 +71,45 @@ def initial_values(model: onnx.ModelProto, names: Sequence[str]) -> dict[str, np
     return {name: numpy_helper.to_array(initial[name]) for name in names}
 
 
-def _consumers(graph: onnx.GraphProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
-    """Tensor name -> the (node, input index) pairs reading it in the top-level graph."""
-    found: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            if name:
-                found[name].append((node, index))
-    return found
-
-
-def _statistics_only(graph: onnx.GraphProto, name: str,
-                     consumers: dict[str, list[tuple[onnx.NodeProto, int]]]) -> bool:
-    """Whether `name` only ever reaches BatchNormalization's running mean or variance."""
-    uses = consumers.get(name, [])
-    if not uses:
-        return False
-    for node, index in uses:
-        if node.op_type == "Identity":
-            if not _statistics_only(graph, node.output[0], consumers):
-                return False
-        elif not (node.op_type == "BatchNormalization" and index in _RUNNING_STATISTICS):
-            return False
-    return True
-
-
 def select_trainable(model: onnx.ModelProto, *, include: Sequence[str] = (),
                      exclude: Sequence[str] = ()) -> list[str]:
     """Names of the trainable initializers, in initializer order.
 
-    Every floating-point initializer is a candidate, except BatchNormalization running
-    statistics (they are not differentiable operands). A non-empty `include` keeps the
-    candidates matching one of its glob patterns; `exclude` then drops those matching one of
-    its own.
+    The candidates are the initializers `selection.classify` calls parameters. A non-empty
+    `include` keeps the candidates matching one of its glob patterns, and a pattern without
+    wildcards that names a constant exactly trains that constant too (the way to override
+    the rule: ``include=["*", "temperature"]``); `exclude` then drops those matching one of
+    its own. Raises UnsupportedModelError for an include pattern that matches no
+    floating-point initializer, or that names running statistics, which never train.
     """
-    graph = model.graph
-    consumers = _consumers(graph)
+    roles = classify(model)
+    for pattern in include:
+        matched = [name for name in roles if fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            raise UnsupportedModelError(
+                f"include pattern {pattern!r} matches no floating-point initializer; the "
+                f"model's are {list(roles)}")
+        if _is_exact(pattern) and roles[pattern].kind == "state":
+            raise UnsupportedModelError(
+                f"include names {pattern!r}, which is state "
+                f"({roles[pattern].reason}), not a trainable parameter")
     chosen = []
-    for tensor in graph.initializer:
-        if tensor.data_type not in FLOAT_TYPES or _statistics_only(graph, tensor.name,
-                                                                    consumers):
+    for name, role in roles.items():
+        if include:
+            named = any(_is_exact(p) and p == name for p in include)
+            if not named and (role.kind != "parameter" or not any(
+                    fnmatch.fnmatchcase(name, p) for p in include)):
+                continue
+        elif role.kind != "parameter":
             continue
-        if include and not any(fnmatch.fnmatchcase(tensor.name, p) for p in include):
+        if any(fnmatch.fnmatchcase(name, p) for p in exclude):
             continue
-        if any(fnmatch.fnmatchcase(tensor.name, p) for p in exclude):
-            continue
-        chosen.append(tensor.name)
+        chosen.append(name)
     return chosen
+
+
+def _is_exact(pattern: str) -> bool:
+    return not _WILDCARDS & set(pattern)
 
 
 def shared_parameters(model: onnx.ModelProto,
@@ -118,7 +121,7 @@ def shared_parameters(model: onnx.ModelProto,
     initializer into every layer that held the same values.
     """
     graph = model.graph
-    consumers = _consumers(graph)
+    uses = consumers(graph)
     sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in graph.initializer}
     shared = {}
     for name in names:
@@ -128,7 +131,7 @@ def shared_parameters(model: onnx.ModelProto,
         frontier, seen = [name], {name}
         while frontier:
             tensor = frontier.pop()
-            for node, index in consumers.get(tensor, []):
+            for node, index in uses.get(tensor, []):
                 if node.op_type in PASS_THROUGH and index == 0:
                     fresh = [out for out in node.output if out and out not in seen]
                     seen.update(fresh)

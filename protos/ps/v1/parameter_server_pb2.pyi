@@ -58,14 +58,16 @@ DROP_ALREADY_CONTRIBUTED: DropReason
 DROP_STEP_AHEAD: DropReason
 
 class ParameterSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape")
+    __slots__ = ("name", "dtype", "shape", "state")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    state: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., state: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "dtype", "shape", "row_start", "byte_offset", "data")

@@ -4,6 +4,8 @@ Every pass computes the same values as the graph it replaces (tests/unit/
 test_gradient_engine.py checks each one); each module's docstrings say which slow path it
 avoids and why the replacement is exact.
 
+- `grouped`: grouped and depthwise Convs with a trainable weight as a batched MatMul over
+  the kernel windows (on the forward graph: onnx-ad has no weight adjoint for group > 1);
 - `matmul`: batched weight MatMuls flattened to one GEMM (on the forward graph, so that
   onnx-ad's weight adjoint is one GEMM too);
 - `fold`: shape queries on static tensors folded into constants;
@@ -25,6 +27,7 @@ from worker_client.engine.rewrites.conv import (
     route_max_pool_adjoints,
 )
 from worker_client.engine.rewrites.fold import fold_shape_queries
+from worker_client.engine.rewrites.grouped import expand_grouped_convs
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
 from worker_client.engine.rewrites.prune import prune
@@ -37,7 +40,9 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
 
     Its inferred shapes are dropped when anything changed; differentiation infers afresh.
     """
-    if flatten_weight_matmuls(model):
+    changed = expand_grouped_convs(model)
+    changed += flatten_weight_matmuls(model)
+    if changed:
         model.graph.ClearField("value_info")
     return model
 

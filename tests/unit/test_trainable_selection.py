@@ -1,0 +1,143 @@
+"""Which initializers train: the rule (selection.py), its overrides, scalars end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from worker_client import GradientEngine, UnsupportedModelError
+from worker_client.engine.selection import classify
+
+OPSET = 18
+
+
+def _model(nodes, inputs, outputs, initializers, *, producer: str = "") -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "test", inputs, outputs, initializer=initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    model.producer_name = producer
+    onnx.checker.check_model(model)
+    return model
+
+
+def _array(name: str, value) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, np.float32), name)
+
+
+def _layer_norm_mlp(producer: str = "") -> onnx.ModelProto:
+    """Dense + a LayerNorm spelled out as tf2onnx spells it (epsilon a 0-d initializer),
+    then logits scaled by a learned 0-d temperature exp(log_temp) and a Clip with float
+    bounds."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="dense"),
+        helper.make_node("Add", ["h", "b"], ["hb"], name="dense_bias"),
+        helper.make_node("ReduceMean", ["hb", "axes"], ["mean"], name="mean"),
+        helper.make_node("Sub", ["hb", "mean"], ["centred"], name="centre"),
+        helper.make_node("Mul", ["centred", "centred"], ["squared"], name="square"),
+        helper.make_node("ReduceMean", ["squared", "axes"], ["variance"], name="variance"),
+        helper.make_node("Add", ["variance", "epsilon"], ["stabilized"], name="add_eps"),
+        helper.make_node("Sqrt", ["stabilized"], ["std"], name="std"),
+        helper.make_node("Div", ["centred", "std"], ["normed"], name="normalize"),
+        helper.make_node("Mul", ["normed", "gamma"], ["scaled"], name="gamma_mul"),
+        helper.make_node("Exp", ["log_temp"], ["temperature"], name="temperature"),
+        helper.make_node("Mul", ["scaled", "temperature"], ["tempered"], name="temper"),
+        helper.make_node("Clip", ["tempered", "low", "high"], ["y"], name="clip"),
+    ]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+                   [_array("W", rng.standard_normal((4, 3))), _array("b", [0.1, -0.2, 0.3]),
+                    _array("epsilon", 1e-3), _array("gamma", [1.0, 0.5, 2.0]),
+                    _array("log_temp", 0.25), _array("low", -6.0), _array("high", 6.0),
+                    numpy_helper.from_array(np.array([-1], np.int64), "axes")],
+                   producer=producer)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_the_rule_trains_weights_and_scalars_but_not_epsilons_or_clip_bounds() -> None:
+    roles = classify(_layer_norm_mlp())
+    assert {name for name, role in roles.items() if role.kind == "parameter"} == \
+        {"W", "b", "gamma", "log_temp"}
+    assert roles["epsilon"].kind == "constant" and "epsilon" in roles["epsilon"].reason
+    assert roles["low"].kind == roles["high"].kind == "constant"
+    assert "configuration" in roles["low"].reason
+
+
+def test_one_element_initializers_of_a_tf2onnx_model_are_constants() -> None:
+    roles = classify(_layer_norm_mlp(producer="tf2onnx"))
+    assert roles["log_temp"].kind == "constant" and "tf2onnx" in roles["log_temp"].reason
+    assert roles["b"].kind == "parameter"
+
+
+def test_running_statistics_are_state() -> None:
+    nodes = [helper.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], ["y"])]
+    roles = classify(_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [_array(n, [1.0, 1.0]) for n in "stmv"]))
+    assert [roles[n].kind for n in "stmv"] == ["parameter", "parameter", "state", "state"]
+
+
+def test_a_scalar_parameter_keeps_its_shape_through_the_engine(tmp_path: Path) -> None:
+    path = tmp_path / "scalar.onnx"
+    onnx.save(_layer_norm_mlp(), path)
+    engine = GradientEngine(path, batch_size=5, loss="mse", cache_dir=tmp_path)
+    assert engine.trainable_names == ["W", "b", "gamma", "log_temp"]
+    parameters = engine.parameters()
+    assert parameters["log_temp"].shape == ()
+    rng = np.random.default_rng(1)
+    inputs = {"x": rng.standard_normal((5, 4)), "labels": rng.standard_normal((5, 3))}
+    _, grads = engine.gradients(parameters, inputs)
+    assert grads["log_temp"].shape == ()
+    step = 1e-3
+    above, below = dict(parameters), dict(parameters)
+    above["log_temp"] = np.asarray(parameters["log_temp"] + step, np.float32)
+    below["log_temp"] = np.asarray(parameters["log_temp"] - step, np.float32)
+    numeric = (engine.gradients(above, inputs)[0] - engine.gradients(below, inputs)[0]) / (2 * step)
+    assert float(grads["log_temp"]) == pytest.approx(numeric, rel=1e-2)
+
+
+def test_an_exact_include_trains_a_constant_and_a_wildcard_does_not(tmp_path: Path) -> None:
+    path = tmp_path / "tf.onnx"
+    onnx.save(_layer_norm_mlp(producer="tf2onnx"), path)
+    engine = GradientEngine(path, batch_size=2, loss="mse", include=["*", "log_temp"],
+                            exclude=["gamma"], cache_dir=tmp_path)
+    assert engine.trainable_names == ["W", "b", "log_temp"]
+
+
+def test_an_include_pattern_that_matches_nothing_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(_layer_norm_mlp(), path)
+    with pytest.raises(UnsupportedModelError, match=r"include pattern 'dense\*' matches no"):
+        GradientEngine(path, batch_size=2, loss="mse", include=["dense*"], cache_dir=tmp_path)
+
+
+def test_expect_parameters_names_the_count_and_the_parameters(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(_layer_norm_mlp(), path)
+    with pytest.raises(UnsupportedModelError,
+                       match=r"expected 6 trainable parameters, but the model has 4: W \(4, 3\)"):
+        GradientEngine(path, batch_size=2, loss="mse", expect_parameters=6, cache_dir=tmp_path)
+    GradientEngine(path, batch_size=2, loss="mse", expect_parameters=4, cache_dir=tmp_path)
+
+
+def test_a_tf2onnx_dense_layer_without_a_bias_warns_about_folded_variables(
+        tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="dense/MatMul"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "W2"], ["z"], name="dense_1/MatMul"),
+             helper.make_node("Add", ["z", "b2"], ["y"], name="dense_1/BiasAdd")]
+    path = tmp_path / "folded.onnx"
+    onnx.save(_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2])],
+                     [_array("W1", rng.standard_normal((3, 4))),
+                      _array("W2", rng.standard_normal((4, 2))), _array("b2", [0.5, 0.5])],
+                     producer="tf2onnx"), path)
+    with pytest.warns(UserWarning, match=r"1 weight layer\(s\) .* no bias: dense/MatMul "
+                                         r"\(MatMul\)\. .*folded"):
+        GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)

@@ -1,0 +1,181 @@
+"""The rule that says which of a model's floating-point initializers are parameters.
+
+ONNX does not say which initializers a training run should change: an exporter writes
+weights, running statistics and numeric constants alike as initializers (tf2onnx writes
+every constant of the TensorFlow graph that way, epsilons included). `classify` gives each
+floating-point initializer one role, by the first rule that applies:
+
+1. **state** -- it reaches only BatchNormalization's running mean or variance (through
+   Identity). Kept by the model, updated by training-mode BatchNormalization, never
+   differentiated.
+2. **constant (configuration)** -- every use, followed through value-preserving ops, is an
+   operand the op reads as configuration, not data (`CONFIGURATION_OPERANDS`: a shape, a
+   bound, an index, a scale factor, an exponent, a ratio), or an operand of an op whose
+   derivative is zero everywhere (a comparison, Floor, Sign, ...).
+3. **constant (stabilizer)** -- it has one element and is added to a value that is
+   non-negative by construction (a variance, a squared norm, a square root): an epsilon.
+4. **constant (exporter constant)** -- it has one element and the model comes from an
+   exporter that writes every constant as an initializer: tf2onnx (every constant of the
+   TensorFlow graph; Keras' built-in layers have no one-element weights) or jax2onnx
+   (every closed-over array, and a 0-d zero as each Gemm's bias).
+5. **parameter** -- everything else: it trains.
+
+`include` / `exclude` patterns (trainables.py) override the rule.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+__all__ = ["CONFIGURATION_OPERANDS", "FLOAT_TYPES", "Role", "classify", "consumers"]
+
+#: Element types a parameter can have.
+FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
+                         TensorProto.BFLOAT16})
+#: BatchNormalization's input indices of its running mean and variance.
+RUNNING_STATISTICS = (3, 4)
+#: Per op, the input indices that configure it rather than carry data.
+CONFIGURATION_OPERANDS: dict[str, frozenset[int]] = {
+    "Reshape": frozenset({1}), "Expand": frozenset({1}), "Tile": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}), "Pad": frozenset({1, 2, 3}),
+    "Resize": frozenset({1, 2, 3}), "Upsample": frozenset({1}), "Clip": frozenset({1, 2}),
+    "Range": frozenset({0, 1, 2}), "OneHot": frozenset({1, 2}), "Dropout": frozenset({1, 2}),
+    "TopK": frozenset({1}), "Pow": frozenset({1}), "Split": frozenset({1}),
+    "Squeeze": frozenset({1}), "Unsqueeze": frozenset({1}), "CumSum": frozenset({1}),
+    "Gather": frozenset({1}), "GatherElements": frozenset({1}), "GatherND": frozenset({1}),
+    "ScatterElements": frozenset({1}), "ScatterND": frozenset({1}), "Trilu": frozenset({1}),
+    "ConstantOfShape": frozenset({0}), "RoiAlign": frozenset({1, 2}),
+    "ReduceSum": frozenset({1}), "ReduceMean": frozenset({1}), "ReduceMax": frozenset({1}),
+    "ReduceMin": frozenset({1}), "ReduceProd": frozenset({1}),
+}
+#: Ops whose derivative is zero wherever it exists: an operand used only by them is inert.
+ZERO_DERIVATIVE_OPS = frozenset({
+    "Shape", "Size", "NonZero", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual",
+    "ArgMax", "ArgMin", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round", "Hardmax",
+    "EyeLike", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"})
+#: Ops that hand their first input on unchanged in value: uses are followed through them.
+VALUE_PRESERVING = frozenset({"Identity", "Cast", "Reshape", "Flatten", "Squeeze",
+                              "Unsqueeze", "Transpose"})
+#: Ops whose output is non-negative whatever their (real) input.
+_NON_NEGATIVE = frozenset({"Abs", "Sqrt", "ReduceSumSquare", "ReduceL1", "ReduceL2"})
+#: Ops that keep a non-negative input non-negative.
+_SIGN_KEEPING = frozenset({"ReduceMean", "ReduceSum", "Identity", "Cast", "Reshape",
+                           "Squeeze", "Unsqueeze", "Flatten", "Transpose"})
+#: The producer whose every graph constant is an initializer (ModelProto.producer_name).
+TF2ONNX = "tf2onnx"
+#: Producers that write every constant as an initializer, one-element ones included.
+CONSTANTS_AS_INITIALIZERS = frozenset({TF2ONNX, "jax2onnx"})
+
+
+@dataclass(frozen=True)
+class Role:
+    """An initializer's role: "parameter", "state" or "constant", and why."""
+
+    kind: str
+    reason: str
+
+
+Uses = dict[str, list[tuple[onnx.NodeProto, int]]]
+
+
+def consumers(graph: onnx.GraphProto) -> Uses:
+    """Tensor name -> the (node, input index) pairs reading it in the top-level graph."""
+    found: Uses = defaultdict(list)
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name:
+                found[name].append((node, index))
+    return found
+
+
+def classify(model: onnx.ModelProto) -> dict[str, Role]:
+    """The role of every floating-point initializer, in initializer order (module docstring)."""
+    graph = model.graph
+    uses = consumers(graph)
+    producers = {out: node for node in graph.node for out in node.output if out}
+    constants = {t.name: t for t in graph.initializer}
+    exporter = model.producer_name if model.producer_name in CONSTANTS_AS_INITIALIZERS else None
+    roles = {}
+    for tensor in graph.initializer:
+        if tensor.data_type not in FLOAT_TYPES:
+            continue
+        single = int(np.prod(tensor.dims, dtype=np.int64)) == 1
+        if _only(tensor.name, uses, _is_running_statistic, follow={"Identity"}):
+            roles[tensor.name] = Role("state", "BatchNormalization running statistics")
+        elif _only(tensor.name, uses, _is_configuration, follow=VALUE_PRESERVING):
+            roles[tensor.name] = Role("constant", "used only as configuration (a shape, "
+                                                  "bound, index, scale factor or exponent) "
+                                                  "or by ops without a derivative")
+        elif single and _is_stabilizer(tensor.name, uses, producers, constants):
+            roles[tensor.name] = Role("constant", "an epsilon: added to a non-negative "
+                                                  "value (a variance or a norm)")
+        elif single and exporter:
+            roles[tensor.name] = Role("constant", f"a one-element constant of a {exporter} "
+                                                  f"model ({exporter} writes every constant "
+                                                  f"as an initializer)")
+        else:
+            roles[tensor.name] = Role("parameter", "a weight")
+    return roles
+
+
+def _is_running_statistic(node: onnx.NodeProto, index: int) -> bool:
+    return node.op_type == "BatchNormalization" and index in RUNNING_STATISTICS
+
+
+def _is_configuration(node: onnx.NodeProto, index: int) -> bool:
+    return node.op_type in ZERO_DERIVATIVE_OPS or \
+        index in CONFIGURATION_OPERANDS.get(node.op_type, ())
+
+
+def _only(name: str, uses: Uses, accepted, *, follow: frozenset[str] | set[str]) -> bool:
+    """Whether `name` is used, and every use -- followed through the ops in `follow` (at
+    their first input) -- is one `accepted(node, index)` accepts."""
+    found = uses.get(name, [])
+    if not found:
+        return False
+    for node, index in found:
+        if accepted(node, index):
+            continue
+        if node.op_type in follow and index == 0 and node.output and \
+                _only(node.output[0], uses, accepted, follow=follow):
+            continue
+        return False
+    return True
+
+
+def _is_stabilizer(name: str, uses: Uses, producers: dict[str, onnx.NodeProto],
+                   constants: dict[str, onnx.TensorProto]) -> bool:
+    """Whether every use of `name` adds it to a value that is non-negative by construction."""
+    found = uses.get(name, [])
+    return bool(found) and all(
+        node.op_type == "Add" and len(node.input) == 2
+        and _non_negative(node.input[1 - index], producers, constants)
+        for node, index in found)
+
+
+def _non_negative(name: str, producers: dict[str, onnx.NodeProto],
+                  constants: dict[str, onnx.TensorProto], depth: int = 0) -> bool:
+    """Whether the value `name` is >= 0 by the ops that compute it (a square, an absolute
+    value, a square root, a norm, or a mean or sum of one of those)."""
+    node = producers.get(name)
+    if node is None or depth > _MAX_DEPTH:
+        return False
+    if node.op_type in _NON_NEGATIVE:
+        return True
+    if node.op_type == "Mul" and len(node.input) == 2 and node.input[0] == node.input[1]:
+        return True
+    if node.op_type == "Pow" and len(node.input) == 2 and node.input[1] in constants:
+        exponent = numpy_helper.to_array(constants[node.input[1]])
+        return exponent.size == 1 and float(exponent.reshape(-1)[0]) % 2 == 0
+    if node.op_type in _SIGN_KEEPING:
+        return _non_negative(node.input[0], producers, constants, depth + 1)
+    return False
+
+
+#: How many sign-keeping ops `_non_negative` looks back through.
+_MAX_DEPTH = 8

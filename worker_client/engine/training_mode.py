@@ -1,0 +1,302 @@
+"""Stage "training mode": BatchNormalization and Dropout as their source framework trains them.
+
+Exported in training mode, BatchNormalization normalizes with the batch's own statistics
+and moves its running statistics, and Dropout samples a mask. Neither is a deterministic
+function of the graph's inputs as it stands; both are, given the batch and the mask:
+
+- `training_form` rewrites each training-mode BatchNormalization into the arithmetic it
+  performs (ReduceMean over every axis but the channel one, the centred square's mean,
+  normalize, scale, shift) -- onnx-ad differentiates that exactly, batch statistics
+  included -- and computes the new running statistics as extra outputs
+  (``running * momentum + batch * (1 - momentum)``; the variance is the unbiased one for a
+  torch export, as torch keeps it, and the biased one as ONNX specifies otherwise). Each
+  training-mode Dropout becomes ``X * mask * 1 / (1 - ratio)`` with the mask a new graph
+  input, which the worker draws from a seeded generator and feeds.
+- `inference_form` is the same model for evaluation: BatchNormalization with its running
+  statistics (training_mode=0), Dropout the identity.
+
+The running statistics are state (selection.py): graph inputs fed with every call, like the
+parameters, never differentiated; the step returns their new values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ps_common.errors import UnsupportedModelError
+from worker_client.engine.rewrites.prune import prune
+from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of
+from worker_client.engine.support import infer_shapes, node_label
+
+__all__ = ["MASK_PREFIX", "STATE_PREFIX", "TrainingForms", "has_training_forms",
+           "inference_form", "state_initializers", "training_form"]
+
+#: Prefix of the graph input that feeds a Dropout's mask (then the Dropout node's label).
+MASK_PREFIX = "dropout_mask:"
+#: Prefix of the output holding a state tensor's new value (then the state's name).
+STATE_PREFIX = "state_update:"
+#: BatchNormalization's attribute defaults (ONNX).
+_EPSILON, _MOMENTUM = 1e-5, 0.9
+#: Dropout's default ratio (ONNX), and the input indices of its ratio and training flag.
+_DROPOUT_RATIO, _RATIO_INPUT, _TRAINING_INPUT = 0.5, 1, 2
+#: The opset from which ReduceMean takes its axes as an input.
+_AXES_AS_INPUT = 18
+#: Producers whose running variance is the unbiased batch variance.
+_UNBIASED_PRODUCERS = frozenset({"pytorch"})
+
+
+@dataclass
+class TrainingForms:
+    """What `training_form` added: state name -> output of its new value, and mask input
+    name -> the Dropout's ratio."""
+
+    state_outputs: dict[str, str] = field(default_factory=dict)
+    dropout_rates: dict[str, float] = field(default_factory=dict)
+
+
+def _attribute(node: onnx.NodeProto, name: str, default):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name),
+                default)
+
+
+def _is_training_batch_norm(node: onnx.NodeProto) -> bool:
+    return node.op_type == "BatchNormalization" and bool(_attribute(node, "training_mode", 0))
+
+
+def _dropout_training(node: onnx.NodeProto, values: dict[str, np.ndarray]) -> bool:
+    """Whether a Dropout runs in training mode; UnsupportedModelError when its flag is
+    computed at run time."""
+    if node.op_type != "Dropout":
+        return False
+    if len(node.input) <= _TRAINING_INPUT or not node.input[_TRAINING_INPUT]:
+        return False
+    flag = values.get(node.input[_TRAINING_INPUT])
+    if flag is None:
+        raise UnsupportedModelError(
+            f"node {node_label(node)!r} (Dropout): its training_mode input "
+            f"{node.input[_TRAINING_INPUT]!r} is computed at run time; export it as a "
+            f"constant (torch.onnx.export's training= argument does)")
+    return bool(flag.reshape(-1)[0])
+
+
+def has_training_forms(model: onnx.ModelProto) -> bool:
+    """Whether the model holds a training-mode BatchNormalization or Dropout."""
+    values = constants(model)
+    return any(_is_training_batch_norm(n) or _dropout_training(n, values)
+               for n in model.graph.node)
+
+
+def state_initializers(model: onnx.ModelProto) -> list[str]:
+    """The running statistics (initializers) of the training-mode BatchNormalizations: the
+    model's state, in initializer order."""
+    read = {name for node in model.graph.node if _is_training_batch_norm(node)
+            for name in node.input[3:5]}
+    return [t.name for t in model.graph.initializer if t.name in read]
+
+
+def inference_form(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy for evaluation: BatchNormalization with running statistics, Dropout the
+    identity (its mask output, if used, all true)."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    values = constants(result)
+    emit = Emitter(result, "eval_form")
+    nodes = []
+    for node in result.graph.node:
+        if _is_training_batch_norm(node):
+            kept = [a for a in node.attribute if a.name not in ("training_mode", "momentum")]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            node.output[:] = node.output[:1]
+            nodes.append(node)
+        elif _dropout_training(node, values):
+            nodes.append(helper.make_node("Identity", [node.input[0]], [node.output[0]],
+                                          name=node.name or emit.name()))
+            if len(node.output) > 1 and node.output[1]:
+                nodes += _all_true_like(node.input[0], node.output[1], emit)
+        else:
+            nodes.append(node)
+    result.graph.ClearField("node")
+    result.graph.node.extend(nodes)
+    result.graph.initializer.extend(emit.initializers)
+    prune(result)   # the Dropouts' ratio and flag constants
+    return result
+
+
+def training_form(model: onnx.ModelProto, state: list[str]) -> tuple[onnx.ModelProto,
+                                                                     TrainingForms]:
+    """A copy with every training-mode BatchNormalization and Dropout rewritten (module
+    docstring), and what was added. `state` names the running-statistics inputs."""
+    result = infer_shapes(model)
+    values = constants(result)
+    ranks = _ranks(result)
+    forms = TrainingForms()
+    emit = Emitter(result, "train_form")
+    unbiased = result.producer_name in _UNBIASED_PRODUCERS
+    opset = opset_of(result)
+    nodes: list[onnx.NodeProto] = []
+    for node in result.graph.node:
+        if _is_training_batch_norm(node):
+            nodes += _batch_norm(node, ranks, emit, forms, state, unbiased, opset)
+        elif _dropout_training(node, values):
+            nodes += _dropout(node, values, result, emit, forms)
+        else:
+            nodes.append(node)
+    result.graph.ClearField("node")
+    result.graph.node.extend(nodes)
+    result.graph.initializer.extend(emit.initializers)
+    result.graph.ClearField("value_info")
+    for name, output in forms.state_outputs.items():
+        elem = next(v.type.tensor_type.elem_type for v in result.graph.input if v.name == name)
+        result.graph.output.append(helper.make_tensor_value_info(output, elem, None))
+    return result, forms
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    return {v.name: len(v.type.tensor_type.shape.dim)
+            for v in list(graph.input) + list(graph.value_info) + list(graph.output)
+            if v.type.tensor_type.HasField("shape")}
+
+
+def _reduce_mean(opset: int, axes: list[int], axes_input: str):
+    """A keepdims ReduceMean over `axes`, spelled for `opset` (axes an input from 18 on)."""
+    def make(value: str, out: str) -> onnx.NodeProto:
+        if opset >= _AXES_AS_INPUT:
+            return helper.make_node("ReduceMean", [value, axes_input], [out], name=out,
+                                    keepdims=1)
+        return helper.make_node("ReduceMean", [value], [out], name=out, axes=axes, keepdims=1)
+    return make
+
+
+def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
+                forms: TrainingForms, state: list[str], unbiased: bool,
+                opset_of_axes: int) -> list[onnx.NodeProto]:
+    x, scale, bias, running_mean, running_var = node.input[:5]
+    rank = ranks.get(x)
+    if rank is None or rank < 2:
+        raise UnsupportedModelError(
+            f"node {node_label(node)!r} (BatchNormalization, training mode): the rank of its "
+            f"input {x!r} is unknown; export the model with static input ranks")
+    epsilon = float(_attribute(node, "epsilon", _EPSILON))
+    momentum = float(_attribute(node, "momentum", _MOMENTUM))
+    axes = emit.ints([0] + list(range(2, rank)))
+    reduce = _reduce_mean(opset_of_axes, [0] + list(range(2, rank)), axes)
+    channel_shape = emit.ints([1, -1] + [1] * (rank - 2))
+    names = {key: emit.name() for key in (
+        "mean", "centred", "squared", "var", "stabilized", "std", "normed", "scale", "shift",
+        "scaled", "count", "flat_mean", "flat_var")}
+    n = names
+    nodes = [
+        reduce(x, n["mean"]),
+        helper.make_node("Sub", [x, n["mean"]], [n["centred"]], name=n["centred"]),
+        helper.make_node("Mul", [n["centred"], n["centred"]], [n["squared"]], name=n["squared"]),
+        reduce(n["squared"], n["var"]),
+        helper.make_node("Add", [n["var"], _scalar(emit, epsilon)], [n["stabilized"]],
+                         name=n["stabilized"]),
+        helper.make_node("Sqrt", [n["stabilized"]], [n["std"]], name=n["std"]),
+        helper.make_node("Div", [n["centred"], n["std"]], [n["normed"]], name=n["normed"]),
+        helper.make_node("Reshape", [scale, channel_shape], [n["scale"]], name=n["scale"]),
+        helper.make_node("Reshape", [bias, channel_shape], [n["shift"]], name=n["shift"]),
+        helper.make_node("Mul", [n["normed"], n["scale"]], [n["scaled"]], name=n["scaled"]),
+        helper.make_node("Add", [n["scaled"], n["shift"]], [node.output[0]],
+                         name=node.name or n["scaled"] + "_shift"),
+        helper.make_node("Reshape", [n["mean"], emit.ints([-1])], [n["flat_mean"]],
+                         name=n["flat_mean"]),
+        helper.make_node("Reshape", [n["var"], emit.ints([-1])], [n["flat_var"]],
+                         name=n["flat_var"]),
+    ]
+    batch_var = n["flat_var"]
+    if unbiased:
+        nodes += _unbiased(x, n["flat_var"], axes, emit)
+        batch_var = nodes[-1].output[0]
+    for running, batch, index in ((running_mean, n["flat_mean"], 1),
+                                  (running_var, batch_var, 2)):
+        moved = _moving_average(running, batch, momentum, emit)
+        nodes += moved
+        new_value = moved[-1].output[0]
+        if len(node.output) > index and node.output[index]:
+            nodes.append(helper.make_node("Identity", [new_value], [node.output[index]],
+                                          name=emit.name()))
+        if running in state:
+            output = STATE_PREFIX + running
+            nodes.append(helper.make_node("Identity", [new_value], [output], name=emit.name()))
+            forms.state_outputs[running] = output
+    return nodes
+
+
+def _unbiased(x: str, variance: str, axes: str, emit: Emitter) -> list[onnx.NodeProto]:
+    """variance * n / (n - 1), n the number of values each channel's statistic covers."""
+    shape, picked, count, as_float, less, ratio, out = (emit.name() for _ in range(7))
+    return [
+        helper.make_node("Shape", [x], [shape], name=shape),
+        helper.make_node("Gather", [shape, axes], [picked], name=picked, axis=0),
+        helper.make_node("ReduceProd", [picked], [count], name=count, keepdims=0),
+        helper.make_node("Cast", [count], [as_float], name=as_float, to=TensorProto.FLOAT),
+        helper.make_node("Sub", [as_float, _scalar(emit, 1.0)], [less], name=less),
+        helper.make_node("Div", [as_float, less], [ratio], name=ratio),
+        helper.make_node("Mul", [variance, ratio], [out], name=out),
+    ]
+
+
+def _moving_average(running: str, batch: str, momentum: float,
+                    emit: Emitter) -> list[onnx.NodeProto]:
+    kept, added, out = emit.name(), emit.name(), emit.name()
+    return [helper.make_node("Mul", [running, _scalar(emit, momentum)], [kept], name=kept),
+            helper.make_node("Mul", [batch, _scalar(emit, 1.0 - momentum)], [added],
+                             name=added),
+            helper.make_node("Add", [kept, added], [out], name=out)]
+
+
+def _dropout(node: onnx.NodeProto, values: dict[str, np.ndarray], model: onnx.ModelProto,
+             emit: Emitter, forms: TrainingForms) -> list[onnx.NodeProto]:
+    ratio = _DROPOUT_RATIO
+    if len(node.input) > _RATIO_INPUT and node.input[_RATIO_INPUT]:
+        given = values.get(node.input[_RATIO_INPUT])
+        if given is None:
+            raise UnsupportedModelError(
+                f"node {node_label(node)!r} (Dropout): its ratio input "
+                f"{node.input[_RATIO_INPUT]!r} is computed at run time; export it as a "
+                f"constant")
+        ratio = float(given.reshape(-1)[0])
+    if not 0 <= ratio < 1:
+        raise UnsupportedModelError(f"node {node_label(node)!r} (Dropout): ratio {ratio} is "
+                                    f"not in [0, 1)")
+    mask = MASK_PREFIX + node_label(node)
+    declared = next((v for v in list(model.graph.value_info) + list(model.graph.input)
+                     if v.name == node.input[0]), None)
+    if declared is None or not declared.type.tensor_type.HasField("shape"):
+        raise UnsupportedModelError(
+            f"node {node_label(node)!r} (Dropout, training mode): the shape of its input "
+            f"{node.input[0]!r} is unknown, so no mask can be fed for it")
+    elem = declared.type.tensor_type.elem_type
+    value_info = helper.make_tensor_value_info(mask, elem, None)
+    value_info.type.tensor_type.shape.CopyFrom(declared.type.tensor_type.shape)
+    model.graph.input.append(value_info)
+    forms.dropout_rates[mask] = ratio
+    kept = emit.name()
+    nodes = [helper.make_node("Mul", [node.input[0], mask], [kept], name=kept),
+             helper.make_node("Mul", [kept, _scalar(emit, 1.0 / (1.0 - ratio), elem)],
+                              [node.output[0]], name=node.name or emit.name())]
+    if len(node.output) > 1 and node.output[1]:
+        nodes.append(helper.make_node("Cast", [mask], [node.output[1]], name=emit.name(),
+                                      to=TensorProto.BOOL))
+    return nodes
+
+
+def _scalar(emit: Emitter, value: float, elem: int = TensorProto.FLOAT) -> str:
+    name = emit.name()
+    emit.initializers.append(numpy_helper.from_array(
+        np.array(value, helper.tensor_dtype_to_np_dtype(elem)), name))
+    return name
+
+
+def _all_true_like(value: str, out: str, emit: Emitter) -> list[onnx.NodeProto]:
+    shape = emit.name()
+    return [helper.make_node("Shape", [value], [shape], name=shape),
+            helper.make_node("ConstantOfShape", [shape], [out], name=emit.name(),
+                             value=numpy_helper.from_array(np.array([True]), "value"))]

@@ -196,13 +196,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="compute threads per worker: onnxruntime intra-op = torch.set_num_threads (default 1)")
     p.add_argument("--profile", action="store_true", help="also profile one step of ours (1 worker, async and sync)")
     p.add_argument("--profile-only", action="store_true", help="only the profile")
+    p.add_argument("--profile-modes", default="async,sync", help="modes of the profile (default async,sync)")
     p.add_argument("--no-torch", action="store_true", help="our side only, even when torch is importable")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.batch < 1:
         p.error("--steps, --repeats and --batch must be >= 1, --warmup >= 0")
     workers_list = [int(w) for w in args.workers.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
-    if any(m not in MODES for m in modes) or any(w < 1 for w in workers_list):
+    profile_modes = [m.strip() for m in args.profile_modes.split(",")]
+    if any(m not in MODES for m in modes + profile_modes) or any(w < 1 for w in workers_list):
         p.error(f"--modes takes {', '.join(MODES)}; --workers counts >= 1")
     with_torch = not args.no_torch and harness.torch_available()
     if not with_torch:
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in modes:
                     bench_case(args, workers, mode, work, size_mb, with_torch)
         if args.profile or args.profile_only:
-            for mode in ("async", "sync"):
+            for mode in profile_modes:
                 profile(args, mode, work, size_mb, with_torch)
     log(f"train_bench: loadavg at the end {harness.machine()['loadavg']}")
     return 0

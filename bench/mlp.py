@@ -16,9 +16,9 @@ import math
 from pathlib import Path
 
 import numpy as np
+import onnx
 from onnx import numpy_helper
 
-import onnx
 from ps_models.builders import write_model
 from ps_models.datasets import Dataset
 
@@ -61,4 +61,5 @@ def synthetic_dataset(*, workers: int, steps_per_worker: int, batch: int = BATCH
 
 
 def epochs_for(steps_per_worker: int) -> int:
+    """The epochs of `synthetic_dataset`'s shares that make exactly `steps_per_worker` steps."""
     return math.ceil(steps_per_worker / batches_per_epoch(steps_per_worker))

@@ -1,0 +1,164 @@
+"""What the side-by-side benchmarks (train_bench, pushpull_bench) share: child processes, ports, JSON lines.
+
+Every child is started with ``python -P`` (the working directory stays off ``sys.path``),
+in a session of its own, its stdout and stderr merged and drained by a thread, and stopped
+by its PID only (`ps_common.process.stop`: SIGTERM, then SIGKILL). Every wait is bounded.
+Shards are started with `ps_common.process.start_and_wait_ready` on 127.0.0.1, port 0.
+
+Measurements go to stdout as one JSON object a line: ``{"system", "metric", "size_mb",
+"value", "unit", ...}``; everything for people goes to stderr.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from ps_common.process import Child, start_and_wait_ready, stop
+
+#: Our system's name in the JSON lines.
+SYSTEM = "onnx-ps"
+#: The baseline's name: PyTorch's RPC framework (TensorPipe agent, its TCP transport).
+TORCH = "torch-rpc"
+#: The shard's READY line (ps_server.cli.READY_PREFIX).
+SHARD_READY = "PS_SERVER_READY "
+#: Longest wait for a shard to start, in seconds.
+SHARD_START_TIMEOUT = 60.0
+
+
+def torch_available() -> bool:
+    """True when torch can be imported here (it is a benchmark-only dependency, never the project's)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def emit(system: str, metric: str, size_mb: float, value: float, unit: str, **extra: object) -> dict:
+    """Prints one measurement as a JSON line (and returns it)."""
+    record = {"system": system, "metric": metric, "size_mb": size_mb, "value": round(float(value), 4),
+              "unit": unit, **extra}
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def machine() -> dict[str, object]:
+    """What the numbers were taken on: CPUs, the load average at the time, Python."""
+    try:
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[:3]
+    except OSError:
+        load = []
+    return {"cpus": os.cpu_count(), "loadavg": " ".join(load), "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (bound to 0 and released): for torch's rendezvous, which needs a fixed one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("TF_CONFIG", None)   # a bench shard takes its settings from its flags only
+    # TensorPipe's TCP transport (uv) listens on the interface named here: loopback only.
+    env.setdefault("TP_SOCKET_IFNAME", "lo")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def start_shard(flags: Sequence[str], *, module: str = "ps_server", env: Mapping[str, str] | None = None) -> Child:
+    """One shard process (`python -P -m ps_server FLAGS --port 0`), after its READY line; `.ready["address"]`."""
+    argv = [sys.executable, "-P", "-m", module, "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING",
+            *flags]
+    return start_and_wait_ready(f"shard ({module})", argv, SHARD_READY, timeout=SHARD_START_TIMEOUT,
+                                env=child_env(env))
+
+
+class Proc:
+    """A ``python -P -m MODULE ARGS`` child whose output lines are collected; lines with a prefix are awaited.
+
+    stdin is a pipe when `stdin` is true (for children driven by commands, see
+    `send`), else /dev/null.
+    """
+
+    def __init__(self, name: str, module: str, args: Sequence[str], *, env: Mapping[str, str] | None = None,
+                 stdin: bool = False) -> None:
+        self.name = name
+        self.argv = [sys.executable, "-P", "-m", module, *[str(a) for a in args]]
+        self.popen = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=child_env(env),
+                                      start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._drain, name=f"drain-{name}", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _drain(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def send(self, line: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(line + "\n")
+        self.popen.stdin.flush()
+
+    def wait_for(self, prefix: str, timeout: float) -> dict:
+        """The JSON after the next line starting with `prefix`, waiting at most timeout s (RuntimeError otherwise)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                line = self.lines.get(timeout=max(0.01, left)) if left > 0 else None
+            except queue.Empty:
+                line = None
+            if line is None:
+                why = f"exited with code {self.popen.poll()}" if left > 0 else f"said no {prefix.strip()} in {timeout:.0f} s"
+                tail = "\n  ".join(self.seen[-25:])
+                raise RuntimeError(f"{self.name} (pid {self.pid}) {why}; last output:\n  {tail}")
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL, to this PID only (bounded); its exit code."""
+        if self.popen.stdin is not None:
+            try:
+                self.popen.stdin.close()
+            except OSError:
+                pass
+        return stop(self.popen, grace=grace)
+
+
+def stop_all(children: Sequence[Child | Proc]) -> None:
+    """Stops every child by PID, the last started first."""
+    for child in reversed(children):
+        if isinstance(child, Proc):
+            child.stop()
+        else:
+            stop(child.popen)

@@ -1,0 +1,110 @@
+"""A shard process with its push and pull path timed per call: ``python -P -m ps_bench.profiled_shard FLAGS``.
+
+It takes the flags of ``ps-server`` and runs `ps_server.cli.main` unchanged, after
+wrapping (in this process only) the functions a push and a pull go through
+(docs/architecture.md, "The path of a push" and "... of a pull"):
+
+| name            | what is timed                                                                    |
+| --------------- | -------------------------------------------------------------------------------- |
+| server.push     | the Push handler, from its start to its response (admission, decode, domain)     |
+| server.receive  | waiting for the request stream's messages (the handler starts with the call)     |
+| server.decode   | `service._header_and_chunks` + `service._assemble`: walking and assembling the   |
+|                 | request's chunks (server.receive is inside it)                                   |
+| server.domain   | `Shard.push`: finiteness check, the lock, the policy, the update                 |
+| server.apply    | `ParameterStore.apply`: the optimizer's update                                            |
+| server.pull     | the Pull handler up to the list of messages (waiting, the lock, encoding)        |
+| server.wait     | `Shard._wait`: a pull held for min_step or the SSP bound                         |
+| server.encode   | `PullCache.messages`: the pull's messages (encoded once per version)             |
+| server.serialize| the Pull response serializer (small chunks' messages; cached ones pass as bytes) |
+
+Each call is kept as (start on the monotonic clock, seconds); at exit the calls are
+written as JSON to the file named by $PS_BENCH_PROFILE_OUT. The monotonic clock is the
+machine's, so a worker's timed window selects the calls inside it. cProfile would not do:
+it sees only the main thread, and gRPC runs the handlers on its pool's threads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+from ps_server import cli, service
+from ps_server.pull_cache import PullCache
+from ps_server.shard import Shard
+from ps_server.store import ParameterStore
+
+OUT_ENV = "PS_BENCH_PROFILE_OUT"
+
+calls: dict[str, list[tuple[float, float]]] = {}
+
+
+def timed(name: str, fn: Callable) -> Callable:
+    record = calls.setdefault(name, [])
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record.append((start, time.monotonic() - start))
+
+    return wrapper
+
+
+def received(requests: Iterator) -> Iterator:
+    """The request stream, the time spent waiting for each of its messages kept as one call of server.receive."""
+    record = calls.setdefault("server.receive", [])
+    first, spent = time.monotonic(), 0.0
+    requests = iter(requests)
+    try:
+        while True:
+            t0 = time.monotonic()
+            try:
+                item = next(requests)
+            except StopIteration:
+                spent += time.monotonic() - t0
+                return
+            spent += time.monotonic() - t0
+            yield item
+    finally:
+        record.append((first, spent))
+
+
+def install() -> None:
+    """Wraps the functions in the table of the module docstring."""
+    servicer = service.ParameterServerServicer
+    servicer.Push = timed("server.push", servicer.Push)
+    servicer._pull = timed("server.pull", servicer._pull)
+    stream = servicer._stream
+    servicer._stream = lambda self, requests, context, rpc: received(stream(self, requests, context, rpc))
+    service._header_and_chunks = timed("server.decode", service._header_and_chunks)
+    service._assemble = timed("server.decode", service._assemble)
+    Shard.push = timed("server.domain", Shard.push)
+    Shard._wait = timed("server.wait", Shard._wait)
+    ParameterStore.apply = timed("server.apply", ParameterStore.apply)
+    PullCache.messages = timed("server.encode", PullCache.messages)
+    pass_bytes = service._pass_bytes
+    service._pass_bytes = lambda serialize: timed("server.serialize", pass_bytes(serialize))
+
+
+def _write() -> None:
+    path = os.environ.get(OUT_ENV)
+    if path:
+        with open(path, "w") as f:
+            json.dump(calls, f)
+
+
+def main() -> int:
+    install()
+    atexit.register(_write)
+    return cli.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""One worker of the training benchmark (our side): `worker_client.training.Trainer` on the MLP, timed.
+
+Run by `ps_bench.train_bench` as ``python -P -m ps_bench.train_worker``. It builds the
+same things `ps-worker` builds (a `GradientEngine`, a `PSClient`, a `TrainingPlan`) and
+runs the real training loop, `Trainer.run()`: join (worker 0 initializes, start
+barrier), then pull per the shards' mode, gradients, push, until its share of the
+synthetic data is done (whole epochs: exactly warmup + steps iterations), deregister.
+
+Timing excludes start-up: the window opens when iteration `warmup` starts (its call of
+`engine.gradients`) and closes when the pull after the last iteration returns, so it
+covers exactly `steps` iterations, each one gradient, one push and one pull. The only
+instrumentation of a plain run is a clock read at those two calls.
+
+With ``--profile`` it also times, per call: the gradients (compute), the whole push and
+pull, the client's encoding of push messages (`codec.pack_encoded`) and its decoding of
+pull messages (`codec.decode_pull_response`, `PartAssembler.add/finish`). The shard's
+side is timed by `ps_bench.profiled_shard`; `ps_bench.train_bench --profile` joins both.
+
+Prints ``BENCH_RESULT {json}`` on stdout at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+
+from ps_bench import mlp
+from ps_common import codec
+from worker_client.client import PSClient
+from worker_client.engine import GradientEngine
+from worker_client.training import Trainer, TrainingPlan
+
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+class Timings:
+    """Per-call durations (start on the monotonic clock, seconds) of the functions wrapped with `timed`."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[tuple[float, float]]] = {}
+
+    def timed(self, name: str, fn: Callable) -> Callable:
+        calls = self.calls.setdefault(name, [])
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls.append((start, time.monotonic() - start))
+
+        return wrapper
+
+    def timed_generator(self, name: str, fn: Callable[..., Iterator]) -> Callable[..., Iterator]:
+        """fn returns an iterator: the time spent in each of its steps is summed into one call."""
+        calls = self.calls.setdefault(name, [])
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            first, spent = time.monotonic(), 0.0
+            iterator = fn(*args, **kwargs)
+            try:
+                while True:
+                    t0 = time.monotonic()
+                    try:
+                        item = next(iterator)
+                    except StopIteration:
+                        spent += time.monotonic() - t0
+                        return
+                    spent += time.monotonic() - t0
+                    yield item
+            finally:
+                calls.append((first, spent))
+
+        return wrapper
+
+
+def profile_client(timings: Timings) -> None:
+    """Wraps the client's encoding and decoding of tensor messages (this process only)."""
+    codec.pack_encoded = timings.timed_generator("client.encode", codec.pack_encoded)
+    codec.decode_pull_response = timings.timed("client.decode", codec.decode_pull_response)
+    codec.PartAssembler.add = timings.timed("client.decode", codec.PartAssembler.add)
+    codec.PartAssembler.finish = timings.timed("client.decode", codec.PartAssembler.finish)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    total = args.warmup + args.steps
+    timings = Timings()
+    if args.profile:
+        profile_client(timings)
+    with tempfile.TemporaryDirectory(prefix="ps-bench-worker-") as scratch:
+        model = Path(args.model) if args.model else mlp.write_mlp(Path(scratch) / "mlp.onnx")
+        engine = GradientEngine(model, batch_size=args.batch, loss="cross_entropy", intra_op_threads=args.threads,
+                                inter_op_threads=1, cache_dir=args.cache_dir)
+        dataset = mlp.synthetic_dataset(workers=args.workers, steps_per_worker=total, batch=args.batch, seed=args.seed)
+        plan = TrainingPlan(worker_index=args.index, num_workers=args.workers, batch_size=args.batch,
+                            epochs=mlp.epochs_for(total), seed=args.seed, eval_every=0, start_timeout=120.0,
+                            wait_timeout=120.0)
+        client = PSClient(args.servers.split(","), worker_id=f"bench-worker-{args.index}")
+        # Iteration boundaries: when each gradients call starts, when each pull returns.
+        starts: list[float] = []
+        pulls_done: list[float] = []
+        gradients = timings.timed("compute", engine.gradients) if args.profile else engine.gradients
+
+        def marked_gradients(*a, **k):
+            starts.append(time.monotonic())
+            return gradients(*a, **k)
+
+        pull = timings.timed("pull", client.pull) if args.profile else client.pull
+
+        def marked_pull(*a, **k):
+            try:
+                return pull(*a, **k)
+            finally:
+                pulls_done.append(time.monotonic())
+
+        engine.gradients = marked_gradients   # type: ignore[method-assign]
+        client.pull = marked_pull             # type: ignore[method-assign]
+        if args.profile:
+            client.push = timings.timed("push", client.push)   # type: ignore[method-assign]
+        try:
+            trainer = Trainer(client, engine, dataset, plan=plan, expected_mode=args.mode)
+            result = trainer.run()
+        finally:
+            client.close()
+    if len(starts) != total:
+        raise SystemExit(f"train_worker: expected {total} iterations, the trainer ran {len(starts)}")
+    opened = starts[args.warmup]
+    closed = next(t for t in pulls_done if t > starts[-1])
+    out: dict[str, Any] = {"worker": args.index, "mode": result["mode"], "iterations": len(starts),
+                           "timed_steps": args.steps, "seconds": closed - opened,
+                           "steps_per_s": args.steps / (closed - opened), "window": [opened, closed],
+                           "accepted": result["accepted"], "dropped": result["dropped"], "loss": result["loss"]}
+    if args.profile:
+        out["calls"] = {name: [c for c in calls if opened <= c[0] <= closed]
+                        for name, calls in timings.calls.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ps_bench.train_worker", description=__doc__.splitlines()[0])
+    p.add_argument("--servers", required=True, help="shard addresses, comma-separated")
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--mode", choices=["sync", "ssp", "async"], required=True, help="the shards' mode (checked)")
+    p.add_argument("--batch", type=int, default=mlp.BATCH)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="the MLP's .onnx (default: written here)")
+    p.add_argument("--cache-dir", default=None, help="gradient-model cache (default: the engine's)")
+    p.add_argument("--profile", action="store_true", help="time compute, push, pull, encode and decode per call")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    ort.set_default_logger_severity(3)
+    print(RESULT_PREFIX + json.dumps(run(args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The benchmarks run end to end in a tiny configuration, without torch, and print the JSON lines they promise.
+
+Benchmarks are not tests: these only check that `python -m ps_bench.train_bench` and
+`python -m ps_bench.pushpull_bench` start their processes, measure, clean up, and print
+parseable lines with the keys docs/benchmarks.md names. `--no-torch` keeps them on our side
+whether or not torch happens to be installed (the suite never needs it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REQUIRED = {"system", "metric", "size_mb", "value", "unit"}
+#: Longest run of one tiny benchmark, in seconds (the test's own limit is above it).
+RUN_TIMEOUT = 60
+
+
+def run_bench(module: str, *args: str, cwd: Path) -> tuple[list[dict], str]:
+    """The JSON lines a benchmark printed on stdout (every stdout line must be one), and its stderr."""
+    done = subprocess.run([sys.executable, "-P", "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"{module} exited with {done.returncode}:\n{done.stderr[-3000:]}"
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    for record in records:
+        assert REQUIRED <= set(record), record
+        assert isinstance(record["value"], (int, float)), record
+    return records, done.stderr
+
+
+@pytest.mark.timeout(90)
+def test_the_training_benchmark_prints_steps_per_second_and_a_profile(tmp_path: Path) -> None:
+    records, stderr = run_bench("ps_bench.train_bench", "--no-torch", "--workers", "1", "--modes", "sync",
+                                "--warmup", "2", "--steps", "5", "--repeats", "1", "--profile",
+                                "--profile-modes", "async", cwd=tmp_path)
+    assert "onnx-ps only" in stderr
+    rates = [r for r in records if r["metric"] == "steps_per_s"]
+    assert len(rates) == 1
+    assert rates[0]["system"] == "onnx-ps" and rates[0]["workers"] == 1 and rates[0]["mode"] == "sync"
+    assert rates[0]["unit"] == "steps/s" and rates[0]["value"] > 0
+    assert rates[0]["size_mb"] == pytest.approx((784 * 256 + 256 + 256 * 10 + 10) * 4 / 1e6, abs=1e-3)
+    parts = {r["part"]: r["value"] for r in records if r["metric"] == "profile_ms"}
+    for part in ("step", "compute", "push", "pull", "client.encode", "client.decode", "server.push",
+                 "server.decode", "server.apply", "server.encode", "server.wait", "wire.push", "wire.pull"):
+        assert part in parts, sorted(parts)
+    assert parts["compute"] > 0 and parts["server.apply"] > 0 and parts["server.encode"] > 0
+    assert parts["step"] >= parts["compute"]
+
+
+@pytest.mark.timeout(90)
+def test_the_push_pull_benchmark_prints_gigabytes_per_second(tmp_path: Path) -> None:
+    records, stderr = run_bench("ps_bench.pushpull_bench", "--no-torch", "--sizes-mb", "1", "--rounds", "2",
+                                "--repeats", "2", cwd=tmp_path)
+    assert "onnx-ps only" in stderr
+    assert [(r["system"], r["metric"], r["size_mb"], r["unit"]) for r in records] == [
+        ("onnx-ps", "pushpull_gbps", 1.0, "GB/s")]
+    assert records[0]["value"] > 0 and len(records[0]["runs"]) == 2

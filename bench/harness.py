@@ -24,7 +24,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from ps_common.process import Child, start_and_wait_ready, stop
+from ps_common.process import ChildProcess as Child
+from ps_common.process import start_and_wait_ready, stop
 
 #: Our system's name in the JSON lines.
 SYSTEM = "onnx-ps"

@@ -40,9 +40,14 @@ def shape_for(size_mb: float) -> tuple[int, int]:
 
 
 class Ours:
-    """One shard and one client of ours, kept for every size and repeat."""
+    """One shard and one client of ours, kept for every size and repeat.
 
-    def __init__(self) -> None:
+    `data_path` "push-pull" is what the training loop uses (PSClient.push_pull: one round trip,
+    through shared memory when the shard shares the host); "streams" is Push then Pull over gRPC.
+    """
+
+    def __init__(self, data_path: str = "push-pull") -> None:
+        self.data_path = data_path
         self.shard = harness.start_shard(["--mode", "async", "--optimizer", "sgd", "--lr", str(LR)])
         self.client: PSClient | None = None
         self.shape: tuple[int, int] | None = None
@@ -53,7 +58,8 @@ class Ours:
             if self.client is not None:
                 self.client.close()
                 self.restart()
-            self.client = PSClient([self.shard.ready["address"]], worker_id="pushpull-bench")
+            self.client = PSClient([self.shard.ready["address"]], worker_id="pushpull-bench",
+                                   shared_memory=self.data_path == "push-pull")
             self.client.wait_ready(timeout=30)
             tensor = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
             self.client.initialize({"t": tensor})
@@ -62,15 +68,23 @@ class Ours:
             self.shape = shape
         client = self.client
         assert client is not None
-        client.push({"t": self.grad})   # one untimed round
         client.pull()
+        step = self._round if self.data_path == "push-pull" else self._streams
+        step(client)   # one untimed round (and the shared-memory segment opened)
         start = time.perf_counter()
         for _ in range(rounds):
-            client.push({"t": self.grad})
-            pulled = client.pull()
+            pulled = step(client)
         seconds = time.perf_counter() - start
         assert pulled["t"].shape == shape
         return seconds
+
+    def _round(self, client: PSClient) -> dict:
+        _, pulled = client.push_pull({"t": self.grad})
+        return pulled if pulled is not None else client.pull()   # too large for one message without shm
+
+    def _streams(self, client: PSClient) -> dict:
+        client.push({"t": self.grad})
+        return client.pull()
 
     def restart(self) -> None:
         harness.stop_all([self.shard])
@@ -117,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="push+pull pairs per timed repeat (default: about 400 MB moved per repeat, 3 to 50)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per system and size; medians (default 5)")
     p.add_argument("--no-torch", action="store_true", help="our side only, even when torch is importable")
+    p.add_argument("--data-path", choices=("push-pull", "streams"), default="push-pull",
+                   help="ours: push-pull (the training loop's PushPull, shared memory on one host; default) "
+                        "or streams (Push then Pull over gRPC)")
     args = p.parse_args(argv)
     sizes = [float(s) for s in args.sizes_mb.split(",")]
     if args.repeats < 1 or args.rounds < 0 or any(s <= 0 for s in sizes):
@@ -129,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ours: Ours | None = None
     theirs: Theirs | None = None
     try:
-        ours = Ours()
+        ours = Ours(args.data_path)
         theirs = Theirs() if with_torch else None
         for size in sizes:
             shape = shape_for(size)
@@ -150,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     ratios.append(runs[SYSTEM][-1] / runs[TORCH][-1])
                 log(f"pushpull_bench: {size:g} MB, repeat {repeat + 1}/{args.repeats}: "
                     + ", ".join(f"{s} {v[-1]:.3f} GB/s" for s, v in runs.items() if v))
-            extra = {"rounds": rounds, "repeats": args.repeats, "shape": list(shape)}
+            extra = {"rounds": rounds, "repeats": args.repeats, "shape": list(shape), "data_path": args.data_path}
             for system, values in runs.items():
                 if values:
                     emit(system, "pushpull_gbps", size, harness.median(values), "GB/s", **extra,

@@ -7,7 +7,7 @@ barrier), then pull per the shards' mode, gradients, push, until its share of th
 synthetic data is done (whole epochs: exactly warmup + steps iterations), deregister.
 
 Timing excludes start-up: the window opens when iteration `warmup` starts (its call of
-`engine.gradients`) and closes when the pull after the last iteration returns, so it
+`engine.step`) and closes when the parameters after the last iteration are in hand, so it
 covers exactly `steps` iterations, each one gradient, one push and one pull. The only
 instrumentation of a plain run is a clock read at those two calls.
 
@@ -108,14 +108,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             epochs=mlp.epochs_for(total), seed=args.seed, eval_every=0, start_timeout=120.0,
                             wait_timeout=120.0)
         client = PSClient(args.servers.split(","), worker_id=f"bench-worker-{args.index}")
-        # Iteration boundaries: when each gradients call starts, when each pull returns.
+        # Iteration boundaries: when each gradient step starts, and when the next parameters are
+        # in hand (PushPull returned them, or the pull after it returned).
         starts: list[float] = []
         pulls_done: list[float] = []
-        gradients = timings.timed("compute", engine.gradients) if args.profile else engine.gradients
+        step = timings.timed("compute", engine.step) if args.profile else engine.step
 
-        def marked_gradients(*a, **k):
+        def marked_step(*a, **k):
             starts.append(time.monotonic())
-            return gradients(*a, **k)
+            return step(*a, **k)
+
+        push_pull = timings.timed("push_pull", client.push_pull) if args.profile else client.push_pull
+
+        def marked_push_pull(*a, **k):
+            report, values = push_pull(*a, **k)
+            if values is not None:
+                pulls_done.append(time.monotonic())
+            return report, values
 
         pull = timings.timed("pull", client.pull) if args.profile else client.pull
 
@@ -125,8 +134,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 pulls_done.append(time.monotonic())
 
-        engine.gradients = marked_gradients   # type: ignore[method-assign]
+        engine.step = marked_step             # type: ignore[method-assign]
         client.pull = marked_pull             # type: ignore[method-assign]
+        client.push_pull = marked_push_pull   # type: ignore[method-assign]
         if args.profile:
             client.push = timings.timed("push", client.push)   # type: ignore[method-assign]
         try:

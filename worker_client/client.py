@@ -210,6 +210,9 @@ class PSClient:
         self.shard_map: ShardMap | None = None
         self.steps: list[int] = [0] * len(self.addresses)   # step of each shard at the last pull
         self.clock = 0                                         # this worker's next push clock
+        # Tensor bytes moved (values and gradients at their dtypes, row ids at 8 bytes), for per-step reports
+        self.bytes_pulled = 0
+        self.bytes_pushed = 0
         self._membership = _Membership()
 
     # ------------------------------------------------------------------ plumbing
@@ -485,6 +488,7 @@ class PSClient:
         for shard, (step, parts) in zip(targets, results):
             self.steps[shard] = step
             self._place(shard_map, out, parts)
+        self.bytes_pulled += sum(p.nbytes for i in targets for p in shard_map.parts_on(i) if p.name in wanted)
         return out
 
     def push(self, gradients: Mapping[str, np.ndarray], *, clock: int | None = None,
@@ -549,6 +553,8 @@ class PSClient:
 
         responses = self._on_all("Push", send)
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
+        self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
+            len(r.data) + 8 * len(r.ids) for rows in rows_by_shard.values() for r in rows)
         return PushReport(responses, clock)
 
     def pull_rows(self, rows: Mapping[str, np.ndarray], *, min_steps: Sequence[int] | int | None = None,
@@ -582,6 +588,7 @@ class PSClient:
         for shard, answer in zip(targets, answers):
             self.steps[shard] = answer.step
             sparse.place_rows(out, plan[shard], answer)
+        self.bytes_pulled += sum(v.nbytes + 8 * len(v) for v in out.values())
         return out
 
     def push_pull(self, gradients: Mapping[str, np.ndarray], *, read_steps: Sequence[int] | None = None,
@@ -641,8 +648,10 @@ class PSClient:
         responses = [r[0] for r in results]
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         report = PushReport(responses, clock)
+        self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values())
         if not all(ready for _, ready, _, _ in results):
             return report, None
+        self.bytes_pulled += sum(p.nbytes for p in shard_map.parts)
         for shard, (_, _, step, parts) in enumerate(results):
             self.steps[shard] = step
             self._place(shard_map, out, parts)

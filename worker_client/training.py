@@ -137,9 +137,14 @@ def evaluate(engine: GradientEngine, parameters: Mapping[str, np.ndarray], x: np
              input_name: str, num_classes: int) -> dict[str, float | None]:
     """Test loss and accuracy (classification: cross-entropy of the first output; regression: MSE, no accuracy)."""
     outputs = engine.predict(parameters, {input_name: x})
-    prediction = np.asarray(outputs[engine.output_names[0]], dtype=np.float64)
+    return metrics_of(outputs[engine.output_names[0]], y, num_classes)
+
+
+def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int) -> dict[str, float | None]:
+    """Test loss, accuracy and (two classes) AUC of a model's first output against the labels (see evaluate)."""
+    prediction = np.asarray(output, dtype=np.float64)
     if num_classes > 0:
-        logits = prediction.reshape(len(x), -1)
+        logits = prediction.reshape(len(y), -1)
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         labels = np.asarray(y, dtype=np.int64).reshape(-1)
@@ -292,7 +297,6 @@ class Trainer:
         #: what a pull asks for: None (everything) when no table is sparse, else the dense tensors
         self.dense_names = None if not self.sparse.tables else \
             [n for n in [*engine.trainable_names, *engine.state_names] if n not in rows_names]
-        self._eval_engine: GradientEngine | None = None
         if len(model_inputs) == 1:
             self.input_name = model_inputs[0]
         elif dataset.input_name in model_inputs:
@@ -457,20 +461,32 @@ class Trainer:
                 return None
             self._last_eval_bucket = bucket
         train_loss, _ = self._eval_window.take()
-        engine = self.engine
-        if self.sparse.tables:   # the whole tables, into the original model (the rewritten one reads rows)
-            if self._eval_engine is None:
-                self._eval_engine = GradientEngine(engine.model_path, batch_size=engine.batch_size, loss=None)
-            counted = self.client.bytes_pulled   # an evaluation's pull is not a training step's
-            engine, parameters = self._eval_engine, self.client.pull(timeout=plan.wait_timeout)
+        if self.sparse.tables:
+            counted = self.client.bytes_pulled   # an evaluation's pulls are not a training step's
+            metrics = metrics_of(self._sparse_predict(parameters, self.dataset.x_test), self.dataset.y_test,
+                                 self.dataset.num_classes)
             self.client.bytes_pulled = counted
-        metrics = evaluate(engine, parameters, self.dataset.x_test, self.dataset.y_test,
-                           input_name=self.input_name, num_classes=self.dataset.num_classes)
+        else:
+            metrics = evaluate(self.engine, parameters, self.dataset.x_test, self.dataset.y_test,
+                               input_name=self.input_name, num_classes=self.dataset.num_classes)
         record = {"worker": plan.worker_index, "step": step, "train_loss": train_loss, **metrics,
                   "elapsed": round(elapsed, 3), "final": final}
         self.evaluations.append(record)
         self.report("eval", record)
         return record
+
+    def _sparse_predict(self, parameters: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+        """The model's first output for `x` with sparse tables: per batch-size chunk, its rows pulled and fed."""
+        engine, outputs = self.engine, []
+        dense = {k: v for k, v in parameters.items() if k in set(self.dense_names or ())}
+        for start in range(0, len(x), engine.batch_size):
+            chunk = {self.input_name: x[start:start + engine.batch_size]}
+            ids = self.sparse.unique_ids(chunk)
+            rows = self.client.pull_rows(ids, timeout=self.plan.wait_timeout)
+            params = {**dense, **{t.rows_name: self.sparse.rows_parameter(n, rows[n])
+                                  for n, t in self.sparse.tables.items()}}
+            outputs.append(engine.predict(params, self.sparse.feeds(chunk, ids))[engine.output_names[0]])
+        return np.concatenate(outputs)
 
     def run(self) -> dict[str, Any]:
         """Joins, trains and leaves (see the module docstring); returns the result (also reported as "done")."""

@@ -102,3 +102,27 @@ def test_the_rewritten_torch_export_gives_torchs_gradient_of_the_table(tmp_path)
     np.testing.assert_allclose(scattered, data["grad:table.weight"], atol=ATOL, rtol=0)
     for name in ("fc1.weight", "fc2.bias"):
         np.testing.assert_allclose(grads[name], data[f"grad:{name}"], atol=ATOL, rtol=0)
+
+
+def test_a_table_in_external_data_is_mapped_not_read_and_gives_the_dense_gradient(tmp_path):
+    from ps_models.large_table import write_large_embedding
+
+    rows, dim, bag = 3000, 8, 4
+    path = write_large_embedding(tmp_path / "big.onnx", rows=rows, dim=dim, bag=bag, seed=1)
+    dense = GradientEngine(path, batch_size=BATCH, cache_dir=tmp_path / "cache")
+    sparse = GradientEngine(path, batch_size=BATCH, cache_dir=tmp_path / "cache", sparse_min_rows=rows)
+    table = sparse.server_parameters()["embedding.weight"]
+    assert isinstance(table, np.memmap) and table.shape == (rows, dim)
+    np.testing.assert_array_equal(table, dense.parameters()["embedding.weight"])
+    ids = np.random.default_rng(0).integers(0, rows, size=(BATCH, bag)).astype(np.int64)
+    labels = np.arange(BATCH, dtype=np.int64) % 2
+    _, grads = dense.gradients(dense.parameters(), {"ids": ids, "labels": labels})
+    plan = sparse.sparse
+    unique = plan.unique_ids({"ids": ids})
+    params = {k: v for k, v in sparse.parameters().items() if not k.endswith(".rows")}
+    params["embedding.weight.rows"] = plan.rows_parameter("embedding.weight", table[unique["embedding.weight"]])
+    _, sparse_grads = sparse.gradients(params, plan.feeds({"ids": ids, "labels": labels}, unique))
+    rows_ids, values = plan.row_gradients(sparse_grads, unique)["embedding.weight"]
+    scattered = np.zeros((rows, dim), np.float32)
+    np.add.at(scattered, rows_ids, values)
+    np.testing.assert_allclose(scattered, grads["embedding.weight"], atol=ATOL, rtol=0)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from onnx.external_data_helper import load_external_data_for_model
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.batch import fix_batch
@@ -28,7 +29,7 @@ from worker_client.engine.feeds import (
     shown,
 )
 from worker_client.engine.lift import lift_parameters
-from worker_client.engine.load import load_model
+from worker_client.engine.load import clamp_ir_version, load_model, read_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
@@ -122,12 +123,21 @@ class GradientEngine:
 
     def _build(self, include: Sequence[str], exclude: Sequence[str]) -> None:
         """The stages, in order; the gradient model's own are in `_gradient_graph`."""
-        model = upgrade_opset(load_model(self.model_path), self.model_path)
         named, min_rows = self._sparse_request
-        tables = find_sparse_tables(model, min_rows=min_rows, named=named)
         self.sparse = SparsePlan({}, [])
-        if tables:   # stage "sparse": each table's Gathers read only the batch's rows (engine/sparse.py)
-            model, self.sparse = rewrite_sparse(model, tables, self.batch_size)
+        if named or min_rows is not None:
+            # stage "sparse": each table's Gathers read only the batch's rows (engine/sparse.py); a table
+            # in external data is mapped from its file, never read whole into the model
+            model = read_model(self.model_path, external_data=False)
+            tables = find_sparse_tables(model, min_rows=min_rows, named=named)
+            if tables:
+                model, self.sparse = rewrite_sparse(model, tables, self.batch_size,
+                                                    base_dir=self.model_path.parent)
+            load_external_data_for_model(model, str(self.model_path.parent))
+            clamp_ir_version(model)
+        else:
+            model = load_model(self.model_path)
+        model = upgrade_opset(model, self.model_path)
         self.trainable_names: list[str] = trainable_parameters(
             model, include=include, exclude=exclude, source=self.model_path,
             expect=self._expect)
@@ -205,10 +215,13 @@ class GradientEngine:
         return {name: value.copy() for name, value in self._initial.items()}
 
     def server_parameters(self) -> dict[str, np.ndarray]:
-        """What the shards hold: `parameters()` with each sparse table whole in place of its rows parameter."""
+        """What the shards hold: `parameters()` with each sparse table whole in place of its rows parameter.
+
+        A table is the engine's own array, not a copy (read-only: a table in external data is
+        mapped from its file, so a 10^7-row table costs no memory until it is sent)."""
         rows = {t.rows_name for t in self.sparse.tables.values()}
         out = {name: value for name, value in self.parameters().items() if name not in rows}
-        out.update({name: t.initial.copy() for name, t in self.sparse.tables.items()})
+        out.update({name: t.initial for name, t in self.sparse.tables.items()})
         return out
 
     def state(self) -> dict[str, np.ndarray]:

@@ -18,8 +18,10 @@ dense gradient (tests/unit/test_sparse_engine.py).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -135,8 +137,32 @@ def find_sparse_tables(model: onnx.ModelProto, *, min_rows: int | None = None,
     return found
 
 
-def rewrite_sparse(model: onnx.ModelProto, tables: Sequence[str], batch_size: int) -> tuple[onnx.ModelProto, SparsePlan]:
-    """A copy of `model` where each table's Gathers read "T.rows" at "IDX@T.positions" (see the module's doc)."""
+def table_value(tensor: onnx.TensorProto, base_dir: str | os.PathLike[str] | None) -> np.ndarray:
+    """A table's value: mapped read-only from its external data file (never read whole), or from the model."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor)
+    info = {e.key: e.value for e in tensor.external_data}
+    if base_dir is None:
+        raise ValueError(f"table {tensor.name!r} is in external data, but the model's folder is unknown")
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
+    shape = tuple(int(d) for d in tensor.dims)
+    path = Path(base_dir) / info["location"]
+    if Path(info["location"]).is_absolute() or ".." in Path(info["location"]).parts:
+        raise ValueError(f"table {tensor.name!r}: external data location {info['location']!r} is outside the "
+                         "model's folder")
+    need = math.prod(shape) * dtype.itemsize
+    if int(info.get("length", need)) != need:
+        raise ValueError(f"table {tensor.name!r}: external data length {info.get('length')} for shape {list(shape)} "
+                         f"of {dtype.name} ({need} bytes)")
+    return np.memmap(path, dtype=dtype, mode="r", offset=int(info.get("offset", 0)), shape=shape)
+
+
+def rewrite_sparse(model: onnx.ModelProto, tables: Sequence[str], batch_size: int, *,
+                   base_dir: str | os.PathLike[str] | None = None) -> tuple[onnx.ModelProto, SparsePlan]:
+    """A copy of `model` where each table's Gathers read "T.rows" at "IDX@T.positions" (see the module's doc).
+
+    `base_dir`: the model's folder, where a table in external data is mapped from (`table_value`).
+    """
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -145,7 +171,7 @@ def rewrite_sparse(model: onnx.ModelProto, tables: Sequence[str], batch_size: in
     plan = SparsePlan({}, [])
     for name in tables:
         tensor = initializers[name]
-        value = numpy_helper.to_array(tensor)
+        value = table_value(tensor, base_dir)
         gathers = _gathers_only(graph, name, set(inputs))
         if gathers is None:
             raise ValueError(f"table {name!r} cannot train sparsely (see find_sparse_tables)")
@@ -168,7 +194,8 @@ def rewrite_sparse(model: onnx.ModelProto, tables: Sequence[str], batch_size: in
         for g in gathers:
             g.input[0] = table.rows_name
             g.input[1] = table.positions[g.input[1]]
-        rows = numpy_helper.from_array(np.zeros((table.capacity, *value.shape[1:]), value.dtype), table.rows_name)
+        rows = numpy_helper.from_array(np.zeros((table.capacity, *value.shape[1:]), value.dtype.newbyteorder("=")),
+                                       table.rows_name)
         graph.initializer.remove(tensor)
         graph.initializer.append(rows)
         plan.tables[name] = table

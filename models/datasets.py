@@ -270,7 +270,7 @@ _SYNTHETIC: dict[str, dict[str, tuple[type, float | int]]] = {
     "regression": {"n": (int, 2000), "features": (int, 16), "outputs": (int, 1),
                    "noise": (float, 0.1), "test": (float, 0.2)},
     "ids": {"n": (int, 2000), "vocab": (int, 1000), "bag": (int, 8), "classes": (int, 2),
-            "signal": (float, 0.7), "test": (float, 0.2)},
+            "signal": (float, 0.7), "test": (float, 0.2), "hot": (int, 0)},
 }
 
 
@@ -325,6 +325,8 @@ def _check_synthetic(spec: str, kind: str, p: dict[str, float | int]) -> None:
     if kind == "ids":
         if not 0.0 <= p["signal"] <= 1.0:
             raise fail(f"signal={p['signal']} must lie in [0, 1]")
+        if p["hot"] < 0 or p["hot"] > p["vocab"] or (p["hot"] and p["hot"] < p["classes"]):
+            raise fail(f"hot={p['hot']} must be 0 (every id) or in [classes={p['classes']}, vocab={p['vocab']}]")
         if p["vocab"] < p["classes"]:
             raise fail(f"vocab={p['vocab']} is smaller than classes={p['classes']}")
 
@@ -347,6 +349,18 @@ def _synthetic(spec: str, *, seed: int) -> Dataset:
         x64 = rng.normal(size=(n, features))
         y = (x64 @ weights + p["noise"] * rng.normal(size=(n, outputs))).astype(np.float32)
         x = x64.astype(np.float32)
+    elif p["hot"]:  # ids drawn from `hot` ids spread over [0, vocab): a huge table, a learnable signal
+        vocab, bag, classes, hot = int(p["vocab"]), int(p["bag"]), int(p["classes"]), int(p["hot"])
+        pool = np.sort(rng.choice(vocab, size=hot, replace=False)).astype(np.int64)
+        token_class = rng.permutation(np.arange(hot) % classes)
+        by_class = [pool[token_class == c] for c in range(classes)]
+        y = rng.permutation(np.arange(n) % classes).astype(np.int64)
+        x = pool[rng.integers(0, hot, size=(n, bag))]
+        informative = rng.random(size=(n, bag)) < p["signal"]
+        for c in range(classes):
+            rows, cols = np.nonzero(informative & (y == c)[:, None])
+            x[rows, cols] = rng.choice(by_class[c], size=len(rows))
+        input_name, num_classes = "ids", classes
     else:  # ids: each token leans to one class; a bag mixes its class's tokens with noise
         vocab, bag, classes = int(p["vocab"]), int(p["bag"]), int(p["classes"])
         token_class = rng.permutation(np.arange(vocab) % classes)

@@ -9,6 +9,7 @@ once into a fresh array.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -455,3 +456,31 @@ def spec_to_wire(name: str, dtype: np.dtype | str, shape: Sequence[int], *,
     """A ParameterSpec message (`state`: model state, replaced by pushes, not optimized)."""
     return pb.ParameterSpec(name=name, dtype=dtype_to_wire(dtype), shape=[int(d) for d in shape],
                             state=state)
+
+
+# ---------------------------------------------------------------- sparse rows (RowGradient, RowValues)
+
+def rows_to_wire(array: np.ndarray) -> tuple[int, bytes]:
+    """(ps.v1.DType, raw bytes) of a block of rows (RowGradient.data, RowValues.data)."""
+    array = as_wire_array(array)
+    return dtype_to_wire(array.dtype), array.reshape(-1).view(np.uint8).tobytes() if array.size else b""
+
+
+def rows_from_wire(name: str, dtype: int, data: bytes, count: int, row_shape: Sequence[int], *,
+                   want: np.dtype | None = None) -> np.ndarray:
+    """The rows of `name` in `data`: `count` rows of `row_shape`, as an array of shape (count, *row_shape).
+
+    With `want` float32 (a push), float16 or bfloat16 rows are widened to float32 (the
+    half-size wire); any other dtype than `want` is InvalidTensorError naming the tensor.
+    A byte count other than count * row elements * itemsize is InvalidTensorError too.
+    """
+    got = dtype_from_wire(dtype, name=name)
+    if want is not None and got != want and not (want == np.dtype("<f4") and got in NARROW_FLOAT32):
+        raise InvalidTensorError(f"rows of tensor {name!r} arrived as {got.name}, the tensor is {want.name}")
+    shape = (count, *(int(d) for d in row_shape))
+    need = math.prod(shape) * got.itemsize
+    if len(data) != need:
+        raise InvalidTensorError(f"rows of tensor {name!r}: {len(data)} bytes for {count} rows of shape "
+                                 f"{list(shape[1:])} {got.name}, which need {need}")
+    rows = np.frombuffer(data, dtype=got).reshape(shape) if need else np.zeros(shape, got)
+    return rows.astype(want) if want is not None and got != want else rows

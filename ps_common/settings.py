@@ -232,6 +232,12 @@ class WorkerSettings:
     expect_parameters: int | None = _setting(None, "--expect-parameters", scopes=_WORKER, minimum=1,
                                              help="fail unless the model has exactly this many trainable "
                                                   "parameters (catches variables an exporter folded away)")
+    sparse_tables: list[str] = _setting([], "--sparse-tables", scopes=_WORKER, metavar="NAME,...",
+                                        help="embedding tables to train sparsely: each step pulls and pushes only "
+                                             "the rows its batch touches (used only through Gather on axis 0; "
+                                             "docs/protocol.md, \"Sparse rows\")")
+    sparse_min_rows: int | None = _setting(None, "--sparse-min-rows", scopes=_WORKER, minimum=1,
+                                           help="also train sparsely every such table with at least this many rows")
     steps: int | None = _setting(None, "--steps", scopes=_WORKER, minimum=1,
                                  default_doc=f"{DEFAULT_STEPS} when epochs is unset",
                                  help="stop when the shards' global step reaches this")

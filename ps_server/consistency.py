@@ -38,6 +38,8 @@ from typing import Protocol
 import numpy as np
 
 from ps_common.errors import InvalidTensorError
+from ps_server import rows
+from ps_server.rows import RowGrad
 
 log = logging.getLogger(__name__)
 
@@ -222,11 +224,11 @@ class SyncPolicy(ConsistencyPolicy):
         for key, grad in grads.items():
             acc = self.accumulator.get(key)
             if acc is None:
-                # a decoded multi-chunk gradient is a fresh array nobody else holds: take it as is
-                fresh = grad.flags.writeable and grad.flags.owndata
+                # a decoded multi-chunk gradient (or a RowGrad, built fresh) is held by nobody else: take it as is
+                fresh = isinstance(grad, RowGrad) or (grad.flags.writeable and grad.flags.owndata)
                 self.accumulator[key] = grad if fresh else np.array(grad, copy=True)
             else:
-                np.add(acc, grad, out=acc)
+                self.accumulator[key] = rows.add(acc, grad)
         self.contributors.append(worker_id)
         return self._maybe_complete(host, accepted=True)
 
@@ -239,7 +241,7 @@ class SyncPolicy(ConsistencyPolicy):
         count = len(self.contributors)
         if count > 1:
             for acc in self.accumulator.values():
-                np.multiply(acc, 1.0 / count, out=acc)
+                rows.scale(acc, 1.0 / count)
         host.apply(self.accumulator)
         self.contributors, self.accumulator = [], {}
         return Decision(accepted, applied=count, events=events)
@@ -255,7 +257,9 @@ class SyncPolicy(ConsistencyPolicy):
                           aggregated=len(self.contributors))
 
     def snapshot(self, copy: Callable[[np.ndarray], np.ndarray]) -> PolicySnapshot:
-        return PolicySnapshot(list(self.contributors), {k: copy(v) for k, v in self.accumulator.items()})
+        # a row accumulator is written dense (checkpoints hold arrays); it applies the same after a restore
+        return PolicySnapshot(list(self.contributors),
+                              {k: v.dense() if isinstance(v, RowGrad) else copy(v) for k, v in self.accumulator.items()})
 
     def restore(self, snapshot: PolicySnapshot) -> None:
         self.contributors = list(snapshot.contributors or [])

@@ -142,6 +142,8 @@ class Optimizer(abc.ABC):
         if not isinstance(step_array, np.ndarray) or step_array.dtype != np.int64 or step_array.shape != ():
             step_array = state["step"] = np.array(0 if step_array is None else step_array, dtype=np.int64).reshape(())
         np.add(step_array, 1, out=step_array)
+        if "row_step" in state:   # a table also updated sparsely: every row took this update
+            np.add(state["row_step"], 1, out=state["row_step"])
         coefficients = self._coefficients(int(step_array))
 
         arrays = [param, grad, *slots]
@@ -165,6 +167,42 @@ class Optimizer(abc.ABC):
         else:
             scratch = [np.empty(param.shape, dtype=param.dtype) for _ in range(self._SCRATCH)]
             self._update(param, grad.astype(param.dtype) if cast else grad, slots, scratch, coefficients)
+
+    def apply_rows(self, param: np.ndarray, rows: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray]) -> None:
+        """Lazy sparse update: only ``param[rows]`` and their slot rows change (``rows`` unique).
+
+        Each row keeps its own update count in the slot "row_step" (int64, one per row, made
+        on the first sparse update from the part's "step"), and a row's update uses the
+        coefficients of its own count: Adam's bias correction of a row updated 3 times is
+        that of step 3, however many steps the table saw. Untouched rows, and their
+        momentum and moments, stay as they are (dense Adam would decay them every step).
+        """
+        if param.dtype.kind != "f":
+            raise ValueError(f"param dtype must be floating point, got {param.dtype}")
+        if grad.shape != (len(rows),) + param.shape[1:]:
+            raise ValueError(f"row grad has shape {grad.shape}, {len(rows)} rows of param {param.shape} need "
+                             f"{(len(rows),) + param.shape[1:]}")
+        if not len(rows):
+            return
+        row_step = state.get("row_step")
+        if row_step is None:
+            row_step = state["row_step"] = np.full(param.shape[0], int(state.get("step", 0)), np.int64)
+        row_step[rows] += 1
+        steps = row_step[rows]
+        names = list(self._slots())
+        for step in np.unique(steps):
+            pick = steps == step
+            sel = rows if pick.all() else rows[pick]
+            p = param[sel]
+            slots = [state[name][sel] for name in names]
+            g = grad if pick.all() else grad[pick]
+            if g.dtype != param.dtype:
+                g = g.astype(param.dtype)
+            scratch = [np.empty(p.shape, dtype=param.dtype) for _ in range(self._SCRATCH)]
+            self._update(p, g, slots, scratch, self._coefficients(int(step)))
+            param[sel] = p
+            for name, array in zip(names, slots):
+                state[name][sel] = array
 
 
 def _decayed(p: np.ndarray, g: np.ndarray, weight_decay: float, out: np.ndarray) -> np.ndarray:

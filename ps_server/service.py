@@ -17,7 +17,7 @@ import numpy as np
 
 from ps_common import codec
 from ps_common.errors import (REASON_KEY, InvalidRequestError, PSError, SharedMemoryUnavailableError,
-                              UnknownWorkerError, WaitTimeoutError, shorten)
+                              UnknownTensorError, UnknownWorkerError, WaitTimeoutError, shorten)
 from ps_common.shared_memory import Layout
 from ps_common.shard_map import ParamSpec
 from ps_proto.v1 import parameter_server_pb2 as pb
@@ -241,7 +241,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             header, chunks = _header_and_chunks(self._stream(request_iterator, context, "Push"), "Push",
                                                 pb.PushHeader)
             grads = _assemble(chunks, self.shard.push_layout(), widen=True)   # half-size wire: widened
-            result = self.shard.push(header.worker_id, header.clock, header.read_step, grads)
+            result = self.shard.push(header.worker_id, header.clock, header.read_step, grads,
+                                     self._row_grads(header))
         return push_response(result)
 
     def Pull(self, request, context):
@@ -256,6 +257,35 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             return self.shard.pull(list(request.names), min_step=request.min_step, worker_id=request.worker_id,
                                    clock=request.clock, timeout=timeout,
                                    read=lambda step, parts: self.pull_cache.messages(step, parts, wire))
+
+    def _row_grads(self, header: pb.PushHeader) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """The header's RowGradients as (name, ids, rows) arrays (widened from a half-size wire)."""
+        if not header.row_gradients:
+            return []
+        self.shard.push_layout()   # FAILED_PRECONDITION before InitParameters
+        specs = self.shard.store.shard_map.specs
+        out = []
+        for rg in header.row_gradients:
+            spec = specs.get(rg.name)
+            if spec is None:
+                raise UnknownTensorError(f"row gradient: tensor {rg.name!r} is not a parameter of this model")
+            ids = np.array(rg.ids, dtype=np.int64)
+            out.append((rg.name, ids, codec.rows_from_wire(rg.name, rg.dtype, rg.data, len(ids), spec.shape[1:],
+                                                           want=np.dtype(spec.dtype))))
+        return out
+
+    @translate_errors
+    def PullRows(self, request, context):
+        with self.admission.enter("PullRows"):
+            timeout = self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())
+            tables = [(t.name, np.array(t.ids, dtype=np.int64)) for t in request.tables]
+            step, rows = self.shard.pull_rows(tables, min_step=request.min_step, worker_id=request.worker_id,
+                                              clock=request.clock, timeout=timeout)
+        response = pb.PullRowsResponse(step=step)
+        for name, values in rows:
+            dtype, data = codec.rows_to_wire(values)
+            response.tables.add(name=name, dtype=dtype, shape=values.shape, data=data)
+        return response
 
     @translate_errors
     def Barrier(self, request, context):
@@ -310,7 +340,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 grads = {slot.key: segment[0].view(slot) for slot in segment[1].gradients}
             else:
                 grads = _assemble(chunks, self.shard.push_layout(), widen=True)
-            result = self.shard.push(header.worker_id, header.clock, header.read_step, grads)
+            result = self.shard.push(header.worker_id, header.clock, header.read_step, grads,
+                                     self._row_grads(header))
             min_step = step_after_push(result.accepted, result.drop_reason, header.read_step, result.step) \
                 if pull.wait_for_step else 0
             wire = wire_dtype(pull.wire_dtype)

@@ -38,11 +38,15 @@ from ps_server.consistency import ConsistencyPolicy, Decision, DropReason, Polic
 from ps_server.events import Events
 from ps_server.membership import Membership, PushResult, WorkerRecord
 from ps_server.optimizers import make_optimizer
+from ps_server.rows import RowGrad, owned_parts, split_gradient
 from ps_server.store import ParameterStore, PartKey, PartState
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: The optimizer slot of per-row update counts (lazy sparse updates, ps_server/optimizers.py apply_rows).
+ROW_STEP = "row_step"
 
 #: Longest single sleep of a wait: waiters re-check stop, resets and their deadline at least this often (s).
 WAIT_SLICE_SECONDS = 1.0
@@ -245,13 +249,22 @@ class Shard:
         with self._cond:
             return list(self.store.parts.items())
 
-    def push(self, worker_id: str, clock: int, read_step: int, grads: Mapping[PartKey, np.ndarray]) -> PushResult:
-        """Applies, accumulates or drops one decoded push; answers retries without re-applying."""
+    def push(self, worker_id: str, clock: int, read_step: int, grads: Mapping[PartKey, np.ndarray],
+             row_grads: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()) -> PushResult:
+        """Applies, accumulates or drops one decoded push; answers retries without re-applying.
+
+        `row_grads` are sparse gradients (tensor name, global row ids, rows), checked and cut
+        into a RowGrad per owned part of the tensor (ps_server/rows.py) beside `grads`.
+        """
         self.check_id("push header: worker_id", worker_id)
         if not 0 <= clock < MAX_COUNTER or not 0 <= read_step < MAX_COUNTER:
             raise InvalidRequestError(f"push from {worker_id!r}: clock {clock} and read_step {read_step} must be in "
                                       f"[0, {MAX_COUNTER})")
+        if row_grads:
+            grads = self._with_rows(worker_id, clock, grads, row_grads)
         for (name, row_start), grad in grads.items():
+            if isinstance(grad, RowGrad):
+                continue   # checked by split_gradient
             if grad.dtype.kind != "f":
                 raise InvalidTensorError(
                     f"push from {worker_id!r} at clock {clock}: {name!r} rows from {row_start} is {grad.dtype.name}: "
@@ -287,8 +300,29 @@ class Shard:
             self.membership.remember(record, clock, result)
             self._cond.notify_all()
         self.events.emit("push", worker_id=worker_id, accepted=decision.accepted, reason=decision.drop_reason,
-                         staleness=staleness, nbytes=sum(g.nbytes for g in grads.values()))
+                         staleness=staleness, nbytes=sum(g.nbytes for g in grads.values()),
+                         rows=sum(len(g.rows) for g in grads.values() if isinstance(g, RowGrad)))
         return result
+
+    def _with_rows(self, worker_id: str, clock: int, grads: Mapping[PartKey, np.ndarray],
+                   row_grads: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> dict[PartKey, np.ndarray | RowGrad]:
+        """`grads` plus the checked row gradients (before the lock: a bad one changes nothing)."""
+        shard_map = self.store.shard_map
+        if shard_map is None:
+            raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet: push before InitParameters")
+        where = f"push from {worker_id!r} at clock {clock}"
+        merged: dict[PartKey, np.ndarray | RowGrad] = dict(grads)
+        named: set[str] = set()
+        for name, ids, values in row_grads:
+            if name in named:
+                raise InvalidTensorError(f"{where}: tensor {name!r} has two row gradients; send one (ids may repeat)")
+            named.add(name)
+            for key, grad in split_gradient(shard_map, self.config.shard_index, name, ids, values, where).items():
+                if key in merged:
+                    raise InvalidTensorError(f"{where}: tensor {name!r} rows from {key[1]} has both a dense gradient "
+                                             "and a row gradient")
+                merged[key] = grad
+        return merged
 
     def _duplicate(self, record: WorkerRecord, clock: int) -> PushResult:
         first = record.outcomes.get(clock)
@@ -303,7 +337,7 @@ class Shard:
     # ------------------------------------------------------------------ pull
 
     def pull(self, names: Sequence[str], *, min_step: int, worker_id: str, clock: int, timeout: float,
-             read: Callable[[int, list[PartState]], T]) -> T:
+             read: Callable[[int, list[PartState]], T], nbytes: int | None = None) -> T:
         """Waits for min_step and the policy's pull rule (at most timeout s), then returns read(step, parts).
 
         `read` runs under the shard's lock, so it sees the parts' values of exactly that
@@ -326,8 +360,38 @@ class Shard:
 
             self._wait(blocker, timeout, f"pull by {worker_id or 'a client'!r} on shard {self.config.shard_index}")
             result = read(self.step, parts)
-        self.events.emit("pull", nbytes=sum(p.value.nbytes for p in parts))
+        self.events.emit("pull", nbytes=sum(p.value.nbytes for p in parts) if nbytes is None else nbytes)
         return result
+
+    def pull_rows(self, tables: Sequence[tuple[str, np.ndarray]], *, min_step: int, worker_id: str, clock: int,
+                  timeout: float) -> tuple[int, list[tuple[str, np.ndarray]]]:
+        """(step, [(name, rows)]): the rows `ids` of each named tensor (ids this shard owns), after the waits of pull."""
+        if min_step < 0:
+            raise InvalidRequestError(f"min_step must be >= 0, got {min_step}")
+        if not tables:
+            raise InvalidRequestError("PullRows: no tables named")
+        names = [name for name, _ in tables]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError(f"PullRows: a tensor is named twice in {names[:10]}")
+        shard_map = self.store.shard_map
+        if shard_map is None:
+            raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet: pull before InitParameters")
+        where = f"PullRows by {worker_id or 'a client'!r}"
+        plan = [(name, ids, owned_parts(shard_map, self.config.shard_index, name, ids, where)) for name, ids in tables]
+
+        def read(step: int, parts: list[PartState]) -> tuple[int, list[tuple[str, np.ndarray]]]:
+            out = []
+            for name, ids, found in plan:
+                spec = shard_map.specs[name]
+                rows = np.empty((len(ids), *spec.shape[1:]), dtype=spec.dtype)
+                for part, pos in found:
+                    rows[pos] = self.store.parts[(part.name, part.row_start)].value[ids[pos] - part.row_start]
+                out.append((name, rows))
+            return step, out
+
+        nbytes = sum(len(ids) * shard_map.specs[name].row_bytes for name, ids in tables)
+        return self.pull(names, min_step=min_step, worker_id=worker_id, clock=clock, timeout=timeout, read=read,
+                         nbytes=nbytes)
 
     # ------------------------------------------------------------------ membership
 
@@ -496,12 +560,15 @@ class Shard:
                 raise CheckpointMismatchError(
                     f"{where}: part {part.name!r} rows from {part.row_start} is {snap.value.dtype}{list(snap.value.shape)} "
                     f"rows to {snap.row_end}, the shard map says {dtype}{list(shape)} rows to {part.row_end}")
-            if set(snap.slots) != set(fresh_slots):
+            if set(snap.slots) - {ROW_STEP} != set(fresh_slots):
                 raise CheckpointMismatchError(
                     f"{where}: part {part.name!r} has optimizer slots {sorted(snap.slots)}, "
                     f"optimizer {self.optimizer.name!r} needs {sorted(fresh_slots)}")
             for slot, array in snap.slots.items():
-                want = fresh_slots[slot].shape if fresh_slots[slot].ndim == 0 else shape
+                if slot == ROW_STEP:   # per-row update counts of a table trained sparsely
+                    want = shape[:1]
+                else:
+                    want = fresh_slots[slot].shape if fresh_slots[slot].ndim == 0 else shape
                 if tuple(array.shape) != tuple(want):
                     raise CheckpointMismatchError(
                         f"{where}: slot {slot!r} of {part.name!r} rows from {part.row_start} has shape "
@@ -513,6 +580,9 @@ class Shard:
                     raise CheckpointMismatchError(f"{where}: accumulator of {part.name!r} has shape "
                                                   f"{list(snap.accumulator.shape)}, the part {list(shape)}")
                 accumulator[key] = _writable(snap.accumulator)
+                if ROW_STEP in snap.slots:   # a table trained sparsely: its written-dense accumulator is rows again
+                    touched = np.flatnonzero(accumulator[key].reshape(len(accumulator[key]), -1).any(axis=1))
+                    accumulator[key] = RowGrad(touched.astype(np.int64), accumulator[key][touched], shape[0])
         return shard_map, parts, accumulator
 
     # ------------------------------------------------------------------ info

@@ -14,6 +14,7 @@ import numpy as np
 from ps_common.errors import InitMismatchError, InvalidTensorError, NotInitializedError, UnknownTensorError
 from ps_common.shard_map import ParamSpec, Part, ShardMap, build_shard_map
 from ps_server.optimizers import Optimizer
+from ps_server.rows import RowGrad
 
 PartKey = tuple[str, int]  # (tensor name, row_start)
 
@@ -125,13 +126,15 @@ class ParameterStore:
         wanted = set(names)
         return [s for s in self.parts.values() if s.part.name in wanted]
 
-    def apply(self, grads: Mapping[PartKey, np.ndarray]) -> None:
+    def apply(self, grads: Mapping[PartKey, np.ndarray | RowGrad]) -> None:
         """Runs the optimizer on each given part (in place) and bumps its version. A state
         part (ParamSpec.state: running statistics) takes the pushed value itself instead."""
         assert self.shard_map is not None
         for key, grad in grads.items():
             state = self.parts[key]
-            if self.shard_map.specs[key[0]].state:
+            if isinstance(grad, RowGrad):   # sparse: only the touched rows (checked by the shard: not state)
+                self.optimizer.apply_rows(state.value, grad.rows, grad.values, state.slots)
+            elif self.shard_map.specs[key[0]].state:
                 state.value[...] = grad
             else:
                 self.optimizer.apply(state.value, grad, state.slots)

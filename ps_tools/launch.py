@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mean(values) -> float | None:
+    """The mean of the values that are not None (None when none is)."""
+    present = [v for v in values if v is not None]
+    return round(sum(present) / len(present), 1) if present else None
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -358,6 +364,11 @@ class Launcher:
         train_seconds = max((r["seconds"] for r in results), default=0.0)
         return {
             "test_accuracy": chief.get("test_accuracy"), "test_loss": chief.get("test_loss"),
+            "test_auc": chief.get("test_auc"),
+            # per worker step, averaged over the workers: tensor bytes (rows and ids for sparse tables)
+            "bytes_pulled_per_step": _mean(r.get("bytes_pulled_per_step") for r in results),
+            "bytes_pushed_per_step": _mean(r.get("bytes_pushed_per_step") for r in results),
+            "unique_rows_per_step": _mean(r.get("unique_rows_per_step") for r in results),
             "steps": chief.get("steps"), "seconds": round(time.monotonic() - self.started, 3),
             "train_seconds": train_seconds, "samples_per_second": round(samples / max(train_seconds, MIN_SECONDS), 1),
             "samples": samples, "mode": c.job.mode, "workers": c.job.workers, "shards": c.job.shards,

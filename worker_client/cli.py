@@ -70,7 +70,8 @@ def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threadi
         engine = GradientEngine(model_path, batch_size=w.batch_size, loss=w.loss, device=w.device,
                                 include=w.include, exclude=w.exclude, expect_parameters=w.expect_parameters,
                                 seed=(job.job.seed, w.index),   # this worker's Dropout masks
-                                intra_op_threads=w.intra_op_threads)
+                                intra_op_threads=w.intra_op_threads, sparse_tables=w.sparse_tables,
+                                sparse_min_rows=w.sparse_min_rows)
         _log_parameters(engine, chief=w.index == 0)
         plan = TrainingPlan(worker_index=w.index, num_workers=job.job.workers or 1, batch_size=w.batch_size,
                             steps=w.steps, epochs=w.epochs, seed=job.job.seed, eval_every=w.eval_every,

@@ -34,6 +34,7 @@ from ps_common.errors import (REASON_KEY, InvalidTensorError, NotInitializedErro
 from ps_common import shared_memory
 from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 from ps_common.shared_memory import Layout, Segment
+from worker_client import sparse
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -209,6 +210,9 @@ class PSClient:
         self.shard_map: ShardMap | None = None
         self.steps: list[int] = [0] * len(self.addresses)   # step of each shard at the last pull
         self.clock = 0                                         # this worker's next push clock
+        # Tensor bytes moved (values and gradients at their dtypes, row ids at 8 bytes), for per-step reports
+        self.bytes_pulled = 0
+        self.bytes_pushed = 0
         self._membership = _Membership()
 
     # ------------------------------------------------------------------ plumbing
@@ -484,10 +488,12 @@ class PSClient:
         for shard, (step, parts) in zip(targets, results):
             self.steps[shard] = step
             self._place(shard_map, out, parts)
+        self.bytes_pulled += sum(p.nbytes for i in targets for p in shard_map.parts_on(i) if p.name in wanted)
         return out
 
     def push(self, gradients: Mapping[str, np.ndarray], *, clock: int | None = None,
-             read_steps: Sequence[int] | None = None) -> PushReport:
+             read_steps: Sequence[int] | None = None,
+             row_gradients: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> PushReport:
         """Sends gradients to every shard; each answers accepted or dropped, with its step.
 
         clock defaults to this client's clock (then advanced by one); read_steps default to
@@ -498,6 +504,7 @@ class PSClient:
         """
         shard_map = self._require_map()
         self._check_gradients(shard_map, gradients)
+        rows_by_shard = sparse.row_gradients_by_shard(shard_map, row_gradients or {}, self.wire_dtype)
         fresh = clock is None or clock >= self.clock   # never sent before (not a caller's retry)
         clock = self.clock if clock is None else clock
         steps = list(self.steps if read_steps is None else read_steps)
@@ -524,7 +531,7 @@ class PSClient:
 
         def send_once(shard: int, stub: pb_grpc.ParameterServerStub, at_clock: int | None = None) -> pb.PushResponse:
             header = pb.PushHeader(worker_id=self.worker_id, clock=clock if at_clock is None else at_clock,
-                                   read_step=steps[shard])
+                                   read_step=steps[shard], row_gradients=rows_by_shard.get(shard, []))
 
             def call() -> pb.PushResponse:
                 messages = codec.pack_encoded(self._part_chunks(shard_map, shard, gradients, narrow=True),
@@ -546,11 +553,48 @@ class PSClient:
 
         responses = self._on_all("Push", send)
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
+        self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
+            len(r.data) + 8 * len(r.ids) for rows in rows_by_shard.values() for r in rows)
         return PushReport(responses, clock)
 
+    def pull_rows(self, rows: Mapping[str, np.ndarray], *, min_steps: Sequence[int] | int | None = None,
+                  ssp: bool = False, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """The rows `ids` of each named table (global row ids, any order, repeats allowed), from the shards
+        that own them (one PullRows per shard), as {name: array of shape (len(ids), *row shape)}.
+
+        Waits as `pull` does (min_steps, ssp, timeout) and records the step of each shard it asked.
+        """
+        shard_map = self._require_map()
+        if min_steps is None:
+            mins = [0] * self.num_shards
+        elif isinstance(min_steps, int):
+            mins = [min_steps] * self.num_shards
+        else:
+            mins = list(min_steps)
+        wait = self.wait_timeout if timeout is None else timeout
+        plan = sparse.route_rows(shard_map, rows)   # shard -> [(name, positions, ids)]
+
+        def fetch(shard: int) -> pb.PullRowsResponse:
+            request = pb.PullRowsRequest(tables=[pb.RowIds(name=n, ids=ids) for n, _, ids in plan[shard]],
+                                         min_step=mins[shard], wait_timeout_ms=int(wait * 1000),
+                                         worker_id=self.worker_id if ssp else "", clock=self.clock if ssp else 0)
+            return self._call(shard, "PullRows", lambda stub: stub.PullRows(
+                request, timeout=wait + self.rpc_timeout, metadata=self.metadata))
+
+        targets = sorted(plan)
+        answers = [fetch(targets[0])] if len(targets) == 1 else list(self._pool.map(fetch, targets))
+        out = {name: np.empty((len(ids), *shard_map.specs[name].shape[1:]), dtype=shard_map.specs[name].dtype)
+               for name, ids in rows.items()}
+        for shard, answer in zip(targets, answers):
+            self.steps[shard] = answer.step
+            sparse.place_rows(out, plan[shard], answer)
+        self.bytes_pulled += sum(v.nbytes + 8 * len(v) for v in out.values())
+        return out
+
     def push_pull(self, gradients: Mapping[str, np.ndarray], *, read_steps: Sequence[int] | None = None,
-                  wait_for_step: bool = False, ssp: bool = False,
-                  wait: float = 1.0) -> tuple[PushReport, dict[str, np.ndarray] | None]:
+                  wait_for_step: bool = False, ssp: bool = False, wait: float = 1.0,
+                  row_gradients: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                  ) -> tuple[PushReport, dict[str, np.ndarray] | None]:
         """Push, then pull what the next step needs, in one round trip per shard (the PushPull rpc).
 
         The pull after the push waits as the mode needs: `wait_for_step` (sync: the step
@@ -558,12 +602,16 @@ class PSClient:
         most `wait` s. Returns the push's report and the values, or None for the values when
         a shard's wait ran out (pull again; the push is not undone) or the model does not
         is too large for PushPull over gRPC without shared memory (then this is a plain push). Bytes travel
-        through shared memory with shards on this host when `shared_memory` is on.
+        through shared memory with shards on this host when `shared_memory` is on. With
+        `row_gradients` (sparse tables) it is a plain push, values None: pull and pull_rows next.
         """
         shard_map = self._require_map()
         self._check_gradients(shard_map, gradients)
         clock = self.clock
         steps = list(self.steps if read_steps is None else read_steps)
+        if row_gradients:
+            # sparse tables: the values to pull next are rows (pull_rows) and the dense tensors (pull)
+            return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None
         if self.duplicate_pushes or not all(self._segment(i) or self._small(shard_map, i)
                                             for i in range(self.num_shards)):
             return self.push(gradients, read_steps=steps), None
@@ -600,8 +648,10 @@ class PSClient:
         responses = [r[0] for r in results]
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         report = PushReport(responses, clock)
+        self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values())
         if not all(ready for _, ready, _, _ in results):
             return report, None
+        self.bytes_pulled += sum(p.nbytes for p in shard_map.parts)
         for shard, (_, _, step, parts) in enumerate(results):
             self.steps[shard] = step
             self._place(shard_map, out, parts)

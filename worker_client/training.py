@@ -137,17 +137,38 @@ def evaluate(engine: GradientEngine, parameters: Mapping[str, np.ndarray], x: np
              input_name: str, num_classes: int) -> dict[str, float | None]:
     """Test loss and accuracy (classification: cross-entropy of the first output; regression: MSE, no accuracy)."""
     outputs = engine.predict(parameters, {input_name: x})
-    prediction = np.asarray(outputs[engine.output_names[0]], dtype=np.float64)
+    return metrics_of(outputs[engine.output_names[0]], y, num_classes)
+
+
+def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int) -> dict[str, float | None]:
+    """Test loss, accuracy and (two classes) AUC of a model's first output against the labels (see evaluate)."""
+    prediction = np.asarray(output, dtype=np.float64)
     if num_classes > 0:
-        logits = prediction.reshape(len(x), -1)
+        logits = prediction.reshape(len(y), -1)
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         labels = np.asarray(y, dtype=np.int64).reshape(-1)
         loss = float(-log_probs[np.arange(len(labels)), labels].mean())
         accuracy = float((logits.argmax(axis=1) == labels).mean())
-        return {"test_loss": _finite(loss), "test_accuracy": accuracy}
+        auc = binary_auc(log_probs[:, 1] - log_probs[:, 0], labels) if logits.shape[1] == 2 else None
+        return {"test_loss": _finite(loss), "test_accuracy": accuracy, "test_auc": auc}
     target = np.asarray(y, dtype=np.float64).reshape(prediction.shape)
-    return {"test_loss": _finite(float(((prediction - target) ** 2).mean())), "test_accuracy": None}
+    return {"test_loss": _finite(float(((prediction - target) ** 2).mean())), "test_accuracy": None, "test_auc": None}
+
+
+def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    """ROC AUC of scores for labels 0/1 (the rank statistic; ties count half); None without both classes."""
+    positives, negatives = int((labels == 1).sum()), int((labels == 0).sum())
+    if not positives or not negatives:
+        return None
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores), np.float64)
+    ranks[order] = np.arange(1, len(scores) + 1)
+    sorted_scores = scores[order]
+    for value in np.unique(sorted_scores[np.r_[False, np.diff(sorted_scores) == 0]]):   # average tied ranks
+        tied = scores == value
+        ranks[tied] = ranks[tied].mean()
+    return float((ranks[labels == 1].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
 def sync_min_steps(read_steps: list[int], outcome: PushReport) -> list[int]:
@@ -237,6 +258,9 @@ class _Tally:
     dropped: int = 0                  # ... dropped by at least one shard
     stale: int = 0                    # ... dropped as stale by at least one shard
     loss: float = math.nan
+    bytes_pulled: int = 0             # the client's byte counters when the loop started
+    bytes_pushed: int = 0
+    rows: int = 0                     # unique sparse-table rows the batches touched
 
     def count(self, outcome: PushReport) -> None:
         self.iterations += 1
@@ -265,9 +289,17 @@ class Trainer:
         self.report: EventSink = report or (lambda event, fields: None)
         self.stop = stop or threading.Event()
         self.expected_mode = expected_mode   # when set, the shards' mode must be this one
-        if len(engine.input_names) == 1:
-            self.input_name = engine.input_names[0]
-        elif dataset.input_name in engine.input_names:
+        # sparse tables (engine/sparse.py): the model's own index inputs, not the positions the engine adds
+        self.sparse = engine.sparse
+        positions = {p for t in self.sparse.tables.values() for p in t.positions.values()}
+        model_inputs = [n for n in engine.input_names if n not in positions] + self.sparse.dropped_inputs
+        rows_names = {t.rows_name for t in self.sparse.tables.values()}
+        #: what a pull asks for: None (everything) when no table is sparse, else the dense tensors
+        self.dense_names = None if not self.sparse.tables else \
+            [n for n in [*engine.trainable_names, *engine.state_names] if n not in rows_names]
+        if len(model_inputs) == 1:
+            self.input_name = model_inputs[0]
+        elif dataset.input_name in model_inputs:
             self.input_name = dataset.input_name
         else:
             raise ValueError(f"dataset {dataset.name!r} feeds input {dataset.input_name!r}, but the model's inputs "
@@ -319,7 +351,7 @@ class Trainer:
                                 f"{client.addresses} run mode {self.mode!r}")
         known = {w.worker_id for w in info.workers}
         if plan.is_chief:
-            already = client.initialize({**self.engine.parameters(), **self.engine.state()},
+            already = client.initialize({**self.engine.server_parameters(), **self.engine.state()},
                                         state=self.engine.state_names)
             log.info("parameters %s on %d shard(s)", "were already initialized" if already else "initialized",
                      client.num_shards)
@@ -353,7 +385,7 @@ class Trainer:
             raise TrainingError(f"stopped before {what}")
 
     def _check_parameters(self, shard_map: Any) -> None:
-        mine = {**self.engine.parameters(), **self.engine.state()}
+        mine = {**self.engine.server_parameters(), **self.engine.state()}
         theirs = shard_map.specs
         problems = [f"{n!r} is not on the shards" for n in mine if n not in theirs]
         problems += [f"the shards hold {n!r}, the model does not" for n in theirs if n not in mine]
@@ -391,12 +423,13 @@ class Trainer:
             and outcome is not None else None
         ssp = self.mode == "ssp"
         if mins is None and not ssp:
-            return client.pull(timeout=self.plan.wait_timeout)   # nothing to wait for
+            return client.pull(self.dense_names, timeout=self.plan.wait_timeout)   # nothing to wait for
         deadline = time.monotonic() + self.plan.wait_timeout
         while True:
             left = deadline - time.monotonic()
             try:
-                return client.pull(min_steps=mins, ssp=ssp, timeout=max(0.01, min(left, RECHECK_SECONDS)))
+                return client.pull(self.dense_names, min_steps=mins, ssp=ssp,
+                                   timeout=max(0.01, min(left, RECHECK_SECONDS)))
             except ServerError as exc:
                 if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
@@ -428,13 +461,32 @@ class Trainer:
                 return None
             self._last_eval_bucket = bucket
         train_loss, _ = self._eval_window.take()
-        metrics = evaluate(self.engine, parameters, self.dataset.x_test, self.dataset.y_test,
-                           input_name=self.input_name, num_classes=self.dataset.num_classes)
+        if self.sparse.tables:
+            counted = self.client.bytes_pulled   # an evaluation's pulls are not a training step's
+            metrics = metrics_of(self._sparse_predict(parameters, self.dataset.x_test), self.dataset.y_test,
+                                 self.dataset.num_classes)
+            self.client.bytes_pulled = counted
+        else:
+            metrics = evaluate(self.engine, parameters, self.dataset.x_test, self.dataset.y_test,
+                               input_name=self.input_name, num_classes=self.dataset.num_classes)
         record = {"worker": plan.worker_index, "step": step, "train_loss": train_loss, **metrics,
                   "elapsed": round(elapsed, 3), "final": final}
         self.evaluations.append(record)
         self.report("eval", record)
         return record
+
+    def _sparse_predict(self, parameters: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+        """The model's first output for `x` with sparse tables: per batch-size chunk, its rows pulled and fed."""
+        engine, outputs = self.engine, []
+        dense = {k: v for k, v in parameters.items() if k in set(self.dense_names or ())}
+        for start in range(0, len(x), engine.batch_size):
+            chunk = {self.input_name: x[start:start + engine.batch_size]}
+            ids = self.sparse.unique_ids(chunk)
+            rows = self.client.pull_rows(ids, timeout=self.plan.wait_timeout)
+            params = {**dense, **{t.rows_name: self.sparse.rows_parameter(n, rows[n])
+                                  for n, t in self.sparse.tables.items()}}
+            outputs.append(engine.predict(params, self.sparse.feeds(chunk, ids))[engine.output_names[0]])
+        return np.concatenate(outputs)
 
     def run(self) -> dict[str, Any]:
         """Joins, trains and leaves (see the module docstring); returns the result (also reported as "done")."""
@@ -459,7 +511,7 @@ class Trainer:
         if not stopped and plan.is_chief:
             self._wait_for_the_others()
             if not self.stop.is_set():
-                parameters = client.pull(timeout=plan.wait_timeout)
+                parameters = client.pull(self.dense_names, timeout=plan.wait_timeout)
                 final = self._maybe_evaluate(parameters, min(client.steps), time.monotonic() - started, final=True)
         samples = tally.iterations * plan.batch_size
         result: dict[str, Any] = {
@@ -471,7 +523,11 @@ class Trainer:
             "epochs_done": round((tally.start_clock + tally.iterations) / self.batches_per_epoch, 3),
             "resumed": self.resumed, "stopped": stopped,
             "test_accuracy": final["test_accuracy"] if final else None,
-            "test_loss": final["test_loss"] if final else None}
+            "test_loss": final["test_loss"] if final else None,
+            "test_auc": final.get("test_auc") if final else None,
+            "bytes_pulled_per_step": round((client.bytes_pulled - tally.bytes_pulled) / max(1, tally.iterations), 1),
+            "bytes_pushed_per_step": round((client.bytes_pushed - tally.bytes_pushed) / max(1, tally.iterations), 1),
+            "unique_rows_per_step": round(tally.rows / max(1, tally.iterations), 1)}
         self.report("done", result)
         return result
 
@@ -491,20 +547,38 @@ class Trainer:
         if parameters is None:
             return True
         self._maybe_evaluate(parameters, min(client.steps), 0.0)
+        tally.bytes_pulled, tally.bytes_pushed = client.bytes_pulled, client.bytes_pushed   # the loop's own bytes
+        mins: list[int] | None = None   # sync: the steps the next rows must be read at
         batches = self._batches(tally.start_clock)
         while not self._done(tally):
             if self.stop.is_set():
                 return True
             tally.epoch, x, y = next(batches)
-            result = self.engine.step(parameters, {self.input_name: x, "labels": y})
+            batch = {self.input_name: x, "labels": y}
+            ids, row_gradients = None, None
+            if self.sparse.tables:   # pull the rows this batch touches (docs/protocol.md, "Sparse rows")
+                ids = self.sparse.unique_ids(batch)
+                tally.rows += sum(len(v) for v in ids.values())
+                rows = client.pull_rows(ids, min_steps=mins, timeout=plan.wait_timeout)
+                parameters = {**parameters, **{t.rows_name: self.sparse.rows_parameter(n, rows[n])
+                                               for n, t in self.sparse.tables.items()}}
+                batch = self.sparse.feeds(batch, ids)
+            result = self.engine.step(parameters, batch)
             tally.loss = result.loss
             read_steps = list(client.steps)
+            gradients = result.gradients
+            if ids is not None:
+                row_gradients = self.sparse.row_gradients(gradients, ids)
+                rows_names = {t.rows_name for t in self.sparse.tables.values()}
+                gradients = {k: v for k, v in gradients.items() if k not in rows_names}
             # One round trip per shard: the push (gradients, and running statistics that the
             # shards replace: sync takes the mean), and the pull the mode needs next (at most
             # RECHECK_SECONDS of waiting; past that, the waiting loop of _pull takes over).
-            outcome, parameters = client.push_pull({**result.gradients, **result.state}, read_steps=read_steps,
+            # With sparse tables it is a push; the pull of the dense tensors follows (_pull).
+            outcome, parameters = client.push_pull({**gradients, **result.state}, read_steps=read_steps,
                                                    wait_for_step=self.mode == "sync", ssp=self.mode == "ssp",
-                                                   wait=RECHECK_SECONDS)
+                                                   wait=RECHECK_SECONDS, row_gradients=row_gradients)
+            mins = sync_min_steps(read_steps, outcome) if self.mode == "sync" else None
             tally.count(outcome)
             window.add(tally.loss, plan.batch_size)
             self._eval_window.add(tally.loss, plan.batch_size)

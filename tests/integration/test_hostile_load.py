@@ -79,6 +79,7 @@ def _valid_unary(method: str) -> bytes:
         "Shutdown": pb.ShutdownRequest(reason="fuzz"),
         "ResetParameters": pb.ResetParametersRequest(),
         "OpenSharedMemory": pb.SharedMemoryRequest(worker_id="fuzz"),
+        "PullRows": pb.PullRowsRequest(tables=[pb.RowIds(name="w", ids=[0, 3])], worker_id="owner"),
     }
     if method == "PushPull":   # a whole push from an unregistered worker, and the pull after it
         return _valid_push() + codec.message_field(3, pb.PullAfterPush(wait_timeout_ms=100).SerializeToString())

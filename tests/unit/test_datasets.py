@@ -372,3 +372,13 @@ def test_iterate_batches_rejects_bad_arguments_when_called(kwargs: dict[str, obj
 def test_iterate_batches_rejects_unpaired_arrays() -> None:
     with pytest.raises(ValueError, match="x has 5 rows but y has 4"):
         iterate_batches(np.zeros((5, 1)), np.arange(4), 2, seed=0, epoch=0)
+
+
+def test_synthetic_ids_with_hot_draw_from_that_many_ids_spread_over_the_vocab():
+    from ps_models.datasets import load_dataset as load
+
+    data = load("synthetic:ids?n=400&vocab=1000000&bag=4&hot=50", seed=0)
+    used = np.unique(np.concatenate([data.x_train.ravel(), data.x_test.ravel()]))
+    assert len(used) <= 50 and used.max() > 1000    # few ids, from all over the vocabulary
+    with pytest.raises(Exception, match="hot=5000000"):
+        load("synthetic:ids?n=400&vocab=1000000&hot=5000000", seed=0)

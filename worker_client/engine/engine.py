@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from onnx.external_data_helper import load_external_data_for_model
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.batch import fix_batch
@@ -28,11 +29,12 @@ from worker_client.engine.feeds import (
     shown,
 )
 from worker_client.engine.lift import lift_parameters
-from worker_client.engine.load import load_model
+from worker_client.engine.load import clamp_ir_version, load_model, read_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.session import open_session, placement, run_bound
+from worker_client.engine.sparse import SparsePlan, find_sparse_tables, rewrite_sparse
 from worker_client.engine.support import warn_caller
 from worker_client.engine.trainables import initial_values, trainable_parameters
 from worker_client.engine.training_mode import (
@@ -85,7 +87,8 @@ class GradientEngine:
                  include: Sequence[str] = (), exclude: Sequence[str] = (),
                  expect_parameters: int | None = None, seed: int | Sequence[int] = 0,
                  intra_op_threads: int | None = None, inter_op_threads: int | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None) -> None:
+                 cache_dir: str | os.PathLike[str] | None = None,
+                 sparse_tables: Sequence[str] = (), sparse_min_rows: int | None = None) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         for name, threads in (("intra_op_threads", intra_op_threads),
@@ -111,13 +114,30 @@ class GradientEngine:
         self.cache_hit = False
         self._graph: GradientGraph | None = None
         self._eval_session: ort.InferenceSession | None = None
+        if isinstance(sparse_tables, str):
+            raise TypeError("sparse_tables is a sequence of table names, not a string")
+        self._sparse_request = (tuple(sparse_tables), sparse_min_rows)
         self._build(include, exclude)
 
     # --- construction: the pipeline ---------------------------------------------------
 
     def _build(self, include: Sequence[str], exclude: Sequence[str]) -> None:
         """The stages, in order; the gradient model's own are in `_gradient_graph`."""
-        model = upgrade_opset(load_model(self.model_path), self.model_path)
+        named, min_rows = self._sparse_request
+        self.sparse = SparsePlan({}, [])
+        if named or min_rows is not None:
+            # stage "sparse": each table's Gathers read only the batch's rows (engine/sparse.py); a table
+            # in external data is mapped from its file, never read whole into the model
+            model = read_model(self.model_path, external_data=False)
+            tables = find_sparse_tables(model, min_rows=min_rows, named=named)
+            if tables:
+                model, self.sparse = rewrite_sparse(model, tables, self.batch_size,
+                                                    base_dir=self.model_path.parent)
+            load_external_data_for_model(model, str(self.model_path.parent))
+            clamp_ir_version(model)
+        else:
+            model = load_model(self.model_path)
+        model = upgrade_opset(model, self.model_path)
         self.trainable_names: list[str] = trainable_parameters(
             model, include=include, exclude=exclude, source=self.model_path,
             expect=self._expect)
@@ -193,6 +213,16 @@ class GradientEngine:
     def parameters(self) -> dict[str, np.ndarray]:
         """The model's initial trainable values (copies), in `trainable_names` order."""
         return {name: value.copy() for name, value in self._initial.items()}
+
+    def server_parameters(self) -> dict[str, np.ndarray]:
+        """What the shards hold: `parameters()` with each sparse table whole in place of its rows parameter.
+
+        A table is the engine's own array, not a copy (read-only: a table in external data is
+        mapped from its file, so a 10^7-row table costs no memory until it is sent)."""
+        rows = {t.rows_name for t in self.sparse.tables.values()}
+        out = {name: value for name, value in self.parameters().items() if name not in rows}
+        out.update({name: t.initial for name, t in self.sparse.tables.items()})
+        return out
 
     def state(self) -> dict[str, np.ndarray]:
         """The model's initial state values (copies), in `state_names` order: the running

@@ -120,14 +120,28 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "clock", "read_step")
+    __slots__ = ("worker_id", "clock", "read_step", "row_gradients")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     READ_STEP_FIELD_NUMBER: _ClassVar[int]
+    ROW_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     clock: int
     read_step: int
-    def __init__(self, worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., read_step: _Optional[int] = ...) -> None: ...
+    row_gradients: _containers.RepeatedCompositeFieldContainer[RowGradient]
+    def __init__(self, worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., read_step: _Optional[int] = ..., row_gradients: _Optional[_Iterable[_Union[RowGradient, _Mapping]]] = ...) -> None: ...
+
+class RowGradient(_message.Message):
+    __slots__ = ("name", "ids", "dtype", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("outcome", "drop_reason", "message", "step", "clock", "duplicate", "aggregated")
@@ -170,6 +184,48 @@ class PullResponse(_message.Message):
     step: int
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
     def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class RowIds(_message.Message):
+    __slots__ = ("name", "ids")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PullRowsRequest(_message.Message):
+    __slots__ = ("tables", "min_step", "worker_id", "clock", "wait_timeout_ms")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[RowIds]
+    min_step: int
+    worker_id: str
+    clock: int
+    wait_timeout_ms: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[RowIds, _Mapping]]] = ..., min_step: _Optional[int] = ..., worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class RowValues(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PullRowsResponse(_message.Message):
+    __slots__ = ("step", "tables")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    tables: _containers.RepeatedCompositeFieldContainer[RowValues]
+    def __init__(self, step: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[RowValues, _Mapping]]] = ...) -> None: ...
 
 class PullAfterPush(_message.Message):
     __slots__ = ("names", "wait_for_step", "ssp", "wait_timeout_ms", "shared_memory", "wire_dtype")

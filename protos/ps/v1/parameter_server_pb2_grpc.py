@@ -81,6 +81,11 @@ class ParameterServerStub:
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushPullRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushPullResponse.FromString,
                 _registered_method=True)
+        self.PullRows = channel.unary_unary(
+                '/ps.v1.ParameterServer/PullRows',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullRowsResponse.FromString,
+                _registered_method=True)
         self.OpenSharedMemory = channel.unary_unary(
                 '/ps.v1.ParameterServer/OpenSharedMemory',
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.SerializeToString,
@@ -175,6 +180,17 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullRows(self, request, context):
+        """The values of some rows of some tensors, by global row id (sparse use of embedding
+        tables): each id must lie in a row range this shard owns (the shard map), else
+        INVALID_ARGUMENT naming the tensor, the id and the owning shard. Waits as Pull does
+        (min_step, SSP hold), at most the wait timeout: DEADLINE_EXCEEDED. Also NOT_FOUND (an
+        unknown tensor), FAILED_PRECONDITION (not initialized), RESOURCE_EXHAUSTED (OVERLOADED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenSharedMemory(self, request, context):
         """Opens (or reopens) the caller's shared-memory segment for PushPull; FAILED_PRECONDITION
         before InitParameters, NOT_FOUND for an unregistered worker, RESOURCE_EXHAUSTED past
@@ -231,6 +247,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushPull,
                     request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushPullRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PushPullResponse.SerializeToString,
+            ),
+            'PullRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullRowsRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.PullRowsResponse.SerializeToString,
             ),
             'OpenSharedMemory': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSharedMemory,
@@ -483,6 +504,33 @@ class ParameterServer:
             '/ps.v1.ParameterServer/PushPull',
             ps__proto_dot_v1_dot_parameter__server__pb2.PushPullRequest.SerializeToString,
             ps__proto_dot_v1_dot_parameter__server__pb2.PushPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/PullRows',
+            ps__proto_dot_v1_dot_parameter__server__pb2.PullRowsRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.PullRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

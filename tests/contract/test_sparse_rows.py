@@ -1,0 +1,141 @@
+"""Contract: sparse rows (PullRows, PushHeader.row_gradients) in every mode, with the bad-input rules."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_common import codec
+from tests.contract.wire import RPC_TIMEOUT, Target, Workers, expect_status
+
+TABLE = "contract.emb"
+#: The contract clusters' SGD learning rate (conftest COMMON_FLAGS).
+LR = 0.1
+
+
+def owned_ids(target: Target, shard: int) -> np.ndarray:
+    """Two ids of the table's rows this shard owns (its first and last)."""
+    parts = [p for p in target.parts_on(shard) if p.name == TABLE]
+    return np.array([parts[0].row_start, parts[-1].row_end - 1], np.int64)
+
+
+def table_shards(target: Target) -> list[int]:
+    return [s for s in range(target.num_shards) if any(p.name == TABLE for p in target.parts_on(s))]
+
+
+def pull_rows(target: Target, shard: int, ids, **kwargs) -> pb.PullRowsResponse:
+    request = pb.PullRowsRequest(tables=[pb.RowIds(name=TABLE, ids=list(ids))], **kwargs)
+    return target.stubs[shard].PullRows(request, timeout=RPC_TIMEOUT)
+
+
+def rows_of(response: pb.PullRowsResponse) -> np.ndarray:
+    (table,) = response.tables
+    return codec.rows_from_wire(table.name, table.dtype, table.data, table.shape[0], table.shape[1:])
+
+
+def row_gradient(ids, values: np.ndarray, name: str = TABLE) -> pb.RowGradient:
+    dtype, data = codec.rows_to_wire(values)
+    return pb.RowGradient(name=name, ids=list(ids), dtype=dtype, data=data)
+
+
+def push_rows(target: Target, shard: int, worker_id: str, clock: int, read_step: int, rows: list[pb.RowGradient],
+              *, dense: bool = False) -> pb.PushResponse:
+    """A push of row gradients; with dense, also all-ones chunks of the shard's other parts (sync needs them)."""
+    chunks = target.chunks_for(shard, target.grads(1.0), skip=[TABLE]) if dense else []
+    messages = target.push_messages(worker_id, clock, read_step, chunks)
+    messages[0].header.row_gradients.extend(rows)
+    return target.push_raw(shard, messages)
+
+
+def test_pull_rows_returns_the_rows_in_request_order_and_refuses_ids_of_another_shard(ready: Target) -> None:
+    shards = table_shards(ready)
+    assert len(shards) == 2, "the contract table must be split over both shards"
+    for shard in shards:
+        ids = owned_ids(ready, shard)[::-1]
+        full = ready.pull(shard, [TABLE])
+        want = np.concatenate([v for (_, start), v in sorted(full.parts.items())])
+        start = min(s for (_, s) in full.parts)
+        got = rows_of(pull_rows(ready, shard, [*ids, ids[0]]))
+        np.testing.assert_array_equal(got, want[[*(ids - start), ids[0] - start]])
+    other = owned_ids(ready, shards[1])[0]
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, lambda: pull_rows(ready, shards[0], [other]),
+                  f"row {other} of tensor {TABLE!r} belongs to shard {shards[1]}")
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, lambda: pull_rows(ready, shards[0], [96]), "row id 96")
+    expect_status(grpc.StatusCode.NOT_FOUND, lambda: ready.stubs[0].PullRows(
+        pb.PullRowsRequest(tables=[pb.RowIds(name="nope", ids=[0])]), timeout=RPC_TIMEOUT), "'nope'")
+
+
+BAD = {
+    "an id past the table": lambda ids: row_gradient([96], np.ones((1, 16), np.float32)),
+    "an id of another shard": None,   # built in the test
+    "NaN": lambda ids: row_gradient(ids[:1], np.full((1, 16), np.nan, np.float32)),
+    "a byte count off by one row": lambda ids: row_gradient(ids[:1], np.ones((2, 16), np.float32)),
+    "a float64 row of a float32 table": lambda ids: row_gradient(ids[:1], np.ones((1, 16), np.float64)),
+    "a scalar tensor": lambda ids: row_gradient([0], np.ones((1,), np.float64), name="contract.scale"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD))
+def test_a_bad_row_gradient_is_invalid_argument_and_changes_nothing(ready: Target, workers: Workers, what) -> None:
+    shards = table_shards(ready)
+    worker = workers.new()
+    shard = shards[0]
+    ids = owned_ids(ready, shard)
+    rows = BAD[what](ids) if BAD[what] else row_gradient(owned_ids(ready, shards[1])[:1], np.ones((1, 16), np.float32))
+    before = ready.snapshot(shard, [worker])
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT,
+                  lambda: push_rows(ready, shard, worker, workers.start_clocks[worker][shard], ready.info(shard).step,
+                                    [rows], dense=True))
+    assert ready.snapshot(shard, [worker]) == before
+
+
+def test_async_rows_apply_on_arrival_summing_repeated_ids_and_a_retry_is_a_duplicate(async_ready: Target,
+                                                                                    workers: Workers) -> None:
+    worker = workers.new()
+    shard = table_shards(async_ready)[0]
+    a, b = owned_ids(async_ready, shard)
+    before = rows_of(pull_rows(async_ready, shard, [a, b]))
+    clock, step = workers.start_clocks[worker][shard], async_ready.info(shard).step
+    grad = row_gradient([a, a], np.ones((2, 16), np.float32))
+    first = push_rows(async_ready, shard, worker, clock, step, [grad])
+    assert first.outcome == pb.PUSH_ACCEPTED and first.step == step + 1
+    again = push_rows(async_ready, shard, worker, clock, step, [grad])
+    assert again.duplicate and again.step == step + 1
+    after = rows_of(pull_rows(async_ready, shard, [a, b]))
+    np.testing.assert_allclose(after[0], before[0] - LR * 2, rtol=1e-6)   # id a twice: summed, applied once
+    np.testing.assert_array_equal(after[1], before[1])
+
+
+def test_ssp_rows_apply_on_arrival(ssp_ready: Target, workers: Workers) -> None:
+    worker = workers.new()
+    shard = table_shards(ssp_ready)[1]
+    a, _ = owned_ids(ssp_ready, shard)
+    before = rows_of(pull_rows(ssp_ready, shard, [a]))
+    response = push_rows(ssp_ready, shard, worker, workers.start_clocks[worker][shard], ssp_ready.info(shard).step,
+                         [row_gradient([a], np.full((1, 16), 2.0, np.float32))])
+    assert response.outcome == pb.PUSH_ACCEPTED
+    np.testing.assert_allclose(rows_of(pull_rows(ssp_ready, shard, [a]))[0], before[0] - LR * 2.0, rtol=1e-6)
+
+
+def test_sync_rows_are_summed_over_the_steps_contributors_and_divided_by_n(sync_ready: Target,
+                                                                          workers: Workers) -> None:
+    n = sync_ready.info(0).replicas_to_aggregate
+    ids = [workers.new() for _ in range(n)]
+    shard = table_shards(sync_ready)[0]
+    a, b = owned_ids(sync_ready, shard)
+    t = sync_ready.info(shard).step
+    before = rows_of(pull_rows(sync_ready, shard, [a, b]))
+    for k, worker in enumerate(ids):
+        # every worker touches row a (gradient k + 1); only the first touches row b
+        touched = [a, b] if k == 0 else [a]
+        grad = np.full((len(touched), 16), float(k + 1), np.float32)
+        response = push_rows(sync_ready, shard, worker, workers.start_clocks[worker][shard], t,
+                             [row_gradient(touched, grad)], dense=True)
+        assert response.outcome == pb.PUSH_ACCEPTED
+    after = pull_rows(sync_ready, shard, [a, b], min_step=t + 1, wait_timeout_ms=5000)
+    assert after.step == t + 1
+    total_a = sum(range(1, n + 1))
+    np.testing.assert_allclose(rows_of(after)[0], before[0] - LR * total_a / n, rtol=1e-5)
+    np.testing.assert_allclose(rows_of(after)[1], before[1] - LR * 1.0 / n, rtol=1e-5)

@@ -1,0 +1,87 @@
+"""Routing sparse rows to shards (client side): which shard owns each id of a table, by the shard map.
+
+A table split by the shard map has row ranges on several shards; a worker's ids go to the
+shard whose range holds them (global ids on the wire), and every shard holding a part of a
+table gets a RowGradient for it, empty when the batch touched none of its rows (a sync step
+needs a gradient for every part: docs/protocol.md, "Sparse rows").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ps_common import codec
+from ps_common.errors import InvalidTensorError
+from ps_common.shard_map import ShardMap
+from ps_proto.v1 import parameter_server_pb2 as pb
+
+
+def owners(shard_map: ShardMap, name: str, ids: np.ndarray) -> np.ndarray:
+    """The shard of each id of table `name`; InvalidTensorError for an unknown table or an id out of range."""
+    spec = shard_map.specs.get(name)
+    if spec is None or not spec.shape:
+        raise InvalidTensorError(f"rows of {name!r}: not a table of this model (a tensor with rows)")
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu" or ids.ndim != 1:
+        raise InvalidTensorError(f"rows of {name!r}: ids must be a 1-d integer array, got {ids.dtype}{list(ids.shape)}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= spec.shape[0]):
+        bad = int(ids[(ids < 0) | (ids >= spec.shape[0])][0])
+        raise InvalidTensorError(f"rows of {name!r}: id {bad} is outside [0, {spec.shape[0]})")
+    parts = shard_map.parts_of(name)
+    starts = np.array([p.row_start for p in parts], dtype=np.int64)
+    shards = np.array([p.shard for p in parts], dtype=np.int64)
+    return shards[np.searchsorted(starts, ids, side="right") - 1]
+
+
+def route_rows(shard_map: ShardMap, rows: Mapping[str, np.ndarray]) -> dict[int, list[tuple[str, np.ndarray, np.ndarray]]]:
+    """shard -> [(table, positions in the caller's ids, those ids)] for the shards that own some of the ids."""
+    plan: dict[int, list[tuple[str, np.ndarray, np.ndarray]]] = {}
+    for name, ids in rows.items():
+        ids = np.asarray(ids, dtype=np.int64)
+        owner = owners(shard_map, name, ids)
+        for shard in np.unique(owner):
+            pos = np.flatnonzero(owner == shard)
+            plan.setdefault(int(shard), []).append((name, pos, ids[pos]))
+    return plan
+
+
+def place_rows(out: dict[str, np.ndarray], tables: list[tuple[str, np.ndarray, np.ndarray]],
+               answer: pb.PullRowsResponse) -> None:
+    """Puts one shard's PullRowsResponse into `out` (rows at the positions they were asked for)."""
+    got = {t.name: t for t in answer.tables}
+    for name, pos, ids in tables:
+        table = got.get(name)
+        if table is None:
+            raise InvalidTensorError(f"PullRows answer lacks table {name!r}")
+        row_shape = out[name].shape[1:]
+        if tuple(table.shape) != (len(ids), *row_shape):
+            raise InvalidTensorError(f"PullRows answer for {name!r} has shape {list(table.shape)}, asked "
+                                     f"{[len(ids), *row_shape]}")
+        out[name][pos] = codec.rows_from_wire(name, table.dtype, table.data, len(ids), row_shape,
+                                              want=out[name].dtype)
+
+
+def row_gradients_by_shard(shard_map: ShardMap, row_gradients: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                           wire_dtype: np.dtype) -> dict[int, list[pb.RowGradient]]:
+    """shard -> the RowGradients it gets: for each table, one per shard holding a part of it (maybe empty).
+
+    float32 rows travel in the job's wire dtype (the shard widens them).
+    """
+    out: dict[int, list[pb.RowGradient]] = {}
+    for name, (ids, values) in row_gradients.items():
+        ids = np.asarray(ids, dtype=np.int64)
+        values = np.asarray(values)
+        spec = shard_map.specs.get(name)
+        if spec is not None and values.shape != (len(ids), *spec.shape[1:]):
+            raise InvalidTensorError(f"row gradient of {name!r} is {values.dtype}{list(values.shape)}, "
+                                     f"{len(ids)} rows of {spec.dtype}{list(spec.shape)} need {[len(ids), *spec.shape[1:]]}")
+        owner = owners(shard_map, name, ids)
+        if values.dtype == np.float32 and wire_dtype != values.dtype:
+            values = values.astype(wire_dtype)
+        for shard in sorted({p.shard for p in shard_map.parts_of(name)}):
+            pos = np.flatnonzero(owner == shard)
+            dtype, data = codec.rows_to_wire(values[pos])
+            out.setdefault(shard, []).append(pb.RowGradient(name=name, ids=ids[pos], dtype=dtype, data=data))
+    return out

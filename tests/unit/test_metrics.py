@@ -296,3 +296,15 @@ def test_workers_that_leave_by_deregistering_cap_the_quorum_without_counting_it(
     shard.tick()
     assert shard.view().policy.effective_replicas == 1
     assert value(m, "ps_replicas_capped_total") == 0
+
+
+def test_the_exposition_holds_no_created_series():
+    from prometheus_client import generate_latest
+
+    shard, m = make_shard(mode="sync", replicas_to_aggregate=1, total_replicas=1)
+    shard.register("w0")
+    push(shard, "w0", 0, 0)
+    m.observe_rpc("Push", "OK", 0.01)
+    text = generate_latest(m.registry).decode()
+    assert "ps_pushes_total{" in text and "ps_rpc_duration_seconds_bucket{" in text
+    assert "_created" not in text, [line for line in text.splitlines() if "_created" in line][:5]

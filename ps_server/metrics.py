@@ -159,7 +159,8 @@ class ShardMetrics:
             try:
                 self._http, self._http_thread = start_http_server(port, addr=bind, registry=self.registry)
             except OSError as exc:
-                raise OSError(f"shard {self.label}: cannot bind the metrics endpoint {host}:{port}: {exc}") from exc
+                raise OSError(f"shard {self.label}: cannot bind the metrics endpoint {host}:{port}: "
+                              f"{exc.strerror or exc}; choose another --metrics-port (0 picks a free one)") from exc
             log.info("shard %s metrics on http://%s:%d/metrics", self.label, host, self.port)
             return self.port  # type: ignore[return-value]
 

@@ -308,7 +308,11 @@ class Trainer:
         try:
             client.wait_ready(timeout=plan.start_timeout)
         except TimeoutError as exc:
-            raise TrainingError(str(exc)) from exc
+            raise TrainingError(
+                f"{exc}. Tried --servers {','.join(client.addresses)} (shard order). Check: each ps-server's READY "
+                f"line or log says the address it serves; `ps-ctl status HOST:PORT` asks one; a shard bound to "
+                f"--host 127.0.0.1 (the default) takes no calls from other hosts; a firewall may drop them; a TLS "
+                f"shard needs --tls-ca") from exc
         info = client.cluster_info(0)
         if info.num_shards != client.num_shards:
             raise TrainingError(f"shard 0 ({client.addresses[0]}) says the job has {info.num_shards} shards, but this "

@@ -26,6 +26,7 @@ from worker_client.client import PSClient, RetryPolicy
 from worker_client.engine import GradientEngine
 from worker_client.engine.load import read_model
 from worker_client.preflight import Prepared, prepare
+from worker_client.tensorboard import TensorBoardSink
 from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingPlan
 
 log = logging.getLogger("worker_client")
@@ -113,6 +114,17 @@ def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None
         client.close()
 
 
+def tensorboard_sink(job: JobConfig, sink: EventSink) -> EventSink:
+    """`sink`, writing TensorBoard scalars too when --tensorboard is set: worker 0 into DIR, or with
+    --tensorboard-every-worker each worker into DIR/worker<i>; JobConfigError when tensorboardX is missing."""
+    w = job.worker
+    if not w.tensorboard:
+        return sink
+    if w.tensorboard_every_worker:
+        return TensorBoardSink(Path(w.tensorboard) / f"worker{w.index}", inner=sink)
+    return TensorBoardSink(w.tensorboard, inner=sink) if w.index == 0 else sink
+
+
 def _log_parameters(engine: GradientEngine, *, chief: bool) -> None:
     """The parameters that train, name and shape, one a line (INFO on worker 0, else DEBUG)."""
     level = logging.INFO if chief else logging.DEBUG
@@ -172,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ps-worker-") as scratch:
         try:   # the model, the data and the settings checked against each other before any shard is called
             prepared = prepare_worker(job, Path(scratch))
+            sink = tensorboard_sink(job, sink)
         except (PSError, ValueError) as exc:
             log.debug("the worker's model or data cannot be used", exc_info=True)
             print(f"ps-worker: {exc}", file=sys.stderr)

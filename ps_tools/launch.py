@@ -317,10 +317,10 @@ def check_port_free(port: int, what: str) -> None:
 class Launcher:
     """Runs one job; `prepare()` checks it (errors: exit 2), `run()` returns the process exit status."""
 
-    def __init__(self, config: JobConfig, *, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> None:
+    def __init__(self, config: JobConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
         self.config = config
-        self.stdout = stdout
-        self.stderr = stderr
+        self.stdout = stdout if stdout is not None else sys.stdout   # read at call time (tests replace them)
+        self.stderr = stderr = stderr if stderr is not None else sys.stderr
         self.level = display_level(config)
         self.display = Display(stderr, tty=stderr.isatty(), json_lines=config.job.log_json,
                                every=config.launch.print_every, threshold=LEVELS[self.level])

@@ -750,6 +750,15 @@ def short_name(spec: str | None) -> str:
 
 def plot_run(record: dict[str, Any], path: Path) -> None:
     """Loss (training and test) and the test accuracy (regression: the test loss) over the global step, as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(record)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_figure(record: dict[str, Any]) -> Any:
+    """The plot of a run record (see plot_run) as a matplotlib figure (Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -792,8 +801,7 @@ def plot_run(record: dict[str, Any], path: Path) -> None:
                          f"{summary['optimizer']} lr {summary['lr']:g}, batch {summary['batch_size']}, "
                          f"{summary['samples_per_second']:,.0f} samples/s", ha="center", fontsize=9, color="dimgray")
     fig.tight_layout(rect=(0, 0, 1, 0.92))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

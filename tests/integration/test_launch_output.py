@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from ps_common.process import child_env, python_module_argv
+from tests.helpers.tensorboard import read_scalars
 
 #: The demo's job (Makefile, `make demo`), without its paths.
 DEMO_FLAGS = ("--mode", "sync", "--shards", "2", "--workers", "2", "--optimizer", "momentum", "--lr", "0.05",
@@ -79,28 +80,6 @@ def screen_lines(raw: str) -> list[str]:
         if shown:
             lines.append(shown)
     return lines
-
-
-def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in the TensorBoard event files of `directory`: tag -> [(step, value)], read record by record.
-
-    An event file is a sequence of records: length (8 bytes), its CRC (4), the Event
-    protobuf, the data's CRC (4).
-    """
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    files = sorted(directory.glob("events.out.tfevents.*"))
-    assert files, f"no event file in {directory}: {list(directory.iterdir())}"
-    for path in files:
-        data, pos = path.read_bytes(), 0
-        while pos < len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-            pos += 12 + length + 4
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return scalars
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)

@@ -247,7 +247,9 @@ class _Tally:
         if any(r.drop_reason == pb.DROP_STALE for _, r in outcome.dropped):
             self.stale += 1
         log.debug("push at clock %d dropped: %s", outcome.clock,
-                  "; ".join(f"shard {i}: {r.message}" for i, r in outcome.dropped))
+                  "; ".join(f"shard {i}: {r.message}" for i, r in outcome.dropped),
+                  extra={"clock": outcome.clock, "dropped_by": [i for i, _ in outcome.dropped],
+                         "reason": [pb.DropReason.Name(r.drop_reason) for _, r in outcome.dropped]})
 
 
 class Trainer:
@@ -326,7 +328,7 @@ class Trainer:
             already = client.initialize({**self.engine.parameters(), **self.engine.state()},
                                         state=self.engine.state_names)
             log.info("parameters %s on %d shard(s)", "were already initialized" if already else "initialized",
-                     client.num_shards)
+                     client.num_shards, extra={"shards": client.num_shards, "already_initialized": already})
         else:
             def initialized() -> bool:
                 return all(client.cluster_info(i).initialized for i in range(client.num_shards))
@@ -338,7 +340,8 @@ class Trainer:
         client.register(heartbeat=True)
         if self.resumed:
             log.info("rejoining a running job as %s at clock %d (steps %s): no start barrier", client.worker_id,
-                     client.clock, client.steps)
+                     client.clock, client.steps,
+                     extra={"worker_id": client.worker_id, "clock": client.clock, "step": min(client.steps)})
             return
         left = max(0.1, deadline - time.monotonic())
         try:
@@ -414,7 +417,8 @@ class Trainer:
             if lost:
                 log.warning("%s: %s; pulling %s as it is now", client.worker_id,
                             "; ".join(f"shard {i} lost progress: {why}" for i, why in sorted(lost.items())),
-                            "those shards" if mins is not None else "every shard without the SSP bound")
+                            "those shards" if mins is not None else "every shard without the SSP bound",
+                            extra={"worker_id": client.worker_id, "lost": {str(i): why for i, why in lost.items()}})
                 if mins is not None:
                     mins = [0 if i in lost else m for i, m in enumerate(mins)]
                 ssp = False

@@ -147,6 +147,10 @@ def test_log_json_gives_only_json_lines_with_fields_and_the_metrics_are_served_w
     assert {"launch", "shard0", "shard1", "worker0", "worker1"} <= processes, processes
     # the children's fields are keys, not only text in the message
     assert any(r["process"] == "shard1" and r.get("shard") == 1 for r in records)
+    assert any(r["process"] == "worker1" and r.get("worker") == 1 and len(r.get("servers", [])) == 2
+               for r in records)
+    assert any(r["process"] == "worker0" and r.get("shards") == 2 and r.get("already_initialized") is False
+               for r in records)
     evals = [r for r in records if r["process"] == "worker0" and r.get("event") == "eval"]
     assert evals and all(isinstance(r["step"], int) and "test_accuracy" in r for r in evals)
     progress = [r for r in records if r["process"] == "launch" and r.get("event") == "progress"]

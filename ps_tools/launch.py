@@ -68,6 +68,7 @@ from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.process import ChildProcess, Output
 from ps_server.cli import READY_PREFIX, server_config
 from worker_client.cli import prepare_worker
+from worker_client.engine.session import placement
 from worker_client.tensorboard import ScalarWriter, eval_scalars, progress_scalars, require_writer
 from worker_client.training import format_event
 
@@ -348,6 +349,7 @@ class Launcher:
         """
         c = self.config
         self.model_path = prepare_worker(c, Path(self._scratch.name), device="cpu").model_path
+        placement(c.worker.device)   # the workers' device: DeviceUnavailableError naming what to install
         base = c.server.metrics_port
         if base:
             for i in range(c.job.shards):
@@ -676,7 +678,7 @@ class Launcher:
             self.run_workers(addresses)
         except LaunchError as exc:
             self.display.close()
-            self._say(f"FAILED: {exc}", "ERROR")
+            self._say(str(exc), "ERROR")
             self.stop_all()
             return 1
         except KeyboardInterrupt:
@@ -695,7 +697,7 @@ class Launcher:
             try:
                 write_record(Path(c.launch.record), summary=summary, launcher=self)
             except OSError as exc:
-                self._say(f"FAILED: cannot write the record to --record {c.launch.record}: {exc}", "ERROR")
+                self._say(f"cannot write the record to --record {c.launch.record}: {exc}", "ERROR")
                 self.stdout.write(json.dumps(summary) + "\n")
                 return 1
         result = (f"test accuracy {_fmt(summary['test_accuracy'], '.4f')}" if summary["test_accuracy"] is not None
@@ -709,7 +711,7 @@ class Launcher:
                                              "stale_drops")})
         status = 0
         if c.launch.min_accuracy is not None and not (summary["test_accuracy"] or 0.0) >= c.launch.min_accuracy:
-            self._say(f"FAILED: test accuracy {_fmt(summary['test_accuracy'], '.4f')} is below --min-accuracy "
+            self._say(f"test accuracy {_fmt(summary['test_accuracy'], '.4f')} is below --min-accuracy "
                       f"{c.launch.min_accuracy:g}", "ERROR")
             status = 1
         self.stdout.write(json.dumps(summary) + "\n")

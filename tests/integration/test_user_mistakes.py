@@ -102,6 +102,14 @@ LAUNCH_MISTAKES = {
     "missing-data": (["--model", "{model}", "--data", "{root}/no-such-data.npz"],
                      ["unknown dataset spec", "no-such-data.npz", "no file at"]),
 }
+try:
+    import onnxruntime
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():   # this machine has no GPU stack
+        LAUNCH_MISTAKES["cuda-without-onnxruntime-gpu"] = (
+            ["--model", "{model}", "--device", "cuda"],
+            ["device='cuda' needs onnxruntime's CUDAExecutionProvider", "pip install 'onnx-ps[gpu]'"])
+except ImportError:   # pragma: no cover - onnxruntime is a dependency
+    pass
 
 
 def _fill(items: list[str], files: dict[str, Path]) -> list[str]:

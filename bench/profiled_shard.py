@@ -89,6 +89,10 @@ def install() -> None:
     Shard._wait = timed("server.wait", Shard._wait)
     ParameterStore.apply = timed("server.apply", ParameterStore.apply)
     PullCache.messages = timed("server.encode", PullCache.messages)
+    # The training loop's round trip: PushPull (its values encoded by PullCache.body, or
+    # copied into shared memory by Segment.view + copyto inside the handler).
+    servicer.PushPull = timed("server.push_pull", servicer.PushPull)
+    PullCache.body = timed("server.encode", PullCache.body)
     pass_bytes = service._pass_bytes
     service._pass_bytes = lambda serialize: timed("server.serialize", pass_bytes(serialize))
 

@@ -132,9 +132,9 @@ def bench_case(args: argparse.Namespace, workers: int, mode: str, work: Path, si
 # ---------------------------------------------------------------------------------- profile
 
 #: (part, how it is computed) in the order of the table; see docs/benchmarks.md.
-PROFILE_PARTS = ("step", "compute", "push", "client.encode", "server.push", "server.receive", "server.decode",
-                 "server.domain", "server.apply", "wire.push", "pull", "server.pull", "server.wait", "server.encode",
-                 "server.serialize", "client.decode", "wire.pull", "loop")
+PROFILE_PARTS = ("step", "compute", "push_pull", "server.push_pull", "wire.push_pull", "push", "client.encode",
+                 "server.push", "server.receive", "server.decode", "server.domain", "server.apply", "wire.push", "pull",
+                 "server.pull", "server.wait", "server.encode", "server.serialize", "client.decode", "wire.pull", "loop")
 
 
 def breakdown(result: dict[str, Any], server_calls: dict[str, list[list[float]]]) -> dict[str, float]:
@@ -151,7 +151,12 @@ def breakdown(result: dict[str, Any], server_calls: dict[str, list[list[float]]]
     ms["server.decode"] = get("server.decode") - get("server.receive")
     ms["wire.push"] = get("push") - get("client.encode") - (get("server.push") - get("server.receive"))
     ms["wire.pull"] = get("pull") - get("client.decode") - get("server.pull") - get("server.serialize")
-    ms["loop"] = get("step") - get("compute") - get("push") - get("pull")
+    # The training loop's round trip (PushPull): what the client waited for, less the handler and the
+    # client's own encoding and decoding, is gRPC and the socket (or, with shared memory, gRPC alone).
+    if get("push_pull"):
+        ms["wire.push_pull"] = get("push_pull") - get("server.push_pull") - get("client.encode") - get("client.decode")
+        ms["wire.push"] = ms["wire.pull"] = 0.0
+    ms["loop"] = get("step") - get("compute") - get("push_pull") - get("push") - get("pull")
     return {part: round(ms.get(part, 0.0), 4) for part in PROFILE_PARTS}
 
 

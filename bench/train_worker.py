@@ -90,6 +90,8 @@ def profile_client(timings: Timings) -> None:
     """Wraps the client's encoding and decoding of tensor messages (this process only)."""
     codec.pack_encoded = timings.timed_generator("client.encode", codec.pack_encoded)
     codec.decode_pull_response = timings.timed("client.decode", codec.decode_pull_response)
+    codec.encode_message = timings.timed("client.encode", codec.encode_message)
+    codec.decode_with_extras = timings.timed("client.decode", codec.decode_with_extras)
     codec.PartAssembler.add = timings.timed("client.decode", codec.PartAssembler.add)
     codec.PartAssembler.finish = timings.timed("client.decode", codec.PartAssembler.finish)
 

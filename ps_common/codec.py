@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 
+import ml_dtypes
 import numpy as np
 
 from ps_proto.v1 import parameter_server_pb2 as pb
@@ -25,6 +26,9 @@ CHUNK_BYTES = 4 << 20
 #: for the message's other fields (names, shapes, many small chunks' headers).
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (4 << 20)
 
+#: numpy has no bfloat16; ml_dtypes (from the JAX project) adds it as a numpy dtype.
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
 _TO_WIRE: dict[np.dtype, int] = {
     np.dtype("<f4"): pb.DTYPE_FLOAT32,
     np.dtype("<f8"): pb.DTYPE_FLOAT64,
@@ -32,7 +36,14 @@ _TO_WIRE: dict[np.dtype, int] = {
     np.dtype("<i4"): pb.DTYPE_INT32,
     np.dtype("<i8"): pb.DTYPE_INT64,
     np.dtype("u1"): pb.DTYPE_UINT8,
+    BFLOAT16: pb.DTYPE_BFLOAT16,
 }
+
+#: Wire dtypes a job may choose for float32 tensors (gradients pushed, parameters pulled):
+#: the shards keep float32 master weights and optimizer state, and widen what arrives.
+WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": BFLOAT16}
+#: The half-size dtypes a float32 part may travel as.
+NARROW_FLOAT32 = frozenset({np.dtype("<f2"), BFLOAT16})
 _FROM_WIRE: dict[int, np.dtype] = {v: k for k, v in _TO_WIRE.items()}
 
 
@@ -85,7 +96,8 @@ def chunk_fields(name: str, part: np.ndarray, *, row_start: int = 0, chunk_bytes
     part = as_wire_array(part)
     wire_dtype = dtype_to_wire(part.dtype)
     shape = part.shape
-    raw = memoryview(part.reshape(-1)).cast("B") if part.size else memoryview(b"")
+    # through a uint8 view: bfloat16 arrays do not export a buffer format memoryview can cast
+    raw = memoryview(part.reshape(-1).view(np.uint8)) if part.size else memoryview(b"")
     total = raw.nbytes
     offset = 0
     while True:
@@ -116,7 +128,7 @@ class _PartBuffer:
 
     def write(self, start: int, data: bytes) -> None:
         assert self.array is not None
-        flat = memoryview(self.array.reshape(-1)).cast("B") if self.array.size else memoryview(bytearray())
+        flat = memoryview(self.array.reshape(-1).view(np.uint8)) if self.array.size else memoryview(bytearray())
         flat[start:start + len(data)] = data
 
 
@@ -138,10 +150,15 @@ class PartAssembler:
     """
 
     def __init__(self, expected: Callable[[str, int], tuple[np.dtype, tuple[int, ...]]] | None = None, *,
-                 destination: Destination | None = None) -> None:
-        """``expected(name, row_start) -> (dtype, shape)`` looks a part up (raising for unknown ones)."""
+                 destination: Destination | None = None, widen: bool = False) -> None:
+        """``expected(name, row_start) -> (dtype, shape)`` looks a part up (raising for unknown ones).
+
+        With `widen`, a float32 part may arrive as float16 or bfloat16 (a job's half-size
+        wire): it is assembled in that dtype and returned widened to float32.
+        """
         self._expected = expected
         self._destination = destination
+        self._widen = widen
         self._parts: dict[tuple[str, int], _PartBuffer] = {}
 
     def add(self, chunk: "pb.TensorChunk | ChunkView") -> None:
@@ -178,7 +195,8 @@ class PartAssembler:
             raise InvalidTensorError(f"tensor {chunk.name!r}: negative dimension in shape {list(shape)}")
         if self._expected is not None:
             want_dtype, want_shape = self._expected(chunk.name, chunk.row_start)
-            if dtype != want_dtype:
+            narrow = self._widen and want_dtype == np.dtype("<f4") and dtype in NARROW_FLOAT32
+            if dtype != want_dtype and not narrow:
                 raise InvalidTensorError(
                     f"tensor {chunk.name!r} rows from {chunk.row_start}: dtype {dtype.name} does not match the parameter's {want_dtype.name}")
             if shape != tuple(want_shape):
@@ -211,11 +229,14 @@ class PartAssembler:
                     f"tensor {name!r} rows from {row_start}: got {pos} bytes, expected {buf.nbytes} "
                     f"(shape {list(buf.shape)}, {buf.dtype.name})")
             if buf.whole is not None:
-                out[(name, row_start)] = np.frombuffer(buf.whole, dtype=buf.dtype).reshape(buf.shape)
+                value = np.frombuffer(buf.whole, dtype=buf.dtype).reshape(buf.shape)
             elif buf.array is not None:
-                out[(name, row_start)] = buf.array
+                value = buf.array
             else:  # a zero-size part
-                out[(name, row_start)] = np.empty(buf.shape, dtype=buf.dtype)
+                value = np.empty(buf.shape, dtype=buf.dtype)
+            if self._widen and buf.dtype in NARROW_FLOAT32:
+                value = value.astype(np.float32)
+            out[(name, row_start)] = value
         return out
 
 

@@ -71,6 +71,10 @@ class JobSettings:
                                   help="async: drop a gradient read more than this many steps ago; 0 never drops")
     seed: int = _setting(0, "--seed", scopes=_WORKER, minimum=0,
                          help="seed of the data order (per epoch) and of synthetic datasets")
+    wire_dtype: str = _setting("float32", "--wire-dtype", scopes=_WORKER, choices=("float32", "float16", "bfloat16"),
+                               help="dtype float32 gradients and parameters cross gRPC in: float16 or bfloat16 "
+                                    "halve the bytes; the shards keep float32 master weights and optimizer "
+                                    "state (shared memory carries float32)")
     wait_timeout: float = _setting(300.0, "--wait-timeout", positive=True, metavar="SECONDS",
                                    help="longest wait of a pull (sync step, SSP hold) or barrier, in seconds: "
                                         "the shard's cap, the worker's pull timeout, and how long worker 0 "

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from ps_common.errors import REASON_KEY, PermissionDeniedError, UnauthenticatedError
 from ps_common.tls import AUTH_METADATA_KEY, parse_bearer, read_pem
 from ps_server.config import ServerConfig
 
@@ -318,6 +319,17 @@ def _same_kind(handler: grpc.RpcMethodHandler, behavior: Callable, *, parse: boo
     return grpc.unary_unary_rpc_method_handler(behavior, **io)
 
 
+#: The catalog's error for each refusal status, whose reason the refusal carries (docs/protocol.md).
+_REFUSALS = {grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+             grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError}
+
+
+def _abort(context: grpc.ServicerContext, verdict: Verdict) -> None:
+    """Ends a refused call with its status, its message, and the catalog reason in the trailing metadata."""
+    context.set_trailing_metadata(((REASON_KEY, _REFUSALS[verdict.code].reason),))
+    context.abort(verdict.code, verdict.message)
+
+
 def _behavior(handler: grpc.RpcMethodHandler) -> Callable:
     return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
@@ -344,7 +356,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
     def _refusal(method: str, verdict: Verdict) -> Callable:
         def refuse(request, context):
             log.warning("refused %s from %s: %s: %s", method, context.peer(), verdict.code.name, verdict.message)
-            context.abort(verdict.code, verdict.message)
+            _abort(context, verdict)
 
         return refuse
 
@@ -356,7 +368,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             if role < needed:
                 verdict = self.policy.refuse(method, needed, role)
                 log.warning("refused %s from %s: %s: %s", method, context.peer(), verdict.code.name, verdict.message)
-                context.abort(verdict.code, verdict.message)
+                _abort(context, verdict)
             return behavior(request, context)
 
         return checked

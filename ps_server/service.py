@@ -123,8 +123,8 @@ def _header_and_chunks(requests: Iterator[bytes], rpc: str, header_type):
     return parsed, all_chunks()
 
 
-def _assemble(chunks: Iterator[codec.ChunkView], layout) -> dict:
-    assembler = codec.PartAssembler(layout)
+def _assemble(chunks: Iterator[codec.ChunkView], layout, *, widen: bool = False) -> dict:
+    assembler = codec.PartAssembler(layout, widen=widen)
     for chunk in chunks:
         assembler.add(chunk)
     return assembler.finish()
@@ -240,7 +240,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         with self.admission.enter("Push"):
             header, chunks = _header_and_chunks(self._stream(request_iterator, context, "Push"), "Push",
                                                 pb.PushHeader)
-            grads = _assemble(chunks, self.shard.push_layout())
+            grads = _assemble(chunks, self.shard.push_layout(), widen=True)   # half-size wire: widened
             result = self.shard.push(header.worker_id, header.clock, header.read_step, grads)
         return push_response(result)
 
@@ -252,8 +252,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _pull(self, request, context) -> list[pb.PullResponse | bytes]:
         with self.admission.enter("Pull"):
             timeout = self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())
+            wire = wire_dtype(request.wire_dtype)
             return self.shard.pull(list(request.names), min_step=request.min_step, worker_id=request.worker_id,
-                                   clock=request.clock, timeout=timeout, read=self.pull_cache.messages)
+                                   clock=request.clock, timeout=timeout,
+                                   read=lambda step, parts: self.pull_cache.messages(step, parts, wire))
 
     @translate_errors
     def Barrier(self, request, context):
@@ -307,11 +309,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                         f"{self.shard.config.shard_index}'s parts (re-initialized?): open it again")
                 grads = {slot.key: segment[0].view(slot) for slot in segment[1].gradients}
             else:
-                grads = _assemble(chunks, self.shard.push_layout())
+                grads = _assemble(chunks, self.shard.push_layout(), widen=True)
             result = self.shard.push(header.worker_id, header.clock, header.read_step, grads)
             min_step = step_after_push(result.accepted, result.drop_reason, header.read_step, result.step) \
                 if pull.wait_for_step else 0
-            read = self.pull_cache.body if segment is None or not pull.shared_memory else _write_values(segment)
+            wire = wire_dtype(pull.wire_dtype)
+            read = (lambda step, parts: self.pull_cache.body(step, parts, wire)) \
+                if segment is None or not pull.shared_memory else _write_values(segment)
             try:
                 step, body = self.shard.pull(list(pull.names), min_step=min_step,
                                              worker_id=header.worker_id if pull.ssp else "",
@@ -350,6 +354,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                            for key, state in self.shard.store_parts())
         segment, layout = self.segments.open(request.worker_id, layout, known=known)
         return pb.SharedMemoryResponse(name=segment.name, size=layout.size, values_offset=layout.values_offset)
+
+
+def wire_dtype(value: int) -> np.dtype | None:
+    """The half-size dtype a pull asks float32 parts in (None: as stored); INVALID_ARGUMENT for another."""
+    if value in (pb.DTYPE_UNSPECIFIED, pb.DTYPE_FLOAT32):
+        return None
+    dtype = codec.dtype_from_wire(value, name="(wire_dtype)")
+    if dtype not in codec.NARROW_FLOAT32:
+        raise InvalidRequestError(f"wire_dtype {pb.DType.Name(value)}: a pull may ask for float32, float16 or "
+                                  "bfloat16 only")
+    return dtype
 
 
 def _parse(message_type, raw, what: str):

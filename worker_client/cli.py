@@ -105,7 +105,7 @@ def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None
     client = PSClient(w.servers, worker_id=w.worker_id, rpc_timeout=w.rpc_timeout, wait_timeout=job.job.wait_timeout,
                       retry=RetryPolicy(window=w.reconnect_timeout), channel_credentials=credentials,
                       call_metadata=metadata, duplicate_pushes=w.duplicate_pushes, stop=stop,
-                      shared_memory=w.shared_memory)
+                      shared_memory=w.shared_memory, wire_dtype=job.job.wire_dtype)
     try:
         expected_mode = job.job.mode if "job.mode" in job.sources else None   # else: follow the shards
         return Trainer(client, engine, dataset, plan=plan, report=report, stop=stop,

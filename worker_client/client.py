@@ -158,13 +158,19 @@ class PSClient:
                  wait_timeout: float = 300.0, retry: RetryPolicy = RetryPolicy(), chunk_bytes: int = codec.CHUNK_BYTES,
                  channel_credentials: grpc.ChannelCredentials | None = None,
                  call_metadata: Sequence[tuple[str, str]] = (), duplicate_pushes: bool = False,
-                 stop: threading.Event | None = None, shared_memory: bool = True) -> None:
+                 stop: threading.Event | None = None, shared_memory: bool = True,
+                 wire_dtype: str = "float32") -> None:
         """`stop`, once set (e.g. by a SIGTERM handler), ends every wait of this client within about
         STOP_POLL_SECONDS with StoppedError: connecting, retry backoffs and barriers. With
         `shared_memory`, push_pull moves its bytes through a shared-memory segment with each
         shard that shares this host (ps_common/shared_memory.py), and over gRPC otherwise."""
         if not addresses:
             raise ValueError("PSClient needs at least one shard address")
+        if wire_dtype not in codec.WIRE_DTYPES:
+            raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (choose one of {', '.join(codec.WIRE_DTYPES)})")
+        #: float32 gradients and parameters cross gRPC in this dtype (the shards keep float32).
+        self.wire_dtype = codec.WIRE_DTYPES[wire_dtype]
+        self._wire_value = codec.dtype_to_wire(self.wire_dtype)
         self.stop = stop or threading.Event()
         self.addresses = list(addresses)
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
@@ -335,12 +341,16 @@ class PSClient:
         self.steps = [r.step for r in responses]
         return all(r.already_initialized for r in responses)
 
-    def _part_chunks(self, shard_map: ShardMap, shard: int, arrays: Mapping[str, np.ndarray]) -> Iterator[dict]:
+    def _part_chunks(self, shard_map: ShardMap, shard: int, arrays: Mapping[str, np.ndarray], *,
+                     narrow: bool = False) -> Iterator[dict]:
+        """The chunk fields of a shard's parts of `arrays`; with `narrow` (gradients), float32 parts in the wire dtype."""
         for part in shard_map.parts_on(shard):
             if part.name not in arrays:
                 continue
             array = np.asarray(arrays[part.name])
             piece = array if part.whole else array[part.row_start:part.row_end]
+            if narrow and piece.dtype == np.float32 and self.wire_dtype != piece.dtype:
+                piece = piece.astype(self.wire_dtype)   # the job's half-size wire (the shard widens it)
             yield from codec.chunk_fields(part.name, piece, row_start=part.row_start, chunk_bytes=self.chunk_bytes,
                                           copy=False)
 
@@ -454,7 +464,8 @@ class PSClient:
         def fetch(shard: int) -> tuple[int, dict[tuple[str, int], np.ndarray]]:
             own = sorted({p.name for p in shard_map.parts_on(shard) if p.name in wanted})
             request = pb.PullRequest(names=own if names else [], min_step=mins[shard], wait_timeout_ms=int(wait * 1000),
-                                     worker_id=self.worker_id if ssp else "", clock=self.clock if ssp else 0)
+                                     worker_id=self.worker_id if ssp else "", clock=self.clock if ssp else 0,
+                                     wire_dtype=self._wire_value)
 
             def call(stub: pb_grpc.ParameterServerStub):
                 assembler = codec.PartAssembler(destination=destination)
@@ -472,9 +483,7 @@ class PSClient:
         results = [fetch(targets[0])] if len(targets) == 1 else list(self._pool.map(fetch, targets))
         for shard, (step, parts) in zip(targets, results):
             self.steps[shard] = step
-            for (name, _), value in parts.items():
-                if shard_map.parts_of(name)[0].whole:
-                    out[name] = value
+            self._place(shard_map, out, parts)
         return out
 
     def push(self, gradients: Mapping[str, np.ndarray], *, clock: int | None = None,
@@ -518,7 +527,8 @@ class PSClient:
                                    read_step=steps[shard])
 
             def call() -> pb.PushResponse:
-                messages = codec.pack_encoded(self._part_chunks(shard_map, shard, gradients), header.SerializeToString(),
+                messages = codec.pack_encoded(self._part_chunks(shard_map, shard, gradients, narrow=True),
+                                              header.SerializeToString(),
                                               chunk_bytes=self.chunk_bytes)
                 return self._raw_pushes[shard](messages, timeout=self.rpc_timeout, metadata=self.metadata)
 
@@ -594,9 +604,7 @@ class PSClient:
             return report, None
         for shard, (_, _, step, parts) in enumerate(results):
             self.steps[shard] = step
-            for (name, _), value in parts.items():
-                if shard_map.parts_of(name)[0].whole:
-                    out[name] = value
+            self._place(shard_map, out, parts)
         return report, out
 
     def _push_pull_once(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray], clock: int,
@@ -604,7 +612,7 @@ class PSClient:
                         wait: float) -> tuple[pb.PushResponse, bool, int, list]:
         header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step).SerializeToString()
         pull = pb.PullAfterPush(wait_for_step=wait_for_step, ssp=ssp, wait_timeout_ms=max(1, int(wait * 1000)),
-                                shared_memory=segment is not None).SerializeToString()
+                                shared_memory=segment is not None, wire_dtype=self._wire_value).SerializeToString()
         if segment is not None:
             memory, layout = segment
             pieces = []
@@ -615,7 +623,7 @@ class PSClient:
             memory.write(layout.gradients, pieces)
             body = codec.encode_message(header, []) + codec.message_field(3, pull) + codec.scalar_field(4, 1)
         else:
-            body = codec.encode_message(header, self._part_chunks(shard_map, shard, gradients)) + \
+            body = codec.encode_message(header, self._part_chunks(shard_map, shard, gradients, narrow=True)) + \
                 codec.message_field(3, pull)
 
         def call(stub: pb_grpc.ParameterServerStub) -> bytes:
@@ -645,8 +653,8 @@ class PSClient:
 
         def destination(name: str, row_start: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
             spec = shard_map.specs.get(name)
-            if spec is None or shard_map.parts_of(name)[0].whole:
-                return None
+            if spec is None or shard_map.parts_of(name)[0].whole or dtype in codec.NARROW_FLOAT32:
+                return None   # a half-size part is widened into place by _place
             if (dtype.name, shape[1:]) != (np.dtype(spec.dtype).name, tuple(spec.shape[1:])) or row_start + shape[0] > spec.shape[0]:
                 raise InvalidTensorError(f"shard sent {name!r} rows from {row_start} as {dtype}{list(shape)}, "
                                          f"which does not fit the tensor {spec.dtype}{list(spec.shape)}")
@@ -657,6 +665,21 @@ class PSClient:
             return full[row_start:row_start + shape[0]]
 
         return destination
+
+    @staticmethod
+    def _place(shard_map: ShardMap, out: dict[str, np.ndarray], parts: Mapping[tuple[str, int], np.ndarray]) -> None:
+        """Puts received parts where they belong in `out`: whole tensors as they are, parts that came half-size
+        widened to their tensor's dtype (split tensors' other parts were written in place by the assembler)."""
+        for (name, row_start), value in parts.items():
+            spec = shard_map.specs[name]
+            narrow = value.dtype in codec.NARROW_FLOAT32 and np.dtype(spec.dtype) == np.float32
+            if shard_map.parts_of(name)[0].whole:
+                out[name] = value.astype(np.float32) if narrow else value
+            elif narrow:
+                full = out.get(name)
+                if full is None:
+                    full = out[name] = np.empty(spec.shape, dtype=spec.dtype)
+                full[row_start:row_start + value.shape[0]] = value
 
     @staticmethod
     def _small(shard_map: ShardMap, shard: int) -> bool:

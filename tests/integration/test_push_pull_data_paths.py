@@ -111,3 +111,34 @@ def test_a_model_too_large_for_one_message_without_shared_memory_is_pushed_and_p
         report, pulled = worker.push_pull(grads(values))
         assert report.accepted and pulled is None        # the push went alone; the caller pulls
         np.testing.assert_allclose(worker.pull()["w"], values["w"] - LR * 0.25, rtol=1e-6)
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shm", [False, pytest.param(True, marks=needs_shm)])
+def test_a_half_size_wire_keeps_float32_on_the_shard_and_rounds_only_what_travels(start_cluster, wire: str,
+                                                                                   shm: bool) -> None:
+    from ps_common import codec
+
+    values = model()
+    cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "256"])
+    narrow = codec.WIRE_DTYPES[wire]
+    with PSClient(cluster.addresses, worker_id="w0", rpc_timeout=20, retry=QUICK, shared_memory=shm,
+                  wire_dtype=wire) as worker, \
+            PSClient(cluster.addresses, worker_id="exact", rpc_timeout=20, retry=QUICK) as exact:
+        worker.wait_ready(20)
+        worker.initialize(values)
+        worker.register(heartbeat=False)
+        pulled = worker.pull()
+        assert pulled["w"].dtype == np.float32 and pulled["ids"].dtype == np.int64
+        np.testing.assert_array_equal(pulled["w"], values["w"].astype(narrow).astype(np.float32))
+        gradient = {"w": np.full((16, 8), 0.3, np.float32), "b": np.full(8, 0.3, np.float32)}
+        report, after = worker.push_pull(gradient)
+        assert report.accepted
+        # the shard applied the gradient, rounded when it crossed gRPC (shared memory carries float32),
+        # to its float32 master values
+        master = exact.pull()["w"]
+        sent = np.float32(0.3) if shm else np.float32(np.float32(0.3).astype(narrow))
+        expected = values["w"] - LR * sent
+        np.testing.assert_allclose(master, expected, rtol=1e-6)
+        if after is not None and not shm:
+            np.testing.assert_array_equal(after["w"], master.astype(narrow).astype(np.float32))

@@ -28,6 +28,7 @@ from ps_common.tls import bearer_metadata, client_security
 from ps_server.config import ServerConfig
 from ps_server.server import ShardServer, create_server
 from worker_client.client import PSClient, RetryPolicy, ServerError
+from ps_common.errors import UnauthenticatedError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAKE_CERTS = REPO_ROOT / "deploy" / "tls" / "make-dev-certs.sh"
@@ -202,6 +203,7 @@ def test_a_call_without_a_token_is_unauthenticated(certs, start):
         worker.initialize(PARAMS)
     worker.close()
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert isinstance(info.value, UnauthenticatedError)   # the refusal's reason maps back to the catalog class
     assert "authorization: Bearer <token>" in str(info.value)
     assert not server.shard.store.initialized
 

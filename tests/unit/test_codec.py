@@ -82,8 +82,8 @@ def test_expected_dtype_and_shape_are_enforced() -> None:
 
 
 def test_unknown_wire_dtype_is_refused() -> None:
-    chunk = pb.TensorChunk(name="w", dtype=pb.DTYPE_BFLOAT16, shape=[1], data=b"\0\0")
-    with pytest.raises(InvalidTensorError, match="'w'.*DTYPE_BFLOAT16"):
+    chunk = pb.TensorChunk(name="w", dtype=99, shape=[1], data=b"\0\0")
+    with pytest.raises(InvalidTensorError, match="'w'.*dtype 99 is not accepted"):
         codec.PartAssembler().add(chunk)
     with pytest.raises(InvalidTensorError, match="complex64 is not supported"):
         codec.dtype_to_wire(np.complex64)
@@ -141,3 +141,26 @@ def test_pack_encoded_groups_small_chunks_and_puts_the_header_in_the_first_messa
     assert [m.HasField("header") for m in messages] == [True, False, False, False]
     assert messages[0].header.worker_id == "w"
     assert len(list(codec.pack_encoded([], b""))) == 1
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_a_float32_part_sent_half_size_is_widened_back_to_float32_when_allowed(wire: str) -> None:
+    value = np.linspace(-3, 3, 12, dtype=np.float32).reshape(4, 3)
+    narrow = value.astype(codec.WIRE_DTYPES[wire])
+    chunks = list(codec.part_chunks("w", narrow))
+    assert chunks[0].dtype == codec.dtype_to_wire(codec.WIRE_DTYPES[wire]) and len(chunks[0].data) == 24
+    assembler = codec.PartAssembler(lambda name, row: (np.dtype("float32"), (4, 3)), widen=True)
+    for chunk in chunks:
+        assembler.add(chunk)
+    [(key, got)] = assembler.finish().items()
+    assert got.dtype == np.float32 and key == ("w", 0)
+    np.testing.assert_array_equal(got, narrow.astype(np.float32))
+    strict = codec.PartAssembler(lambda name, row: (np.dtype("float32"), (4, 3)))
+    with pytest.raises(InvalidTensorError, match=f"dtype {codec.WIRE_DTYPES[wire].name} does not match"):
+        strict.add(chunks[0])
+
+
+def test_only_float32_parts_may_travel_half_size() -> None:
+    assembler = codec.PartAssembler(lambda name, row: (np.dtype("float64"), (3,)), widen=True)
+    with pytest.raises(InvalidTensorError, match="dtype float16 does not match the parameter's float64"):
+        assembler.add(next(codec.part_chunks("w", np.zeros(3, np.float16))))

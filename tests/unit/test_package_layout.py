@@ -49,3 +49,21 @@ def test_a_package_imports_nothing_from_the_layers_above_it(package: str, forbid
     offenders = {path: sorted(names & forbidden) for path, names in imported_modules(REPO_ROOT / package).items()
                  if names & forbidden}
     assert not offenders, f"{package} must not import {sorted(forbidden)}: {offenders}"
+
+
+#: The folders that install as packages, and the import name each installs as (pyproject's package-dir).
+PACKAGE_ROOTS = {"protos/ps": "ps_proto", "models": "ps_models", "bench": "ps_bench", "ps_common": "ps_common",
+                 "ps_server": "ps_server", "worker_client": "worker_client", "ps_tools": "ps_tools"}
+
+
+def test_every_package_folder_is_listed_in_pyproject_so_the_wheel_carries_it() -> None:
+    import tomllib
+
+    listed = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = set()
+    for folder, name in PACKAGE_ROOTS.items():
+        for init in (REPO_ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(REPO_ROOT / folder).parts
+            on_disk.add(".".join((name, *relative)))
+    assert on_disk - listed == set(), "packages missing from pyproject.toml [tool.setuptools] packages"
+    assert listed - on_disk == set(), "pyproject.toml lists packages that have no folder"

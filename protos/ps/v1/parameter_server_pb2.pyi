@@ -148,18 +148,20 @@ class PushResponse(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., drop_reason: _Optional[_Union[DropReason, str]] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., clock: _Optional[int] = ..., duplicate: _Optional[bool] = ..., aggregated: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("names", "min_step", "worker_id", "clock", "wait_timeout_ms")
+    __slots__ = ("names", "min_step", "worker_id", "clock", "wait_timeout_ms", "wire_dtype")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     min_step: int
     worker_id: str
     clock: int
     wait_timeout_ms: int
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., min_step: _Optional[int] = ..., worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+    wire_dtype: DType
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., min_step: _Optional[int] = ..., worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("step", "chunks")
@@ -170,18 +172,20 @@ class PullResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class PullAfterPush(_message.Message):
-    __slots__ = ("names", "wait_for_step", "ssp", "wait_timeout_ms", "shared_memory")
+    __slots__ = ("names", "wait_for_step", "ssp", "wait_timeout_ms", "shared_memory", "wire_dtype")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_STEP_FIELD_NUMBER: _ClassVar[int]
     SSP_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     wait_for_step: bool
     ssp: bool
     wait_timeout_ms: int
     shared_memory: bool
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., wait_for_step: _Optional[bool] = ..., ssp: _Optional[bool] = ..., wait_timeout_ms: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    wire_dtype: DType
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., wait_for_step: _Optional[bool] = ..., ssp: _Optional[bool] = ..., wait_timeout_ms: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
     __slots__ = ("header", "chunks", "pull", "gradients_in_shared_memory")

@@ -50,13 +50,14 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
 ## The quick-start demo: the bundled MLP trained on digits by 2 shards and 2 workers in sync
-## mode, each a separate process (ps-launch). Prints the test accuracy (fails below 0.95),
-## writes runs/demo/plot.png and runs/demo/run.json; the last line is the run's JSON summary.
+## mode, each a separate process (ps-launch). Shows one progress bar, prints the test accuracy
+## (fails below 0.95), writes runs/demo/plot.png, runs/demo/run.json and TensorBoard scalars in
+## runs/demo/tensorboard; the last line is the run's JSON summary. --verbose shows every process.
 demo: $(STAMP)
-	$(PY) -m ps_models.build --model mlp --out runs/demo/mlp.onnx
-	$(PY) -m ps_tools.launch --mode sync --shards 2 --workers 2 --optimizer momentum --lr 0.05 \
+	@$(PY) -m ps_models.build --model mlp --out runs/demo/mlp.onnx
+	@$(PY) -m ps_tools.launch --mode sync --shards 2 --workers 2 --optimizer momentum --lr 0.05 \
 		--model runs/demo/mlp.onnx --data digits --batch-size 32 --steps 500 --eval-every 25 \
-		--min-accuracy 0.95 --log-level WARNING --record runs/demo
+		--min-accuracy 0.95 --record runs/demo --tensorboard runs/demo/tensorboard
 
 ## Containers: lint the Dockerfiles, validate compose and the Kubernetes manifests, build the
 ## image and train in containers (compose, the Kubernetes pods, the TFJob replicas). As root

@@ -80,9 +80,12 @@ class JobSettings:
                                         "the shard's cap, the worker's pull timeout, and how long worker 0 "
                                         "waits at the end for the others to finish")
     log_level: str = _setting("INFO", "--log-level", choices=LOG_LEVELS,
+                              default_doc="INFO (ps-launch: WARNING, INFO with --verbose)",
                               help="logging level of every process (logs go to stderr)")
     log_json: bool = _setting(False, "--log-json",
-                              help="log one JSON object a line (ts, level, logger, msg, ...) instead of text")
+                              help="log one JSON object a line (ts, level, logger, msg, and the record's fields "
+                                   "such as shard, worker, step) instead of text; ps-launch: every line on "
+                                   "stderr, its children's too (with a process field), is JSON")
     auth_token_file: str | None = _setting(None, "--auth-token-file", metavar="FILE",
                                            default_doc="$PS_AUTH_TOKEN, else none",
                                            help="file holding the worker token: shards require it on every "
@@ -142,10 +145,10 @@ class ServerSettings:
                                                help="checkpoint every this many seconds; 0: not by time")
     checkpoint_keep: int = _setting(3, "--checkpoint-keep", scopes=_SERVER, minimum=1,
                                     help="newest checkpoints kept in checkpoint_dir")
-    metrics_port: int | None = _setting(None, "--metrics-port", scopes=frozenset({"server"}), minimum=0,
-                                        help="serve Prometheus metrics on this port (the READY line says which); "
-                                             "0 picks one; unset: none. A job file's port goes to ps-launch's "
-                                             "shard i as port + i")
+    metrics_port: int | None = _setting(None, "--metrics-port", scopes=_SERVER, minimum=0,
+                                        help="serve Prometheus metrics at http://HOST:PORT/metrics (the READY "
+                                             "line says which port); 0 picks one; unset: none. ps-launch: shard i "
+                                             "serves on this port + i (0: a free port each) and prints where")
     tls_cert: str | None = _setting(None, "--tls-cert", scopes=frozenset({"server"}), metavar="PEM",
                                     help="the shard's certificate chain; with tls_key the port serves TLS "
                                          "(docs/security.md)")
@@ -274,6 +277,15 @@ class WorkerSettings:
                                    help="the private key of the client certificate")
     progress_every: float = _setting(1.0, "--progress-every", scopes=_WORKER, positive=True, metavar="SECONDS",
                                      help="seconds between progress reports")
+    tensorboard: str | None = _setting(None, "--tensorboard", scopes=_WORKER, metavar="DIR",
+                                       help="write TensorBoard scalars (training loss, samples/s, stale drops, test "
+                                            "accuracy and loss by global step) to DIR; ps-worker: worker 0 only, "
+                                            "unless tensorboard_every_worker; ps-launch: the whole job's numbers "
+                                            "(needs tensorboardX: pip install 'onnx-ps[tensorboard]')")
+    tensorboard_every_worker: bool = _setting(False, "--tensorboard-every-worker", scopes=_WORKER,
+                                              help="every worker writes its own scalars to DIR/worker<i> "
+                                                   "(ps-worker: instead of worker 0 alone into DIR; ps-launch: "
+                                                   "besides the job's)")
     events: bool = _setting(False, "--events", scopes=frozenset({"worker"}), toml=False,
                             help="report progress as JSON lines on stdout (for ps-launch) instead of text")
 
@@ -292,7 +304,12 @@ class LaunchSettings:
     stop_timeout: float = _setting(10.0, "--stop-timeout", scopes=_LAUNCH, positive=True, metavar="SECONDS",
                                    help="grace between SIGTERM and SIGKILL when stopping a process")
     print_every: float = _setting(10.0, "--print-every", scopes=_LAUNCH, positive=True, metavar="SECONDS",
-                                  help="seconds between progress lines when stderr is not a terminal")
+                                  help="seconds between progress lines when stderr is not a terminal (on a "
+                                       "terminal: one live bar)")
+    verbose: bool = _setting(False, "--verbose", scopes=_LAUNCH,
+                             help="also show every process's INFO lines, the shards' READY lines, each worker's "
+                                  "progress and evaluations, and a failed process's argv and last lines; by "
+                                  "default ps-launch shows the progress, warnings, errors and the result")
     min_accuracy: float | None = _setting(None, "--min-accuracy", scopes=_LAUNCH, minimum=0,
                                           help="exit with status 1 when the final test accuracy is below this")
 

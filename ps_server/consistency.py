@@ -195,6 +195,7 @@ class SyncPolicy(ConsistencyPolicy):
             return ()
         before, self.capped_at = self.capped_at, capped
         n = self.replicas_to_aggregate
+        expired: list[str] = []
         if capped is None:
             log.info("shard %d: sync steps wait for replicas_to_aggregate=%d gradients again (%d live workers)",
                      host.shard_index, n, host.live_count())
@@ -204,7 +205,10 @@ class SyncPolicy(ConsistencyPolicy):
                     "shard %d: replicas_to_aggregate=%d capped at %d from step %d: %d live worker(s); "
                     "expired leases: %s; left: %s", host.shard_index, n, capped, host.step, host.live_count(),
                     ", ".join(expired) or "none", ", ".join(left) or "none")
-        shrunk = capped is not None and (before is None or capped < before)
+        # Only a lease that ran out is a failure worth counting: workers that deregistered (a
+        # normal finish, a stop) shrink the quorum too, but an alert on the count must not fire
+        # after every clean run.
+        shrunk = capped is not None and bool(expired) and (before is None or capped < before)
         return (Event("replicas_capped", {"effective": effective, "replicas": n, "shrunk": shrunk}),)
 
     def on_push(self, host: PolicyHost, worker_id: str, read_step: int,

@@ -9,7 +9,7 @@ several shards in one process (tests, ps-launch) never share or collide.
 Metric names (all prefixed `ps_`):
   pushes_total{outcome,reason}          pushes taken: outcome accepted|dropped, reason none|stale|already_contributed
   duplicate_pushes_total                retried pushes answered without being applied
-  replicas_capped_total                 sync: times the live workers capped the quorum below replicas_to_aggregate
+  replicas_capped_total                 sync: times an expired lease shrank the quorum below replicas_to_aggregate
   pulls_total                           pulls answered
   received_bytes_total                  gradient bytes taken by pushes (duplicates excluded)
   sent_bytes_total                      parameter bytes served by pulls
@@ -36,6 +36,7 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
     start_http_server,
 )
 from prometheus_client.core import GaugeMetricFamily
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
     from ps_server.shard import Shard
 
 log = logging.getLogger(__name__)
+
+# No `_created` series: one per counter and histogram (25 a shard) that no dashboard or alert
+# reads. prometheus_client keeps this switch process-wide.
+disable_created_metrics()
 
 #: Only rpcs of this service are timed (not health checks or reflection).
 RPC_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name + "/"
@@ -83,8 +88,8 @@ class ShardMetrics:
         self.duplicates = Counter("ps_duplicate_pushes", "Retried pushes acknowledged without being applied again",
                                   ["shard"], registry=r).labels(self.label)
         self.replicas_capped = Counter(
-            "ps_replicas_capped", "sync: times the quorum shrank below replicas_to_aggregate because fewer workers "
-            "were live (a lease expired or a worker left)", ["shard"], registry=r).labels(self.label)
+            "ps_replicas_capped", "sync: times the quorum shrank below replicas_to_aggregate because a worker's "
+            "lease expired (workers that deregistered do not count)", ["shard"], registry=r).labels(self.label)
         self.pulls = Counter("ps_pulls", "Pulls answered", ["shard"], registry=r).labels(self.label)
         self.received_bytes = Counter("ps_received_bytes", "Gradient bytes taken by pushes", ["shard"],
                                       registry=r).labels(self.label)
@@ -154,7 +159,8 @@ class ShardMetrics:
             try:
                 self._http, self._http_thread = start_http_server(port, addr=bind, registry=self.registry)
             except OSError as exc:
-                raise OSError(f"shard {self.label}: cannot bind the metrics endpoint {host}:{port}: {exc}") from exc
+                raise OSError(f"shard {self.label}: cannot bind the metrics endpoint {host}:{port}: "
+                              f"{exc.strerror or exc}; choose another --metrics-port (0 picks a free one)") from exc
             log.info("shard %s metrics on http://%s:%d/metrics", self.label, host, self.port)
             return self.port  # type: ignore[return-value]
 

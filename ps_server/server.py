@@ -67,10 +67,15 @@ class ShardServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         address = f"{config.host}:{config.port}"
-        self.port = (self.server.add_insecure_port(address) if credentials is None
-                     else self.server.add_secure_port(address, credentials))
+        try:
+            self.port = (self.server.add_insecure_port(address) if credentials is None
+                         else self.server.add_secure_port(address, credentials))
+        except RuntimeError:   # grpc's "Failed to bind": the port is taken, or the host is not this machine's
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"shard {config.shard_index}: cannot bind {address}")
+            raise OSError(f"shard {config.shard_index}: cannot bind {address}: the port is in use or the host is "
+                          f"not an address of this machine; choose another --port (0 picks a free one) or --host, "
+                          f"or stop the process that holds the port")
         self.address = f"{config.host}:{self.port}"
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)

@@ -4,6 +4,12 @@ It asks every address for GetClusterInfo concurrently, each call bounded by --ti
 and prints one table of shards and one of workers (or the same as JSON with --json).
 An unreachable address is reported on stderr by name and makes the exit status 1; the
 shards that answered are still printed.
+
+It takes the workers' TLS and token settings, so it can ask a secured job: --tls-ca
+(turns TLS on), --tls-cert/--tls-key (mutual TLS), --tls-server-name (when the address is
+not a name the certificate holds), and a token: --admin-token-file or --auth-token-file
+(else $PS_ADMIN_TOKEN, else $PS_AUTH_TOKEN). GetClusterInfo needs the worker role, which
+the admin token also gives.
 """
 
 from __future__ import annotations
@@ -21,11 +27,28 @@ import grpc
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common.cluster_info import owned_parts_and_bytes
+from ps_common.tls import ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, Metadata, bearer_metadata, token_from
+from ps_tools.health import open_channel
 
 #: Seconds to wait for each shard's answer unless --timeout says otherwise.
 DEFAULT_TIMEOUT = 5.0
 #: Most GetClusterInfo calls in flight at once.
 MAX_PARALLEL_CALLS = 32
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How to reach the shards: TLS files (none: plaintext), the certificate's name, and the call metadata."""
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    server_name: str | None = None
+    metadata: Metadata = ()
+
+    def channel(self, address: str) -> grpc.Channel:
+        return open_channel(address, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                            server_name=self.server_name)
 
 
 @dataclass(frozen=True)
@@ -115,21 +138,34 @@ def format_table(summary: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------- rpc
 
-def fetch(address: str, timeout: float) -> ShardReply:
+#: What to check, by status, when a shard refuses the call.
+HINTS = {
+    grpc.StatusCode.UNAUTHENTICATED: "the shard wants a token: --auth-token-file or --admin-token-file "
+                                     "(or $PS_AUTH_TOKEN / $PS_ADMIN_TOKEN)",
+    grpc.StatusCode.PERMISSION_DENIED: "the token or certificate lacks the role: use the worker or admin token",
+}
+
+
+def fetch(address: str, timeout: float, connection: Connection | None = None) -> ShardReply:
     """GetClusterInfo from one address, waiting at most timeout s; errors are returned, not raised."""
+    connection = connection or Connection()
     try:
-        with grpc.insecure_channel(address) as channel:
-            info = pb_grpc.ParameterServerStub(channel).GetClusterInfo(pb.ClusterInfoRequest(), timeout=timeout)
+        with connection.channel(address) as channel:
+            info = pb_grpc.ParameterServerStub(channel).GetClusterInfo(pb.ClusterInfoRequest(), timeout=timeout,
+                                                                       metadata=connection.metadata)
         return ShardReply(address, info=info)
     except grpc.RpcError as exc:
         what = "unreachable" if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else "failed"
-        return ShardReply(address, error=f"{what}: {exc.code().name}: {exc.details()}")
+        hint = HINTS.get(exc.code())
+        if hint is None and exc.code() == grpc.StatusCode.UNAVAILABLE and connection.tls_ca is None:
+            hint = "if the shard serves TLS, give --tls-ca (and --tls-cert/--tls-key under mutual TLS)"
+        return ShardReply(address, error=f"{what}: {exc.code().name}: {exc.details()}" + (f" ({hint})" if hint else ""))
 
 
-def collect(addresses: Sequence[str], timeout: float) -> list[ShardReply]:
+def collect(addresses: Sequence[str], timeout: float, connection: Connection | None = None) -> list[ShardReply]:
     """fetch() on every address concurrently; replies in the order given. Blocks at most about timeout s."""
     with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL_CALLS, len(addresses)))) as pool:
-        return list(pool.map(lambda a: fetch(a, timeout), addresses))
+        return list(pool.map(lambda a: fetch(a, timeout, connection), addresses))
 
 
 # ---------------------------------------------------------------------- command line
@@ -143,7 +179,39 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     s.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help=f"seconds to wait for each shard (default {DEFAULT_TIMEOUT:g})")
+    tls = s.add_argument_group("a secured job (docs/security.md): the workers' settings")
+    tls.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA bundle (the shards' issuer)")
+    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (with --tls-key)")
+    tls.add_argument("--tls-key", metavar="PEM", help="the private key of the client certificate")
+    tls.add_argument("--tls-server-name", metavar="NAME",
+                     help="the name the shards' certificate holds, when an ADDRESS is another (e.g. an IP)")
+    tls.add_argument("--auth-token-file", metavar="FILE",
+                     help=f"file holding the worker token (default ${AUTH_TOKEN_ENV})")
+    tls.add_argument("--admin-token-file", metavar="FILE",
+                     help=f"file holding the admin token, sent instead of the worker token (default "
+                          f"${ADMIN_TOKEN_ENV})")
     return p
+
+
+def connection_from(args: argparse.Namespace) -> Connection:
+    """The Connection the flags (and the token variables) describe; ValueError naming an unreadable file."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError(f"a client certificate needs both --tls-cert and --tls-key (got --tls-cert "
+                         f"{args.tls_cert!r}, --tls-key {args.tls_key!r})")
+    if args.admin_token_file is not None:
+        token = token_from(args.admin_token_file)
+    elif args.auth_token_file is not None:
+        token = token_from(args.auth_token_file)
+    else:
+        token = token_from(env_var=ADMIN_TOKEN_ENV) or token_from(env_var=AUTH_TOKEN_ENV)
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise ValueError(f"cannot read {flag} {path!r}: {exc.strerror or exc}") from None
+    return Connection(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, bearer_metadata(token))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout <= 0:
         print(f"ps-ctl: Invalid --timeout: {args.timeout} (must be > 0)", file=sys.stderr)
         return 2
-    summary = summarize(collect(addresses, args.timeout))
+    try:
+        connection = connection_from(args)
+    except ValueError as exc:
+        print(f"ps-ctl: {exc}", file=sys.stderr)
+        return 2
+    try:
+        replies = collect(addresses, args.timeout, connection)
+    except ValueError as exc:   # a TLS file that is not PEM (ps_common.tls.read_pem)
+        print(f"ps-ctl: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(replies)
     for error in summary["errors"]:
         print(f"ps-ctl: shard at {error['address']} {error['error']}", file=sys.stderr)
     print(json.dumps(summary, indent=2) if args.json else format_table(summary), flush=True)

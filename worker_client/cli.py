@@ -25,6 +25,8 @@ from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from worker_client.client import PSClient, RetryPolicy
 from worker_client.engine import GradientEngine
 from worker_client.engine.load import read_model
+from worker_client.preflight import Prepared, prepare
+from worker_client.tensorboard import TensorBoardSink
 from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingPlan
 
 log = logging.getLogger("worker_client")
@@ -60,37 +62,68 @@ def load_data(spec: str, *, seed: int, kind: str | None) -> Dataset:
     return load_dataset(spec, seed=seed, model=kind)
 
 
-def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threading.Event | None = None,
-               workdir: Path | None = None) -> dict[str, Any]:
-    """Builds the engine, data and client from the settings and runs one worker's training; returns its result."""
+def prepare_worker(job: JobConfig, workdir: Path, *, device: str | None = None) -> Prepared:
+    """The model file, engine and data from the settings, checked against each other (worker_client.preflight).
+
+    Every error is a user mistake found before anything connects: ModelLoadError,
+    UnsupportedModelError, DeviceUnavailableError, DatasetError or JobConfigError (a
+    bundled model is written into `workdir`). `device` overrides the setting (the
+    launcher checks on the CPU).
+    """
     w = job.worker
+    model_path, kind = resolve_model(w.model, workdir)
+    return prepare(model_path, kind, model=w.model, data=w.data, loss=w.loss, batch_size=w.batch_size,
+                   workers=job.job.workers or 1, seed=job.job.seed, device=device or w.device, include=w.include,
+                   exclude=w.exclude, expect_parameters=w.expect_parameters, worker_index=w.index,
+                   intra_op_threads=w.intra_op_threads, sparse_tables=w.sparse_tables,
+                   sparse_min_rows=w.sparse_min_rows)
+
+
+def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threading.Event | None = None,
+               workdir: Path | None = None, prepared: Prepared | None = None) -> dict[str, Any]:
+    """Prepares (unless given `prepared`) and runs one worker's training; returns its result."""
     with tempfile.TemporaryDirectory(prefix="ps-worker-") as scratch:
-        model_path, kind = resolve_model(w.model, workdir or Path(scratch))
-        dataset = load_data(w.data, seed=job.job.seed, kind=kind)
-        engine = GradientEngine(model_path, batch_size=w.batch_size, loss=w.loss, device=w.device,
-                                include=w.include, exclude=w.exclude, expect_parameters=w.expect_parameters,
-                                seed=(job.job.seed, w.index),   # this worker's Dropout masks
-                                intra_op_threads=w.intra_op_threads, sparse_tables=w.sparse_tables,
-                                sparse_min_rows=w.sparse_min_rows)
-        _log_parameters(engine, chief=w.index == 0)
-        plan = TrainingPlan(worker_index=w.index, num_workers=job.job.workers or 1, batch_size=w.batch_size,
-                            steps=w.steps, epochs=w.epochs, seed=job.job.seed, eval_every=w.eval_every,
-                            progress_every=w.progress_every, start_timeout=w.start_timeout,
-                            wait_timeout=job.job.wait_timeout)
-        log.info("worker %d of %d (%s): model %s, %s, shards %s", w.index, plan.num_workers, w.worker_id, model_path,
-                 dataset.describe(), w.servers)
-        credentials, metadata = client_security(w.tls_ca, w.tls_cert, w.tls_key,
-                                                token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
-        client = PSClient(w.servers, worker_id=w.worker_id, rpc_timeout=w.rpc_timeout, wait_timeout=job.job.wait_timeout,
-                          retry=RetryPolicy(window=w.reconnect_timeout), channel_credentials=credentials,
-                          call_metadata=metadata, duplicate_pushes=w.duplicate_pushes, stop=stop,
-                          shared_memory=w.shared_memory, wire_dtype=job.job.wire_dtype)
-        try:
-            expected_mode = job.job.mode if "job.mode" in job.sources else None   # else: follow the shards
-            return Trainer(client, engine, dataset, plan=plan, report=report, stop=stop,
-                           expected_mode=expected_mode).run()
-        finally:
-            client.close()
+        if prepared is None:
+            prepared = prepare_worker(job, workdir or Path(scratch))
+        return train_worker(job, prepared, report=report, stop=stop)
+
+
+def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None = None,
+                 stop: threading.Event | None = None) -> dict[str, Any]:
+    """Connects to the shards and runs one worker's training with a prepared engine and dataset."""
+    w = job.worker
+    engine, dataset = prepared.engine, prepared.dataset
+    _log_parameters(engine, chief=w.index == 0)
+    plan = TrainingPlan(worker_index=w.index, num_workers=job.job.workers or 1, batch_size=w.batch_size,
+                        steps=w.steps, epochs=w.epochs, seed=job.job.seed, eval_every=w.eval_every,
+                        progress_every=w.progress_every, start_timeout=w.start_timeout,
+                        wait_timeout=job.job.wait_timeout)
+    log.info("worker %d of %d (%s): model %s, %s, shards %s", w.index, plan.num_workers, w.worker_id,
+             prepared.model_path, dataset.describe(), w.servers,
+             extra={"worker": w.index, "model": str(prepared.model_path), "servers": w.servers})
+    credentials, metadata = client_security(w.tls_ca, w.tls_cert, w.tls_key,
+                                            token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
+    client = PSClient(w.servers, worker_id=w.worker_id, rpc_timeout=w.rpc_timeout, wait_timeout=job.job.wait_timeout,
+                      retry=RetryPolicy(window=w.reconnect_timeout), channel_credentials=credentials,
+                      call_metadata=metadata, duplicate_pushes=w.duplicate_pushes, stop=stop,
+                      shared_memory=w.shared_memory, wire_dtype=job.job.wire_dtype)
+    try:
+        expected_mode = job.job.mode if "job.mode" in job.sources else None   # else: follow the shards
+        return Trainer(client, engine, dataset, plan=plan, report=report, stop=stop,
+                       expected_mode=expected_mode).run()
+    finally:
+        client.close()
+
+
+def tensorboard_sink(job: JobConfig, sink: EventSink) -> EventSink:
+    """`sink`, writing TensorBoard scalars too when --tensorboard is set: worker 0 into DIR, or with
+    --tensorboard-every-worker each worker into DIR/worker<i>; JobConfigError when tensorboardX is missing."""
+    w = job.worker
+    if not w.tensorboard:
+        return sink
+    if w.tensorboard_every_worker:
+        return TensorBoardSink(Path(w.tensorboard) / f"worker{w.index}", inner=sink)
+    return TensorBoardSink(w.tensorboard, inner=sink) if w.index == 0 else sink
 
 
 def _log_parameters(engine: GradientEngine, *, chief: bool) -> None:
@@ -149,14 +182,22 @@ def main(argv: list[str] | None = None) -> int:
     if job.job.stop_with_parent:
         threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
     sink: EventSink = JsonLinesSink(sys.stdout) if job.worker.events else TextSink(sys.stdout)
-    try:
-        run_worker(job, report=sink, stop=stop)
-    except (PSError, ValueError) as exc:   # every catalog error, and bad values the settings let through
-        if received:
-            return 128 + received[0]
-        log.debug("worker failed", exc_info=True)
-        print(f"ps-worker: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="ps-worker-") as scratch:
+        try:   # the model, the data and the settings checked against each other before any shard is called
+            prepared = prepare_worker(job, Path(scratch))
+            sink = tensorboard_sink(job, sink)
+        except (PSError, ValueError) as exc:
+            log.debug("the worker's model or data cannot be used", exc_info=True)
+            print(f"ps-worker: {exc}", file=sys.stderr)
+            return 2
+        try:
+            train_worker(job, prepared, report=sink, stop=stop)
+        except (PSError, ValueError) as exc:   # every catalog error, and bad values the settings let through
+            if received:
+                return 128 + received[0]
+            log.debug("worker failed", exc_info=True)
+            print(f"ps-worker: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
     if received:
         return 128 + received[0]
     return 0

@@ -271,7 +271,9 @@ class _Tally:
         if any(r.drop_reason == pb.DROP_STALE for _, r in outcome.dropped):
             self.stale += 1
         log.debug("push at clock %d dropped: %s", outcome.clock,
-                  "; ".join(f"shard {i}: {r.message}" for i, r in outcome.dropped))
+                  "; ".join(f"shard {i}: {r.message}" for i, r in outcome.dropped),
+                  extra={"clock": outcome.clock, "dropped_by": [i for i, _ in outcome.dropped],
+                         "reason": [pb.DropReason.Name(r.drop_reason) for _, r in outcome.dropped]})
 
 
 class Trainer:
@@ -340,7 +342,11 @@ class Trainer:
         try:
             client.wait_ready(timeout=plan.start_timeout)
         except TimeoutError as exc:
-            raise TrainingError(str(exc)) from exc
+            raise TrainingError(
+                f"{exc}. Tried --servers {','.join(client.addresses)} (shard order). Check: each ps-server's READY "
+                f"line or log says the address it serves; `ps-ctl status HOST:PORT` asks one; a shard bound to "
+                f"--host 127.0.0.1 (the default) takes no calls from other hosts; a firewall may drop them; a TLS "
+                f"shard needs --tls-ca") from exc
         info = client.cluster_info(0)
         if info.num_shards != client.num_shards:
             raise TrainingError(f"shard 0 ({client.addresses[0]}) says the job has {info.num_shards} shards, but this "
@@ -354,7 +360,7 @@ class Trainer:
             already = client.initialize({**self.engine.server_parameters(), **self.engine.state()},
                                         state=self.engine.state_names)
             log.info("parameters %s on %d shard(s)", "were already initialized" if already else "initialized",
-                     client.num_shards)
+                     client.num_shards, extra={"shards": client.num_shards, "already_initialized": already})
         else:
             def initialized() -> bool:
                 return all(client.cluster_info(i).initialized for i in range(client.num_shards))
@@ -366,7 +372,8 @@ class Trainer:
         client.register(heartbeat=True)
         if self.resumed:
             log.info("rejoining a running job as %s at clock %d (steps %s): no start barrier", client.worker_id,
-                     client.clock, client.steps)
+                     client.clock, client.steps,
+                     extra={"worker_id": client.worker_id, "clock": client.clock, "step": min(client.steps)})
             return
         left = max(0.1, deadline - time.monotonic())
         try:
@@ -443,7 +450,8 @@ class Trainer:
             if lost:
                 log.warning("%s: %s; pulling %s as it is now", client.worker_id,
                             "; ".join(f"shard {i} lost progress: {why}" for i, why in sorted(lost.items())),
-                            "those shards" if mins is not None else "every shard without the SSP bound")
+                            "those shards" if mins is not None else "every shard without the SSP bound",
+                            extra={"worker_id": client.worker_id, "lost": {str(i): why for i, why in lost.items()}})
                 if mins is not None:
                     mins = [0 if i in lost else m for i, m in enumerate(mins)]
                 ssp = False

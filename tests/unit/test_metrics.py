@@ -260,16 +260,51 @@ def test_a_worker_is_live_only_where_every_shard_that_knows_it_holds_its_lease()
     assert [s["mode"] for s in summary["shards"]] == ["sync(N=2,M=3)", "sync(N=2,M=3)"]
 
 
-def test_a_sync_quorum_capped_below_n_counts_each_time_it_shrinks():
+def test_a_sync_quorum_capped_below_n_counts_each_time_an_expired_lease_shrinks_it():
     now = FakeClock()
-    shard, m = make_shard(now=now, mode="sync", replicas_to_aggregate=3, total_replicas=3)
+    shard, m = make_shard(now=now, mode="sync", replicas_to_aggregate=3, total_replicas=3, lease_seconds=10)
     for w in ("w0", "w1", "w2"):
         shard.register(w)
     for w in ("w0", "w1", "w2"):
         push(shard, w, 0, 0)
     assert value(m, "ps_replicas_capped_total") == 0
-    shard.deregister("w2")                  # 3 -> 2
-    shard.deregister("w1")                  # 2 -> 1
+    now.now += 8
+    push(shard, "w0", 1, 1)
+    push(shard, "w1", 1, 1)                 # w0 and w1 renew their leases; w2 was last heard at +0 s
+    now.now += 4
+    shard.tick()                            # w2's lease ran out: 3 -> 2
+    assert value(m, "ps_replicas_capped_total") == 1
+    now.now += 8
+    push(shard, "w0", 2, 2)                 # w0 renews; w1 was last heard at +8 s
+    now.now += 4
+    shard.tick()                            # w1's lease ran out: 2 -> 1
+    assert value(m, "ps_replicas_capped_total") == 2
     shard.register("w1")                    # back to 2: not a shrink
     shard.tick()
     assert value(m, "ps_replicas_capped_total") == 2
+
+
+def test_workers_that_leave_by_deregistering_cap_the_quorum_without_counting_it():
+    """A normal finish: every worker deregisters; an alert on ps_replicas_capped_total must stay quiet."""
+    shard, m = make_shard(mode="sync", replicas_to_aggregate=3, total_replicas=3)
+    for w in ("w0", "w1", "w2"):
+        shard.register(w)
+    for w in ("w0", "w1", "w2"):
+        push(shard, w, 0, 0)
+    shard.deregister("w2")                  # 3 -> 2
+    shard.deregister("w1")                  # 2 -> 1
+    shard.tick()
+    assert shard.view().policy.effective_replicas == 1
+    assert value(m, "ps_replicas_capped_total") == 0
+
+
+def test_the_exposition_holds_no_created_series():
+    from prometheus_client import generate_latest
+
+    shard, m = make_shard(mode="sync", replicas_to_aggregate=1, total_replicas=1)
+    shard.register("w0")
+    push(shard, "w0", 0, 0)
+    m.observe_rpc("Push", "OK", 0.01)
+    text = generate_latest(m.registry).decode()
+    assert "ps_pushes_total{" in text and "ps_rpc_duration_seconds_bucket{" in text
+    assert "_created" not in text, [line for line in text.splitlines() if "_created" in line][:5]

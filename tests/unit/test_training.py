@@ -52,3 +52,19 @@ def test_a_retry_window_keeps_retrying_past_the_attempts_and_its_last_sleep_ends
     assert RetryPolicy(attempts=2).pause(2, 0.0, 0.2) is None   # no window: the attempts alone
     with pytest.raises(ValueError, match="Invalid retry window: -1"):
         RetryPolicy(window=-1)
+
+
+def test_a_dropped_push_is_logged_with_its_clock_shards_and_reasons_as_fields(caplog) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from ps_common.logs import JsonFormatter
+    from ps_proto.v1 import parameter_server_pb2 as pb
+    from worker_client.training import _Tally
+
+    caplog.set_level("DEBUG", logger="worker_client.training")
+    dropped = [(1, pb.PushResponse(outcome=pb.PUSH_DROPPED, drop_reason=pb.DROP_STALE, message="stale"))]
+    _Tally(start_clock=0).count(SimpleNamespace(accepted=False, dropped=dropped, clock=7))
+    record = next(r for r in caplog.records if "dropped" in r.getMessage())
+    entry = json.loads(JsonFormatter({"worker": 1}).format(record))
+    assert (entry["clock"], entry["dropped_by"], entry["reason"], entry["worker"]) == (7, [1], ["DROP_STALE"], 1)

@@ -290,6 +290,13 @@ class GradientEngine:
                                     for d in dims or ()))
                 for name, (dtype, dims) in self._feeds.items()}
 
+    def feed_dims(self) -> dict[str, tuple[int | str | None, ...] | None]:
+        """Like `feed_specs`, the shapes as the gradient model declares them: axis 0 is the batch
+        size, an axis of any length is a name or None (None for no shape at all)."""
+        if self._graph is None:
+            raise RuntimeError("this engine was built with loss=None and takes no batches")
+        return {name: None if dims is None else tuple(dims) for name, (_, dims) in self._feeds.items()}
+
     @property
     def num_classes(self) -> int | None:
         """The classes of a cross-entropy loss (the logits' width), when the model says."""

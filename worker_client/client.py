@@ -452,12 +452,7 @@ class PSClient:
         unknown = [n for n in names if n not in shard_map.specs]
         if unknown:
             raise InvalidTensorError(f"unknown tensor(s) {unknown}; the model has {sorted(shard_map.specs)[:10]}...")
-        if min_steps is None:
-            mins = [0] * self.num_shards
-        elif isinstance(min_steps, int):
-            mins = [min_steps] * self.num_shards
-        else:
-            mins = list(min_steps)
+        mins = self._per_shard(min_steps)
         wait = self.wait_timeout if timeout is None else timeout
         wanted = set(names) or set(shard_map.specs)
         targets = [i for i in range(self.num_shards) if any(p.name in wanted for p in shard_map.parts_on(i))]
@@ -565,12 +560,7 @@ class PSClient:
         Waits as `pull` does (min_steps, ssp, timeout) and records the step of each shard it asked.
         """
         shard_map = self._require_map()
-        if min_steps is None:
-            mins = [0] * self.num_shards
-        elif isinstance(min_steps, int):
-            mins = [min_steps] * self.num_shards
-        else:
-            mins = list(min_steps)
+        mins = self._per_shard(min_steps)
         wait = self.wait_timeout if timeout is None else timeout
         plan = sparse.route_rows(shard_map, rows)   # shard -> [(name, positions, ids)]
 
@@ -715,6 +705,14 @@ class PSClient:
             return full[row_start:row_start + shape[0]]
 
         return destination
+
+    def _per_shard(self, min_steps: Sequence[int] | int | None) -> list[int]:
+        """min_steps as one value per shard (None: 0 everywhere; an int: that, everywhere)."""
+        if min_steps is None:
+            return [0] * self.num_shards
+        if isinstance(min_steps, int):
+            return [min_steps] * self.num_shards
+        return list(min_steps)
 
     @staticmethod
     def _place(shard_map: ShardMap, out: dict[str, np.ndarray], parts: Mapping[tuple[str, int], np.ndarray]) -> None:

@@ -9,6 +9,9 @@ import pytest
 
 from tests.faults.conftest import LEASE, longest_stall, metric
 
+#: The accuracy that shows a job trained after losing a worker (well above chance, below every run seen).
+TRAINED = 0.85
+
 #: What a stall may add to the lease before the job moves on: the reaper's tick (<= 1 s), a
 #: pull's recheck, and a loaded 2-core machine.
 SLACK = 3.0
@@ -23,7 +26,9 @@ def test_a_worker_killed_mid_job_leaves_the_others_to_finish_without_waiting_pas
     assert job.workers[2].kill() == -signal.SIGKILL
     results = job.finish(skip=[2])
     assert [r["steps"] >= 500 for r in results] == [True, True]
-    assert results[0]["test_accuracy"] >= 0.9, results[0]
+    # The run trains (chance is 0.1); how well depends on how the surviving workers' pushes
+    # interleave: 5 runs each gave 0.889-0.967 async, 0.933-0.972 ssp, 0.975-0.981 sync.
+    assert results[0]["test_accuracy"] >= TRAINED, results[0]
     if mode in ("sync", "ssp"):
         # The dead worker holds a step (sync: N = 3 of 3) or the clock minimum (ssp) for one lease, not longer.
         stall = longest_stall(job.chief, killed_at)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from ps_common.process import ChildProcess as Child
 from ps_common.process import start_and_wait_ready, stop
@@ -70,6 +70,36 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def timed_iteration(iterator: Iterable, record: list[tuple[float, float]]) -> Iterator:
+    """Yields `iterator`'s items; when it ends, appends (start, seconds spent inside next()) to `record`:
+    the time a stream's producer took, as one call, without the consumer's time between items."""
+    first, spent = time.monotonic(), 0.0
+    iterator = iter(iterator)
+    try:
+        while True:
+            t0 = time.monotonic()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                spent += time.monotonic() - t0
+                return
+            spent += time.monotonic() - t0
+            yield item
+    finally:
+        record.append((first, spent))
+
+
+def emit_medians(runs: Mapping[str, list[float]], ratios: list[float], *, metric: str, ratio_metric: str,
+                 size_mb: float, unit: str, digits: int, **extra: object) -> None:
+    """One JSON line per system with the median of its runs, and one with the median ratio ours/torch."""
+    for system, values in runs.items():
+        if values:
+            emit(system, metric, size_mb, median(values), unit, **extra, runs=[round(v, digits) for v in values])
+    if ratios:
+        emit(f"{SYSTEM}/{TORCH}", ratio_metric, size_mb, median(ratios), "x", **extra,
+             runs=[round(r, 3) for r in ratios])
 
 
 def median(values: Sequence[float]) -> float:

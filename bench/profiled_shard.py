@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+from ps_bench import harness
 from ps_server import cli, service
 from ps_server.pull_cache import PullCache
 from ps_server.shard import Shard
@@ -59,21 +60,7 @@ def timed(name: str, fn: Callable) -> Callable:
 
 def received(requests: Iterator) -> Iterator:
     """The request stream, the time spent waiting for each of its messages kept as one call of server.receive."""
-    record = calls.setdefault("server.receive", [])
-    first, spent = time.monotonic(), 0.0
-    requests = iter(requests)
-    try:
-        while True:
-            t0 = time.monotonic()
-            try:
-                item = next(requests)
-            except StopIteration:
-                spent += time.monotonic() - t0
-                return
-            spent += time.monotonic() - t0
-            yield item
-    finally:
-        record.append((first, spent))
+    return harness.timed_iteration(requests, calls.setdefault("server.receive", []))
 
 
 def install() -> None:

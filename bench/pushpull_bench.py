@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from ps_bench import harness
-from ps_bench.harness import SYSTEM, TORCH, Proc, emit, log
+from ps_bench.harness import SYSTEM, TORCH, Proc, log
 from worker_client.client import PSClient
 
 COLS = 256
@@ -167,14 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                     ratios.append(runs[SYSTEM][-1] / runs[TORCH][-1])
                 log(f"pushpull_bench: {size:g} MB, repeat {repeat + 1}/{args.repeats}: "
                     + ", ".join(f"{s} {v[-1]:.3f} GB/s" for s, v in runs.items() if v))
-            extra = {"rounds": rounds, "repeats": args.repeats, "shape": list(shape), "data_path": args.data_path}
-            for system, values in runs.items():
-                if values:
-                    emit(system, "pushpull_gbps", size, harness.median(values), "GB/s", **extra,
-                         runs=[round(v, 4) for v in values])
-            if ratios:
-                emit(f"{SYSTEM}/{TORCH}", "pushpull_ratio", size, harness.median(ratios), "x", **extra,
-                     runs=[round(r, 3) for r in ratios])
+            harness.emit_medians(runs, ratios, metric="pushpull_gbps", ratio_metric="pushpull_ratio", size_mb=size,
+                                 unit="GB/s", digits=4, rounds=rounds, repeats=args.repeats, shape=list(shape),
+                                 data_path=args.data_path)
     finally:
         if theirs is not None:
             theirs.close()

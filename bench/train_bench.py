@@ -118,14 +118,9 @@ def bench_case(args: argparse.Namespace, workers: int, mode: str, work: Path, si
             ratios.append(runs[SYSTEM][-1] / runs[TORCH][-1])
         log(f"train_bench: {workers} worker(s), {mode}, repeat {repeat + 1}/{args.repeats}: "
             + ", ".join(f"{s} {v[-1]:.1f} steps/s" for s, v in runs.items() if v))
-    extra = {"workers": workers, "mode": mode, "batch": args.batch, "steps": args.steps, "threads": args.threads}
-    for system, values in runs.items():
-        if values:
-            emit(system, "steps_per_s", size_mb, harness.median(values), "steps/s", **extra,
-                 runs=[round(v, 2) for v in values])
-    if ratios:
-        emit(f"{SYSTEM}/{TORCH}", "steps_per_s_ratio", size_mb, harness.median(ratios), "x", **extra,
-             runs=[round(r, 3) for r in ratios])
+    harness.emit_medians(runs, ratios, metric="steps_per_s", ratio_metric="steps_per_s_ratio", size_mb=size_mb,
+                         unit="steps/s", digits=2, workers=workers, mode=mode, batch=args.batch, steps=args.steps,
+                         threads=args.threads)
     return runs
 
 

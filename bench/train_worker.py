@@ -34,7 +34,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-from ps_bench import mlp
+from ps_bench import harness, mlp
 from ps_common import codec
 from worker_client.client import PSClient
 from worker_client.engine import GradientEngine
@@ -68,20 +68,7 @@ class Timings:
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            first, spent = time.monotonic(), 0.0
-            iterator = fn(*args, **kwargs)
-            try:
-                while True:
-                    t0 = time.monotonic()
-                    try:
-                        item = next(iterator)
-                    except StopIteration:
-                        spent += time.monotonic() - t0
-                        return
-                    spent += time.monotonic() - t0
-                    yield item
-            finally:
-                calls.append((first, spent))
+            return harness.timed_iteration(fn(*args, **kwargs), calls)
 
         return wrapper
 

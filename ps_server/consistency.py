@@ -154,6 +154,10 @@ class ConsistencyPolicy(ABC):
         """Called when a lease expires or a worker leaves (sync may complete a step)."""
         return None
 
+    def aggregated(self) -> int:
+        """Gradients in the current step's accumulator (sync; 0 for the others): cheap, read on every push."""
+        return 0
+
     def info(self, host: PolicyHost) -> PolicyInfo:
         return PolicyInfo(self.mode)
 
@@ -256,9 +260,11 @@ class SyncPolicy(ConsistencyPolicy):
     def step_blocker(self, host: PolicyHost) -> str:
         return f"; {len(self.contributors)} of {self.effective_replicas(host)} gradients in for step {host.step}"
 
+    def aggregated(self) -> int:
+        return len(self.contributors)
+
     def info(self, host: PolicyHost) -> PolicyInfo:
-        return PolicyInfo(self.mode, effective_replicas=self.effective_replicas(host),
-                          aggregated=len(self.contributors))
+        return PolicyInfo(self.mode, effective_replicas=self.effective_replicas(host), aggregated=self.aggregated())
 
     def snapshot(self, copy: Callable[[np.ndarray], np.ndarray]) -> PolicySnapshot:
         # a row accumulator is written dense (checkpoints hold arrays); it applies the same after a restore

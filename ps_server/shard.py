@@ -296,7 +296,7 @@ class Shard:
             if not decision.accepted:
                 self.dropped += 1
             result = PushResult(decision.accepted, decision.drop_reason, decision.message, self.step, record.clock,
-                                aggregated=self.policy.info(self.policy_host).aggregated)
+                                aggregated=self.policy.aggregated())
             self.membership.remember(record, clock, result)
             self._cond.notify_all()
         self.events.emit("push", worker_id=worker_id, accepted=decision.accepted, reason=decision.drop_reason,

@@ -125,11 +125,10 @@ class PolicySnapshot:
 
 @dataclass(frozen=True)
 class PolicyInfo:
-    """What cluster info and metrics show of a policy: sync's quorum and gradients in (0 for the others)."""
+    """What cluster info and metrics show of a policy: sync's quorum (0 for the others)."""
 
     mode: Mode
     effective_replicas: int = 0
-    aggregated: int = 0
 
 
 class ConsistencyPolicy(ABC):
@@ -264,7 +263,7 @@ class SyncPolicy(ConsistencyPolicy):
         return len(self.contributors)
 
     def info(self, host: PolicyHost) -> PolicyInfo:
-        return PolicyInfo(self.mode, effective_replicas=self.effective_replicas(host), aggregated=self.aggregated())
+        return PolicyInfo(self.mode, effective_replicas=self.effective_replicas(host))
 
     def snapshot(self, copy: Callable[[np.ndarray], np.ndarray]) -> PolicySnapshot:
         # a row accumulator is written dense (checkpoints hold arrays); it applies the same after a restore

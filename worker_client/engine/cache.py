@@ -34,7 +34,7 @@ def default_cache_dir() -> Path:
 
 
 def entry_path(cache_dir: Path, lifted: onnx.ModelProto, *, batch_size: int, loss: LossSpec,
-               trainable: Sequence[str]) -> Path:
+               trainable: Sequence[str], inputs: Sequence[str] = ()) -> Path:
     """The file holding the gradient model of `lifted` for these options.
 
     The key covers the lifted model's graph (the trainable values are inputs there, so
@@ -42,6 +42,7 @@ def entry_path(cache_dir: Path, lifted: onnx.ModelProto, *, batch_size: int, los
     versions of everything that builds it.
     """
     options = {"batch_size": batch_size, "loss": loss.key(), "trainable": list(trainable),
+               "input_gradients": list(inputs),
                "onnx_ad": onnx_ad.__version__, "onnx": onnx.__version__,
                "ir_version": max_ir_version(), "format": GRAPH_FORMAT}
     return cache_dir / f"{_content_key(lifted, options)}.onnx"

@@ -38,13 +38,20 @@ class GradientGraph:
     gradient_outputs: dict[str, str]   # parameter name -> output holding its gradient
     state_outputs: dict[str, str] = field(default_factory=dict)     # state -> its new value
     dropout_rates: dict[str, float] = field(default_factory=dict)   # mask input -> ratio
+    # a vector-Jacobian product (loss "vjp"): seeded output -> the input its cotangent feeds
+    seed_inputs: dict[str, str] = field(default_factory=dict)
+    # data input -> output holding the loss's (or the VJP's) gradient with respect to it
+    input_gradient_outputs: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         """The JSON stored in the model's metadata so a cached copy describes itself."""
         return json.dumps({"loss_output": self.loss_output, "labels": self.labels,
                            "gradient_outputs": self.gradient_outputs,
                            "state_outputs": self.state_outputs,
-                           "dropout_rates": self.dropout_rates}, sort_keys=True)
+                           "dropout_rates": self.dropout_rates,
+                           "seed_inputs": self.seed_inputs,
+                           "input_gradient_outputs": self.input_gradient_outputs},
+                          sort_keys=True)
 
     @classmethod
     def from_model(cls, model: onnx.ModelProto) -> GradientGraph:
@@ -57,17 +64,22 @@ class GradientGraph:
                    labels=described["labels"],
                    gradient_outputs=dict(described["gradient_outputs"]),
                    state_outputs=dict(described.get("state_outputs", {})),
-                   dropout_rates=dict(described.get("dropout_rates", {})))
+                   dropout_rates=dict(described.get("dropout_rates", {})),
+                   seed_inputs=dict(described.get("seed_inputs", {})),
+                   input_gradient_outputs=dict(described.get("input_gradient_outputs", {})))
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """One training step's results: the loss, a gradient per trainable parameter, and the
-    new value of every state tensor (running statistics)."""
+    """One training step's results: the loss, a gradient per trainable parameter, the new
+    value of every state tensor (running statistics), and the gradient with respect to each
+    data input the engine was asked to differentiate (`input_gradients`; a pipeline stage
+    sends them back to the stage before it)."""
 
     loss: float
     gradients: dict[str, np.ndarray]
     state: dict[str, np.ndarray]
+    input_gradients: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 #: How onnx-ad's UnsupportedOperator names the op and the node it has no reverse rule for.
@@ -75,17 +87,23 @@ _RULE_MESSAGE = re.compile(r"no reverse rule for (\S+) \(node '([^']*)'\)")
 
 
 def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
-                  loss_output: str) -> onnx.ModelProto:
+                  loss_output: str | None, *, seeded: Sequence[str] = ()) -> onnx.ModelProto:
     """The model computing `loss_output` and its gradient for each of `parameters`.
 
     `model` has the parameters as graph inputs and the scalar loss as its output. onnx-ad's
     reverse pass emits one gradient output per parameter, named GRAD_PREFIX + parameter.
     The seed of the scalar loss is baked in as a constant 1.0 initializer, so onnxruntime
     folds everything that depends only on it.
+
+    With `loss_output` None, the outputs `seeded` are differentiated instead, each with its
+    seed left as an input GRAD_PREFIX + output (shape: the output's, then a seed axis of 1):
+    fed a cotangent, the gradients are the vector-Jacobian product. `parameters` may name
+    data inputs as well as parameters: any floating-point graph input differentiates.
     """
     model = infer_shapes(model)
+    outputs = [loss_output] if loss_output is not None else list(seeded)
     try:
-        derived = onnx_ad.reverse(model, inputs=list(parameters), outputs=[loss_output],
+        derived = onnx_ad.reverse(model, inputs=list(parameters), outputs=outputs,
                                   prefix=GRAD_PREFIX, dim=SEED_DIM, layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
         match = _RULE_MESSAGE.search(str(exc))
@@ -104,6 +122,8 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
             f"{onnx_ad.__version__} has no reverse rule for {op_type}, and the node lies "
             f"between a trainable parameter and the loss. Exclude the parameters upstream "
             f"of it (exclude=[...] patterns) or replace the op") from exc
+    if loss_output is None:
+        return derived
     seed = GRAD_PREFIX + loss_output
     graph = derived.graph
     kept = [value for value in graph.input if value.name != seed]
@@ -130,14 +150,18 @@ def _failing_node(exc: BaseException) -> onnx.NodeProto | None:
 
 
 def gradient_graph(model: onnx.ModelProto, loss_output: str, labels: str | None,
-                   parameters: Sequence[str], forms: TrainingForms | None = None
-                   ) -> GradientGraph:
+                   parameters: Sequence[str], forms: TrainingForms | None = None, *,
+                   seeded: Sequence[str] = (), inputs: Sequence[str] = ()) -> GradientGraph:
     """The differentiated `model` with the names the engine feeds and fetches written into
-    its metadata (so a cached copy describes itself), at an IR version onnxruntime loads."""
+    its metadata (so a cached copy describes itself), at an IR version onnxruntime loads.
+    `seeded`: the outputs of a vector-Jacobian product (loss_output ""); `inputs`: the data
+    inputs differentiated besides the parameters."""
     result = GradientGraph(model=model, loss_output=loss_output, labels=labels,
                            gradient_outputs={p: GRAD_PREFIX + p for p in parameters},
                            state_outputs=dict(forms.state_outputs) if forms else {},
-                           dropout_rates=dict(forms.dropout_rates) if forms else {})
+                           dropout_rates=dict(forms.dropout_rates) if forms else {},
+                           seed_inputs={o: GRAD_PREFIX + o for o in seeded},
+                           input_gradient_outputs={i: GRAD_PREFIX + i for i in inputs})
     del model.metadata_props[:]
     model.metadata_props.add(key=METADATA_KEY, value=result.describe())
     clamp_ir_version(model)

@@ -36,7 +36,7 @@ from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.session import open_session, placement, run_bound
 from worker_client.engine.sparse import SparsePlan, find_sparse_tables, rewrite_sparse
 from worker_client.engine.support import warn_caller
-from worker_client.engine.trainables import initial_values, trainable_parameters
+from worker_client.engine.trainables import FLOAT_TYPES, initial_values, trainable_parameters
 from worker_client.engine.training_mode import (
     inference_form,
     state_initializers,
@@ -88,7 +88,8 @@ class GradientEngine:
                  expect_parameters: int | None = None, seed: int | Sequence[int] = 0,
                  intra_op_threads: int | None = None, inter_op_threads: int | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
-                 sparse_tables: Sequence[str] = (), sparse_min_rows: int | None = None) -> None:
+                 sparse_tables: Sequence[str] = (), sparse_min_rows: int | None = None,
+                 input_gradients: Sequence[str] = ()) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         for name, threads in (("intra_op_threads", intra_op_threads),
@@ -117,6 +118,10 @@ class GradientEngine:
         if isinstance(sparse_tables, str):
             raise TypeError("sparse_tables is a sequence of table names, not a string")
         self._sparse_request = (tuple(sparse_tables), sparse_min_rows)
+        if isinstance(input_gradients, str):
+            raise TypeError("input_gradients is a sequence of input names, not a string")
+        self.input_gradient_names: list[str] = list(input_gradients)
+        self._forward_session: ort.InferenceSession | None = None
         self._build(include, exclude)
 
     # --- construction: the pipeline ---------------------------------------------------
@@ -152,11 +157,13 @@ class GradientEngine:
         self.input_names: list[str] = [v.name for v in self._lifted.graph.input
                                        if v.name not in fed]
         self.output_names: list[str] = [v.name for v in self._lifted.graph.output]
+        self._check_input_gradients()
         loss = self._loss
         if loss is None:
             return  # predict only: no gradient model, no cache entry
         self.cache_path = entry_path(self.cache_dir, self._lifted, batch_size=self.batch_size,
-                                     loss=loss, trainable=self.trainable_names + self.state_names)
+                                     loss=loss, trainable=self.trainable_names + self.state_names,
+                                     inputs=self.input_gradient_names)
         self._graph, self.cache_hit = cached_or_built(self.cache_path,
                                                       lambda: self._gradient_graph(loss))
         self._session = open_session(self._graph.model, self._placement,
@@ -172,35 +179,56 @@ class GradientEngine:
                               self.batch_size)
             state_outputs = [v for v in model.graph.output
                              if v.name in forms.state_outputs.values()]
+            wrt = self.trainable_names + self.input_gradient_names
+            if loss.kind == "vjp":   # every float output seeded by a fed cotangent
+                seeded = self.seeded_outputs()
+                model = rewrite_forward(model)
+                model = differentiate(model, wrt, None, seeded=seeded)
+                model = rewrite_adjoints(model)
+                return gradient_graph(model, "", None, self.trainable_names, forms,
+                                      seeded=seeded, inputs=self.input_gradient_names)
             model, loss_output, labels = attach_loss(model, loss, self.batch_size)
             model = rewrite_forward(model)
-            model = differentiate(model, self.trainable_names, loss_output)
+            model = differentiate(model, wrt, loss_output)
             model.graph.output.extend(state_outputs)   # the loss took the model's outputs
             model = rewrite_adjoints(model)
-            return gradient_graph(model, loss_output, labels, self.trainable_names, forms)
+            return gradient_graph(model, loss_output, labels, self.trainable_names, forms,
+                                  inputs=self.input_gradient_names)
         except UnsupportedModelError as exc:
             raise UnsupportedModelError(f"{self.model_path}: {exc}") from exc
 
     def _prepare_gradient_run(self, graph: GradientGraph) -> None:
         """Everything `gradients` needs per call, computed once."""
         session_inputs = {v.name: v for v in graph.model.graph.input}
-        fed = set(self.trainable_names) | set(self.state_names) | set(graph.dropout_rates)
+        fed = set(self.trainable_names) | set(self.state_names) | set(graph.dropout_rates) \
+            | set(graph.seed_inputs.values())
         self._feeds = {name: (element_dtype(value), declared_dims(value))
                        for name, value in session_inputs.items() if name not in fed}
+        # a VJP's cotangents, by output name: (seed input, dtype, the output's dims)
+        self._seeds = {output: (seed, element_dtype(session_inputs[seed]),
+                                (declared_dims(session_inputs[seed]) or [None])[:-1])
+                       for output, seed in graph.seed_inputs.items()}
         self.mask_names: list[str] = list(graph.dropout_rates)
         self._masks = {name: (element_dtype(session_inputs[name]),
                               declared_dims(session_inputs[name]), rate)
                        for name, rate in graph.dropout_rates.items()}
-        self._fetches = [graph.loss_output] + [graph.gradient_outputs[name]
-                                               for name in self.trainable_names] + [
+        self._has_loss = bool(graph.loss_output)   # a VJP has none
+        self._fetches = [graph.loss_output] * self._has_loss + [
+            graph.gradient_outputs[name] for name in self.trainable_names] + [
+            graph.input_gradient_outputs[name] for name in self.input_gradient_names] + [
             graph.state_outputs[name] for name in self.state_names]
         # onnx-ad's gradients carry a trailing seed axis of length 1
-        loss_type = next(v for v in graph.model.graph.output if v.name == graph.loss_output)
-        self._output_specs = [(graph.loss_output, element_dtype(loss_type), ())] + [
-            (graph.gradient_outputs[name], self._initial[name].dtype,
-             self._initial[name].shape + (1,)) for name in self.trainable_names] + [
-            (graph.state_outputs[name], value.dtype, value.shape)
-            for name, value in self._state_initial.items()]
+        specs = []
+        if self._has_loss:
+            loss_type = next(v for v in graph.model.graph.output if v.name == graph.loss_output)
+            specs.append((graph.loss_output, element_dtype(loss_type), ()))
+        specs += [(graph.gradient_outputs[name], self._initial[name].dtype,
+                   self._initial[name].shape + (1,)) for name in self.trainable_names]
+        specs += [(graph.input_gradient_outputs[name], self._feeds[name][0],
+                   tuple(self._feeds[name][1]) + (1,)) for name in self.input_gradient_names]
+        specs += [(graph.state_outputs[name], value.dtype, value.shape)
+                  for name, value in self._state_initial.items()]
+        self._output_specs = specs
         self._bind_outputs = self._placement.cuda_index is not None
         self._classes: int | None = None
         if self._loss is not None and self._loss.kind == "cross_entropy":
@@ -238,9 +266,10 @@ class GradientEngine:
         return result.loss, result.gradients
 
     def step(self, parameters: Mapping[str, np.ndarray],
-             inputs: Mapping[str, np.ndarray]) -> StepResult:
-        """The loss, its gradient with respect to every trainable parameter, and the new
-        value of every state tensor.
+             inputs: Mapping[str, np.ndarray],
+             cotangents: Mapping[str, np.ndarray] | None = None) -> StepResult:
+        """The loss, its gradient with respect to every trainable parameter (and to each of
+        `input_gradient_names`), and the new value of every state tensor.
 
         `parameters` holds a value for every name in `trainable_names` and `state_names`;
         `inputs` holds every model input (batch axis 0 of length `batch_size`) and, when a
@@ -248,12 +277,17 @@ class GradientEngine:
         too (1 keeps an element, 0 drops it); one not given is drawn from the engine's
         generator (`seed`). Float data is cast to the model's float type. Raises ValueError
         naming the input and the expected and received shapes on any mismatch.
+
+        With loss="vjp", `cotangents` holds one array per `seeded_outputs()` name, shaped
+        like that output: the gradients are then those of sum(output * cotangent), and
+        the result's loss is 0.0 (a vector-Jacobian product has none).
         """
         if self._graph is None:
             raise RuntimeError("this engine was built with loss=None and computes no "
                                "gradients; pass loss='cross_entropy', 'mse' or 'output:NAME'")
         feed = parameter_feed(parameters, {**self._initial, **self._state_initial})
         feed.update(self._mask_feed(inputs))
+        feed.update(self._seed_feed(cotangents))
         unknown = set(inputs) - set(self._feeds) - set(self._masks)
         if unknown:
             raise ValueError(f"unknown inputs {sorted(unknown)}; the model takes "
@@ -275,11 +309,86 @@ class GradientEngine:
             results = run_bound(self._session, feed, self._output_specs)
         else:
             results = self._session.run(self._fetches, feed)
-        loss = float(results[0])
-        count = len(self.trainable_names)
-        gradients = {name: value.reshape(self._initial[name].shape)
-                     for name, value in zip(self.trainable_names, results[1:1 + count])}
-        return StepResult(loss, gradients, dict(zip(self.state_names, results[1 + count:])))
+        loss = float(results[0]) if self._has_loss else 0.0
+        rest = iter(results[1:] if self._has_loss else results)
+        gradients = {name: next(rest).reshape(self._initial[name].shape)
+                     for name in self.trainable_names}
+        wrt_inputs = {name: (value := next(rest)).reshape(value.shape[:-1])
+                      for name in self.input_gradient_names}
+        state = {name: next(rest) for name in self.state_names}
+        return StepResult(loss, gradients, state, wrt_inputs)
+
+    def _seed_feed(self, cotangents: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """The VJP's seed inputs from `cotangents` (checked: every seeded output, its shape)."""
+        given = dict(cotangents or {})
+        if not self._seeds:
+            if given:
+                raise ValueError(f"cotangents {sorted(given)} given, but this engine's loss is "
+                                 f"{self._loss.key() if self._loss else None}, not 'vjp'")
+            return {}
+        unknown = set(given) - set(self._seeds)
+        if unknown:
+            raise ValueError(f"cotangents for {sorted(unknown)}, which are not seeded outputs; "
+                             f"the seeded outputs are {sorted(self._seeds)}")
+        feed = {}
+        for output, (seed, dtype, dims) in self._seeds.items():
+            if output not in given:
+                raise ValueError(f"the cotangent of output {output!r} is missing; expected "
+                                 f"shape {shown(dims)} of {dtype}")
+            array = coerce(f"cotangent of {output!r}", given[output], dtype)
+            check_shape(f"cotangent of {output!r}", array, dims)
+            feed[seed] = array[..., None]
+        return feed
+
+    def seeded_outputs(self) -> list[str]:
+        """The outputs a loss="vjp" engine takes cotangents for: every floating-point output."""
+        return [v.name for v in self._lifted.graph.output
+                if v.type.tensor_type.elem_type in FLOAT_TYPES]
+
+    def _check_input_gradients(self) -> None:
+        declared = {v.name: v for v in self._lifted.graph.input}
+        for name in self.input_gradient_names:
+            if name not in self.input_names:
+                raise ValueError(f"input_gradients names {name!r}, which is not a data input of "
+                                 f"{self.model_path}; its inputs are {self.input_names}")
+            if declared[name].type.tensor_type.elem_type not in FLOAT_TYPES:
+                raise ValueError(f"input_gradients names {name!r}, which is not a floating-point "
+                                 f"input: it has no gradient")
+
+    def forward(self, parameters: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray]
+                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The model's outputs as training computes them, and the new state: (outputs, state).
+
+        Unlike `predict`, the training form: BatchNormalization with the batch's statistics,
+        Dropout with the masks in `inputs` (or drawn, as `step` draws them), at this
+        engine's batch size. A pipeline stage runs it to send its activations on, then `step`
+        (loss="vjp") with the same inputs and masks for their gradients.
+        """
+        if self._forward_session is None:
+            model, forms = training_form(self._lifted, self.state_names)
+            model = fix_batch(model, self.input_names + list(forms.dropout_rates), self.batch_size)
+            self._forward_fetches = self.output_names + [forms.state_outputs[name]
+                                                         for name in self.state_names]
+            self._forward_inputs = {v.name: (element_dtype(v), declared_dims(v))
+                                    for v in model.graph.input}
+            self._forward_session = open_session(model, self._placement, threads=self._threads,
+                                                 source=self.model_path)
+        feed = parameter_feed(parameters, {**self._initial, **self._state_initial})
+        feed.update(self._mask_feed(inputs))
+        unknown = set(inputs) - set(self.input_names) - set(self._masks) - {"labels"}
+        if unknown:
+            raise ValueError(f"unknown inputs {sorted(unknown)}; the model takes {self.input_names}")
+        for name in self.input_names:
+            dtype, dims = self._forward_inputs[name]
+            if name not in inputs:
+                raise ValueError(f"input {name!r} is missing; expected shape {shown(dims)} of {dtype}")
+            array = coerce(f"input {name!r}", inputs[name], dtype)
+            check_shape(f"input {name!r}", array, dims)
+            feed[name] = array
+        results = self._forward_session.run(self._forward_fetches, feed)
+        count = len(self.output_names)
+        return (dict(zip(self.output_names, results[:count])),
+                dict(zip(self.state_names, results[count:])))
 
     def feed_specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """What `step` takes besides parameters, state and masks: every input and the labels,

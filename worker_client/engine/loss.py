@@ -16,7 +16,9 @@ __all__ = ["LossSpec", "attach_loss", "parse_loss"]
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Which loss to attach: "cross_entropy", "mse", or "output" (a scalar the model outputs)."""
+    """Which loss to attach: "cross_entropy", "mse", "output" (a scalar the model outputs), or
+    "vjp": none -- every floating-point output is seeded with a cotangent the caller feeds, so
+    the gradients are a vector-Jacobian product (a pipeline stage's backward pass)."""
 
     kind: str
     output: str | None = None
@@ -27,12 +29,12 @@ class LossSpec:
 
 
 def parse_loss(loss: str) -> LossSpec:
-    """`"cross_entropy"`, `"mse"` or `"output:NAME"` as a LossSpec."""
-    if loss in ("cross_entropy", "mse"):
+    """`"cross_entropy"`, `"mse"`, `"output:NAME"` or `"vjp"` as a LossSpec."""
+    if loss in ("cross_entropy", "mse", "vjp"):
         return LossSpec(loss)
     if loss.startswith("output:") and len(loss) > len("output:"):
         return LossSpec("output", loss[len("output:"):])
-    raise ValueError(f"loss must be 'cross_entropy', 'mse', 'output:NAME' or None, "
+    raise ValueError(f"loss must be 'cross_entropy', 'mse', 'output:NAME', 'vjp' or None, "
                      f"got {loss!r}")
 
 

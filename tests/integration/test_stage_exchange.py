@@ -243,3 +243,27 @@ def test_a_restarted_peer_on_a_new_port_is_found_through_the_rendezvous(tmp_path
             second.close(0)
     finally:
         link.close()
+
+
+def test_under_mutual_tls_a_link_with_the_jobs_client_certificate_sends_and_one_without_is_refused(tmp_path):
+    from ps_tools.certs import make_files, write_files
+
+    write_files(tmp_path, make_files(), force=False)
+    d = {name: str(tmp_path / name) for name in ("ca.crt", "server.crt", "server.key", "worker.crt", "worker.key")}
+    serving = StageSecurity(server_cert=d["server.crt"], server_key=d["server.key"], client_ca=d["ca.crt"])
+    with StageServer("127.0.0.1:0", replica=0, stage=1, security=serving) as srv:
+        mutual = StageSecurity(ca=d["ca.crt"], cert=d["worker.crt"], key=d["worker.key"])
+        with StageLink(srv.address, replica=0, from_stage=0, to_stage=1, security=mutual) as lnk:
+            lnk.send(A, 0, 0, 1, {"x": np.ones(1, np.float32)}, timeout=10)
+        assert srv.take(A, 0, 0, timeout=5)["x"][0] == 1.0
+        with StageLink(srv.address, replica=0, from_stage=0, to_stage=1,
+                       security=StageSecurity(ca=d["ca.crt"])) as no_cert:
+            with pytest.raises(ServerError) as err:
+                no_cert.send(A, 0, 1, 2, {"x": np.ones(1, np.float32)}, timeout=1)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert srv.inbox.stats().held == 0
+
+
+def test_plaintext_off_loopback_is_refused_unless_the_job_is_insecure():
+    with pytest.raises(ValueError, match="plaintext stage exchange on 0.0.0.0"):
+        StageServer("0.0.0.0:0", replica=0, stage=0)

@@ -42,7 +42,7 @@ from ps_common.errors import (REASON_KEY, InvalidRequestError, InvalidTensorErro
                               StageTimeoutError, StoppedError, shorten)
 from ps_common.tls import client_security
 from ps_proto.v1 import stage_exchange_pb2 as spb
-from worker_client.client import reason_of, server_error
+from worker_client.client import server_error
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,8 @@ class StageExchangeServicer:
             context.abort(grpc.StatusCode.CANCELLED, "StageExchange.Send: the request stream was cancelled")
         except Exception as exc:  # a bug: log it, keep serving
             log.exception("internal error in StageExchange.Send")
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in StageExchange.Send: {type(exc).__name__}: {exc}")
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"internal error in StageExchange.Send: {type(exc).__name__}: {exc}")
 
     def _ack(self, verdict: str | None) -> spb.StageAck:
         return spb.StageAck(duplicate=verdict == "duplicate", stale=verdict == "stale",
@@ -556,7 +557,8 @@ class StageLink:
         if not 0 <= step < MAX_STEP:
             raise ValueError(f"Invalid step {step} (0 to 2^62)")
         messages = self._messages(kind, int(step), int(micro_batch), int(micro_batches), tensors)
-        what = f"send {kind.name} of step {step} micro-batch {micro_batch} to stage {self.to_stage} of replica {self.replica}"
+        what = (f"send {kind.name} of step {step} micro-batch {micro_batch} to stage {self.to_stage} of replica "
+                f"{self.replica}")
         started = time.monotonic()
         deadline = started + timeout
         backoff, attempt, unavailable_since = 0.05, 0, None

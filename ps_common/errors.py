@@ -174,6 +174,16 @@ class StoppedError(PSError):
     status, reason = None, "STOPPED"
 
 
+class StageTimeoutError(PSError, TimeoutError):
+    """A pipeline stage's wait that ran out: a message from a peer stage, or a peer's published address.
+
+    The message names what was awaited (kind, step, micro-batch, replica, the peer stage, or
+    the rendezvous file) and the seconds waited. Never crosses the wire.
+    """
+
+    status, reason = None, "STAGE_TIMEOUT"
+
+
 class ServerError(PSError):
     """A shard answered an rpc with an error status (client side, after retries for UNAVAILABLE).
 

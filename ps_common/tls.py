@@ -4,7 +4,8 @@
 ``channel_credentials`` and ``call_metadata``: TLS is on when any of the three paths is
 given (``cert_path`` and ``key_path`` together add a client certificate, for mutual TLS),
 and a token becomes the ``authorization: Bearer <token>`` metadata of every call. The
-server's side lives in ``ps_server.security``; docs/security.md describes both.
+server's side lives in ``ps_common.access`` (applied to a shard's settings by
+``ps_server.security``); docs/security.md describes both.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ from ps_common.settings import (  # noqa: F401 -- re-exported: the settings' pub
     iter_settings,
     settings_by_name,
 )
-from ps_common.tf_config import TF_CONFIG_ENV, TFConfig, parse_tf_config, split_address, tf_config_settings  # noqa: F401
+from ps_common.tf_config import (TF_CONFIG_ENV, TFConfig, parse_tf_config, pipeline_settings,  # noqa: F401
+                                 split_address, tf_config_settings)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -358,6 +359,16 @@ def validate(config: JobConfig, *, scope: str) -> None:
                 split_address(address)
             except JobConfigError as exc:
                 raise _fail(config, known["worker.servers"], str(exc)) from None
+    if scope == "worker" and not worker.stage < job.stages:
+        raise _fail(config, known["worker.stage"], f"must be < stages ({job.stages}, from {config.source('job.stages')})")
+    if job.cuts and len(job.cuts) != job.stages - 1:
+        raise _fail(config, known["job.cuts"], f"{job.stages} stages need {job.stages - 1} cuts")
+    if worker.stage_peers and len(worker.stage_peers) != 2:
+        raise _fail(config, known["worker.stage_peers"], "give two addresses: the previous stage's and the next's "
+                                                         "('-' for none)")
+    if job.stages > 1 and (worker.sparse_tables or worker.sparse_min_rows is not None):
+        raise _fail(config, known["job.stages"], "pipeline stages do not train sparse tables yet; drop "
+                                                 "--sparse-tables / --sparse-min-rows")
     if config.launch.min_accuracy is not None and config.launch.min_accuracy > 1:
         raise _fail(config, known["launch.min_accuracy"], "must be <= 1")
 
@@ -374,10 +385,15 @@ def load_config(namespace: argparse.Namespace, *, scope: str, env: Mapping[str, 
     if path:
         apply_job_file(config, read_job_file(path), source=str(path))
     tf_text = env.get(TF_CONFIG_ENV, "").strip()
-    if tf_text and scope in ("server", "worker"):
-        for name, value in tf_config_settings(parse_tf_config(tf_text), scope=scope).items():
+    tf = parse_tf_config(tf_text) if tf_text and scope in ("server", "worker") else None
+    if tf is not None:
+        for name, value in tf_config_settings(tf, scope=scope).items():
             config.set(name, value, "TF_CONFIG")
     apply_flags(config, namespace)
+    if tf is not None and config.job.stages > 1:   # known only now: a flag may set it
+        for name, value in pipeline_settings(tf, config.job.stages, scope=scope).items():
+            if not config.source(name).startswith("--"):   # flags win, as everywhere
+                config.set(name, value, "TF_CONFIG")
     resolve(config)
     validate(config, scope=scope)
     return config

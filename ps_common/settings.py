@@ -60,6 +60,19 @@ class JobSettings:
     shards: int = _setting(1, "--shards", "--num-shards", minimum=1, tf_config="len(cluster.ps)",
                            default_doc="1, or the number of `servers`",
                            help="parameter-server shards (processes) in the job")
+    stages: int = _setting(1, "--stages", minimum=1,
+                           help="pipeline stages: the model's graph cut into this many consecutive stages, each "
+                                "run by its own worker process against its own `shards` shards; `workers` is then "
+                                "the number of replicas of the whole pipeline (workers x stages processes; "
+                                "docs/pipeline.md)")
+    micro_batches: int = _setting(0, "--micro-batches", scopes=_WORKER, minimum=0, default_doc="auto",
+                                  help="pipeline: micro-batches per step (GPipe: every forward, then every "
+                                       "backward, gradients summed); 0: the largest of 4, 2, 1 that divides "
+                                       "the batch size")
+    cuts: list[str] = _setting([], "--cuts", scopes=_WORKER, metavar="NAME,...",
+                               help="pipeline: where to cut the model, stages - 1 tensor or node names in graph "
+                                    "order (the cut follows the node that makes the tensor); default: chosen to "
+                                    "balance parameters and compute")
     replicas_to_aggregate: int | None = _setting(None, "--replicas-to-aggregate", minimum=1, default_doc="workers",
                                                  help="sync: gradients averaged into each step (N <= M); the "
                                                       "other M - N workers are backups whose late gradients "
@@ -277,6 +290,32 @@ class WorkerSettings:
                                    help="the private key of the client certificate")
     progress_every: float = _setting(1.0, "--progress-every", scopes=_WORKER, positive=True, metavar="SECONDS",
                                      help="seconds between progress reports")
+    stage: int = _setting(0, "--stage", scopes=frozenset({"worker"}), toml=False, minimum=0,
+                          tf_config="task.stage",
+                          help="pipeline: this worker's stage, 0-based (< stages); --worker-index is its replica")
+    stage_plan: str | None = _setting(None, "--stage-plan", scopes=frozenset({"worker"}), toml=False, metavar="DIR",
+                                      help="pipeline: a folder holding stages.json and stage<k>.onnx as ps-launch "
+                                           "writes them, so the worker reads only its own stage's model; without "
+                                           "it the worker cuts --model itself")
+    stage_listen: str = _setting("127.0.0.1:0", "--stage-listen", scopes=frozenset({"worker"}), toml=False,
+                                 metavar="HOST:PORT", tf_config="cluster.worker[index * stages + stage] (its port, "
+                                                                "on 0.0.0.0 unless a loopback host)",
+                                 help="pipeline: where this stage worker takes activations and gradients from its "
+                                      "neighbour stages")
+    stage_peers: list[str] = _setting([], "--stage-peers", scopes=frozenset({"worker"}), toml=False,
+                                      metavar="PREV,NEXT", tf_config="cluster.worker[index * stages + stage -+ 1]",
+                                      help="pipeline: the previous and the next stage's addresses in this replica "
+                                           "('-' where there is none)")
+    stage_rendezvous: str | None = _setting(None, "--stage-rendezvous", scopes=frozenset({"worker"}), toml=False,
+                                            metavar="DIR",
+                                            help="pipeline: a folder where the stage workers of a local job publish "
+                                                 "their addresses and find their neighbours' (ps-launch sets it), "
+                                                 "instead of --stage-peers")
+    stage_peer_timeout: float = _setting(10.0, "--stage-peer-timeout", scopes=_WORKER, positive=True,
+                                         metavar="SECONDS",
+                                         help="pipeline: a neighbour stage unreachable this long abandons the step "
+                                              "in flight (nothing of it is pushed) and takes this stage out of its "
+                                              "shards' quorum until the neighbour is back")
     tensorboard: str | None = _setting(None, "--tensorboard", scopes=_WORKER, metavar="DIR",
                                        help="write TensorBoard scalars (training loss, samples/s, stale drops, test "
                                             "accuracy and loss by global step) to DIR; ps-worker: worker 0 only, "

@@ -30,6 +30,7 @@ class TFConfig:
     cluster: dict[str, list[str]]
     task_type: str
     task_index: int
+    task_stage: int | None = None     # a pipeline job's stage of this worker task
 
     @property
     def ps(self) -> list[str]:
@@ -76,7 +77,10 @@ def parse_tf_config(text: str) -> TFConfig:
     if index >= len(members):
         raise JobConfigError(f"TF_CONFIG task.index {index} is out of range for cluster.{task_type} "
                              f"({len(members)} entries)")
-    return TFConfig({k: list(v) for k, v in cluster.items()}, task_type, index)
+    stage = task.get("stage")
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or stage < 0):
+        raise JobConfigError(f"TF_CONFIG task.stage must be an integer >= 0, got {stage!r}")
+    return TFConfig({k: list(v) for k, v in cluster.items()}, task_type, index, stage)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -120,3 +124,39 @@ def tf_config_settings(tf: TFConfig, *, scope: str) -> dict[str, Any]:
     else:
         raise ValueError(f"TF_CONFIG applies to scope 'server' or 'worker', not {scope!r}")
     return out
+
+
+def pipeline_settings(tf: TFConfig, stages: int, *, scope: str) -> dict[str, Any]:
+    """The settings TF_CONFIG gives a task of a pipeline job of `stages` stages (docs/pipeline.md).
+
+    ``cluster.ps`` lists every stage's shards, stage by stage (``len(ps) / stages`` each);
+    ``cluster.worker`` (after any chief) lists every stage worker, replica by replica
+    (``index * stages + stage``); a worker task says its replica in ``task.index`` and its
+    stage in ``task.stage``. A ps task is shard ``index % shards`` of its stage's shards.
+    """
+    ps = tf.ps
+    if len(ps) % stages:
+        raise JobConfigError(f"TF_CONFIG cluster.ps has {len(ps)} addresses, not a multiple of stages = {stages} "
+                             "(every stage has the same number of shards, listed stage by stage)")
+    shards = len(ps) // stages
+    if scope == "server":
+        return {"server.shard_index": tf.task_index % shards, "job.shards": shards}
+    workers = tf.workers
+    if len(workers) % stages:
+        raise JobConfigError(f"TF_CONFIG lists {len(workers)} workers, not a multiple of stages = {stages} "
+                             "(every replica has one worker per stage, listed replica by replica)")
+    if tf.task_stage is None:
+        raise JobConfigError(f"TF_CONFIG task has no \"stage\", but the job has stages = {stages}: give each "
+                             "worker task {\"type\": \"worker\", \"index\": REPLICA, \"stage\": STAGE}")
+    stage, replica = tf.task_stage, tf.worker_index()
+    if stage >= stages or replica >= len(workers) // stages:
+        raise JobConfigError(f"TF_CONFIG task (replica {replica}, stage {stage}) is outside the cluster's "
+                             f"{len(workers) // stages} replicas of {stages} stages")
+    me = workers[replica * stages + stage]
+    host, port = split_address(me)
+    listen = f"{host if is_loopback(host) else '0.0.0.0'}:{port}"
+    peers = [workers[replica * stages + stage - 1] if stage > 0 else "-",
+             workers[replica * stages + stage + 1] if stage < stages - 1 else "-"]
+    return {"worker.index": replica, "worker.stage": stage, "job.workers": len(workers) // stages,
+            "worker.servers": ps[stage * shards:(stage + 1) * shards], "job.shards": shards,
+            "worker.stage_listen": listen, "worker.stage_peers": peers}

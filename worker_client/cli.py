@@ -15,7 +15,6 @@ from typing import Any
 
 import onnxruntime as ort
 
-from ps_models.builders import BUILDERS, write_model
 from ps_models.datasets import Dataset, load_dataset
 from ps_common import jobconfig
 from ps_common.errors import PSError
@@ -24,16 +23,12 @@ from ps_common.logs import configure_logging
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from worker_client.client import PSClient, RetryPolicy
 from worker_client.engine import GradientEngine
-from worker_client.engine.load import read_model
-from worker_client.preflight import Prepared, prepare
+from worker_client.pipeline.worker import run_stage_worker
+from worker_client.preflight import Prepared, prepare, resolve_model
 from worker_client.tensorboard import TensorBoardSink
 from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingPlan
 
 log = logging.getLogger("worker_client")
-
-#: Models whose data layout ps_models.datasets.reshape_for knows.
-_LAYOUTS = frozenset(BUILDERS)
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -42,19 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
                                       "learning rate and optimizer are the shards'. See docs/settings.md.")
     jobconfig.add_arguments(p, scope="worker")
     return p
-
-
-def resolve_model(spec: str, workdir: Path) -> tuple[Path, str | None]:
-    """(ONNX file, bundled model kind or None) for a path or a bundled model's name (written into workdir)."""
-    path = Path(spec).expanduser()
-    if path.is_file():
-        model = read_model(path, external_data=False)
-        kind = next((p.value for p in model.metadata_props if p.key == "model"), None)
-        return path, kind if kind in _LAYOUTS else None
-    if spec in BUILDERS:
-        return write_model(spec, workdir / f"{spec}.onnx"), spec
-    raise JobConfigError(f"Invalid [worker] model (--model): {spec!r}: no such file ({path.resolve()}) and not a "
-                         f"bundled model ({', '.join(sorted(BUILDERS))})")
 
 
 def load_data(spec: str, *, seed: int, kind: str | None) -> Dataset:
@@ -182,6 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     if job.job.stop_with_parent:
         threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
     sink: EventSink = JsonLinesSink(sys.stdout) if job.worker.events else TextSink(sys.stdout)
+    if job.job.stages > 1:   # one stage of a pipeline: only its own part of the model (docs/pipeline.md)
+        try:
+            run_stage_worker(job, report=sink, stop=stop)
+        except (PSError, ValueError) as exc:
+            if received:
+                return 128 + received[0]
+            log.debug("stage worker failed", exc_info=True)
+            print(f"ps-worker: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        return 128 + received[0] if received else 0
     with tempfile.TemporaryDirectory(prefix="ps-worker-") as scratch:
         try:   # the model, the data and the settings checked against each other before any shard is called
             prepared = prepare_worker(job, Path(scratch))

@@ -20,10 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ps_common.errors import DatasetError, JobConfigError
+from ps_models.builders import BUILDERS, write_model
 from ps_models.datasets import Dataset, load_dataset
 from worker_client.engine import GradientEngine
+from worker_client.engine.load import read_model
 
-__all__ = ["Prepared", "check_fit", "prepare", "smallest_share"]
+__all__ = ["Prepared", "check_fit", "prepare", "resolve_model", "smallest_share"]
+
+#: Models whose data layout ps_models.datasets.reshape_for knows.
+_LAYOUTS = frozenset(BUILDERS)
 
 
 def smallest_share(num_train: int, workers: int) -> int:
@@ -131,3 +136,16 @@ def prepare(model_path: Path, kind: str | None, *, model: str, data: str, loss: 
                             sparse_min_rows=sparse_min_rows)
     check_fit(engine, dataset, model=model, data=data, loss=loss, batch_size=batch_size, workers=workers)
     return Prepared(model_path, kind, engine, dataset)
+
+
+def resolve_model(spec: str, workdir: Path) -> tuple[Path, str | None]:
+    """(ONNX file, bundled model kind or None) for a path or a bundled model's name (written into workdir)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        model = read_model(path, external_data=False)
+        kind = next((p.value for p in model.metadata_props if p.key == "model"), None)
+        return path, kind if kind in _LAYOUTS else None
+    if spec in BUILDERS:
+        return write_model(spec, workdir / f"{spec}.onnx"), spec
+    raise JobConfigError(f"Invalid [worker] model (--model): {spec!r}: no such file ({path.resolve()}) and not a "
+                         f"bundled model ({', '.join(sorted(BUILDERS))})")

@@ -326,6 +326,8 @@ def stage_model(model: onnx.ModelProto, plan: StagePlan, index: int) -> onnx.Mod
                             producer_name=model.producer_name,
                             producer_version=model.producer_version)
     out.ir_version = model.ir_version
+    for prop in model.metadata_props:   # what the model says of itself (its kind, its exporter)
+        out.metadata_props.add(key=prop.key, value=prop.value)
     out.metadata_props.add(key="onnx_ps.stage", value=json.dumps(
         {"index": index, "stages": plan.count, "source_graph": graph.name}))
     return out

@@ -74,10 +74,12 @@ class Kind(enum.IntEnum):
 
     ACTIVATIONS = spb.ACTIVATIONS
     COTANGENTS = spb.COTANGENTS
+    COMMIT = spb.COMMIT
+    END = spb.END
 
     def sender(self, to_stage: int) -> int:
         """The stage a message of this kind comes from, for the stage that receives it."""
-        return to_stage - 1 if self is Kind.ACTIVATIONS else to_stage + 1
+        return to_stage + 1 if self is Kind.COTANGENTS else to_stage - 1
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,32 @@ class Inbox:
                                             f"{timeout:g} s); the inbox holds {self._describe()}")
                 self._cond.wait(min(left, STOP_POLL_SECONDS))
 
+    def next_step(self, kinds: tuple[Kind, ...], after: int, *, timeout: float,
+                  stop: threading.Event | None = None) -> tuple[Kind, int] | None:
+        """The (kind, step) of the earliest held micro-batch 0 of one of `kinds` with a step
+        above `after` (left held: `take` it), waiting at most `timeout` s; None when none came.
+
+        A stage that does not choose its steps (every stage but the first) learns the next one
+        here. A set `stop` or a closed inbox raises StoppedError within STOP_POLL_SECONDS.
+        """
+        wanted = {Kind(k) for k in kinds}
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                found = [(s, k) for (k, s, m) in self._held if k in wanted and m == 0 and s > after]
+                if found:
+                    step, kind = min(found)
+                    return kind, step
+                if self._closed:
+                    raise StoppedError(f"stage {self.stage} of replica {self.replica}: the stage server was closed")
+                if stop is not None and stop.is_set():
+                    raise StoppedError(f"stage {self.stage} of replica {self.replica}: stopped while waiting for "
+                                       f"the next step after {after}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, STOP_POLL_SECONDS))
+
     def _describe(self) -> str:
         if not self._held:
             return "nothing"
@@ -387,9 +415,9 @@ class StageExchangeServicer:
     def _check(self, header: spb.StageHeader) -> Key:
         """The message's key, after checking the header against this receiver (InvalidRequestError naming the field)."""
         inbox = self.inbox
-        if header.kind not in (spb.ACTIVATIONS, spb.COTANGENTS):
-            raise InvalidRequestError(f"StageExchange.Send: unknown kind {header.kind} (ACTIVATIONS = "
-                                      f"{spb.ACTIVATIONS} or COTANGENTS = {spb.COTANGENTS})")
+        if header.kind not in set(Kind):
+            raise InvalidRequestError(f"StageExchange.Send: unknown kind {header.kind} ("
+                                      + ", ".join(f"{k.name} = {k.value}" for k in Kind) + ")")
         kind = Kind(header.kind)
         if header.replica != inbox.replica or header.to_stage != inbox.stage:
             raise InvalidRequestError(f"StageExchange.Send: a message for stage {header.to_stage} of replica "
@@ -482,6 +510,11 @@ class StageServer:
     def discard_through(self, step: int) -> int:
         """Inbox.discard_through: drops held messages of steps <= `step`, and later arrivals for them."""
         return self.inbox.discard_through(step)
+
+    def next_step(self, kinds: tuple[Kind, ...], after: int, *, timeout: float,
+                  stop: threading.Event | None = None) -> tuple[Kind, int] | None:
+        """Inbox.next_step: the earliest held step above `after` of one of `kinds` (micro-batch 0)."""
+        return self.inbox.next_step(kinds, after, timeout=timeout, stop=stop)
 
     def close(self, grace: float = 1.0) -> None:
         """Stops serving (sends in progress get `grace` seconds) and wakes every take with StoppedError."""
@@ -612,6 +645,19 @@ class StageLink:
                 old = self._channel
                 self._connect(address)
                 old.close()
+
+    def reachable(self, timeout: float) -> bool:
+        """Whether the peer's server accepts a connection within `timeout` s (looked up again
+        first when a `resolve` was given: a restarted peer may serve on a new port)."""
+        if self.resolve is not None:
+            self._re_resolve(f"stage {self.from_stage} -> {self.to_stage}: reachability check")
+        with self._lock:
+            channel = self._channel
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
 
     def close(self) -> None:
         with self._lock:

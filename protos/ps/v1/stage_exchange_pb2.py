@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ps_proto.v1 import parameter_server_pb2 as ps__proto_dot_v1_dot_parameter__server__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n ps_proto/v1/stage_exchange.proto\x12\x05ps.v1\x1a\"ps_proto/v1/parameter_server.proto\"\x9e\x01\n\x0bStageHeader\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x12\n\nfrom_stage\x18\x02 \x01(\r\x12\x10\n\x08to_stage\x18\x03 \x01(\r\x12\x1e\n\x04kind\x18\x04 \x01(\x0e\x32\x10.ps.v1.StageKind\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x06 \x01(\r\x12\x15\n\rmicro_batches\x18\x07 \x01(\r\"V\n\x0cStageMessage\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.ps.v1.StageHeader\x12\"\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x12.ps.v1.TensorChunk\"G\n\x08StageAck\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\r\n\x05stale\x18\x02 \x01(\x08\x12\x19\n\x11\x64iscarded_through\x18\x03 \x01(\x03*H\n\tStageKind\x12\x1a\n\x16STAGE_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TIVATIONS\x10\x01\x12\x0e\n\nCOTANGENTS\x10\x02\x32?\n\rStageExchange\x12.\n\x04Send\x12\x13.ps.v1.StageMessage\x1a\x0f.ps.v1.StageAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n ps_proto/v1/stage_exchange.proto\x12\x05ps.v1\x1a\"ps_proto/v1/parameter_server.proto\"\x9e\x01\n\x0bStageHeader\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x12\n\nfrom_stage\x18\x02 \x01(\r\x12\x10\n\x08to_stage\x18\x03 \x01(\r\x12\x1e\n\x04kind\x18\x04 \x01(\x0e\x32\x10.ps.v1.StageKind\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x06 \x01(\r\x12\x15\n\rmicro_batches\x18\x07 \x01(\r\"V\n\x0cStageMessage\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.ps.v1.StageHeader\x12\"\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x12.ps.v1.TensorChunk\"G\n\x08StageAck\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\r\n\x05stale\x18\x02 \x01(\x08\x12\x19\n\x11\x64iscarded_through\x18\x03 \x01(\x03*]\n\tStageKind\x12\x1a\n\x16STAGE_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TIVATIONS\x10\x01\x12\x0e\n\nCOTANGENTS\x10\x02\x12\n\n\x06\x43OMMIT\x10\x03\x12\x07\n\x03\x45ND\x10\x04\x32?\n\rStageExchange\x12.\n\x04Send\x12\x13.ps.v1.StageMessage\x1a\x0f.ps.v1.StageAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ps_proto.v1.stage_exchange_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STAGEKIND']._serialized_start=401
-  _globals['_STAGEKIND']._serialized_end=473
+  _globals['_STAGEKIND']._serialized_end=494
   _globals['_STAGEHEADER']._serialized_start=80
   _globals['_STAGEHEADER']._serialized_end=238
   _globals['_STAGEMESSAGE']._serialized_start=240
   _globals['_STAGEMESSAGE']._serialized_end=326
   _globals['_STAGEACK']._serialized_start=328
   _globals['_STAGEACK']._serialized_end=399
-  _globals['_STAGEEXCHANGE']._serialized_start=475
-  _globals['_STAGEEXCHANGE']._serialized_end=538
+  _globals['_STAGEEXCHANGE']._serialized_start=496
+  _globals['_STAGEEXCHANGE']._serialized_end=559
 # @@protoc_insertion_point(module_scope)

@@ -13,9 +13,13 @@ class StageKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STAGE_KIND_UNSPECIFIED: _ClassVar[StageKind]
     ACTIVATIONS: _ClassVar[StageKind]
     COTANGENTS: _ClassVar[StageKind]
+    COMMIT: _ClassVar[StageKind]
+    END: _ClassVar[StageKind]
 STAGE_KIND_UNSPECIFIED: StageKind
 ACTIVATIONS: StageKind
 COTANGENTS: StageKind
+COMMIT: StageKind
+END: StageKind
 
 class StageHeader(_message.Message):
     __slots__ = ("replica", "from_stage", "to_stage", "kind", "step", "micro_batch", "micro_batches")

@@ -139,7 +139,8 @@ class DynamicRows:
 
     def read(self, ids: np.ndarray, step: int) -> np.ndarray:
         """A copy of the rows of `ids` (in order, repeats allowed), created when missing; touched at `step`."""
-        return self.values[self.locate(ids, step)]
+        slots = self.locate(ids, step)   # first: creating rows may grow (replace) the arrays
+        return self.values[slots]
 
     def apply(self, ids: np.ndarray, grad: np.ndarray, step: int) -> None:
         """One lazy optimizer update of the rows `ids` (unique) with `grad`; missing rows are created first."""

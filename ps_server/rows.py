@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ps_common.dynamic_ids import MAX_IDS_PER_REQUEST, shard_of_ids
-from ps_common.errors import InvalidTensorError, UnknownTensorError
+from ps_common.errors import InvalidRequestError, InvalidTensorError, UnknownTensorError
 from ps_common.shard_map import ParamSpec, Part, ShardMap
 
 
@@ -69,6 +69,12 @@ def scale(acc: np.ndarray | RowGrad, factor: float) -> None:
     """acc *= factor, in place (only the touched rows of a RowGrad)."""
     target = acc.values if isinstance(acc, RowGrad) else acc
     np.multiply(target, factor, out=target)
+
+
+def check_table_name(name: str, where: str) -> None:
+    """InvalidRequestError for an empty table name (a malformed request, not an unknown tensor)."""
+    if not name:
+        raise InvalidRequestError(f"{where}: a table's name must not be empty")
 
 
 def owned_parts(shard_map: ShardMap, shard_index: int, name: str, ids: np.ndarray, where: str) -> list[tuple[Part, np.ndarray]]:

@@ -25,6 +25,7 @@ from ps_server.admission import Admission, StreamWatchdog
 from ps_server.consistency import Mode, step_after_push
 from ps_server.membership import PushResult
 from ps_server.pull_cache import PullCache
+from ps_server.rows import check_table_name
 from ps_server.shared_memory import Segments
 from ps_server.shard import Shard, ShardView
 
@@ -266,6 +267,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         specs = self.shard.store.shard_map.specs
         out = []
         for rg in header.row_gradients:
+            check_table_name(rg.name, "row gradient")
             spec = specs.get(rg.name)
             if spec is None:
                 raise UnknownTensorError(f"row gradient: tensor {rg.name!r} is not a parameter of this model")

@@ -39,7 +39,7 @@ from ps_server.dynamic import DynamicRows
 from ps_server.events import Events
 from ps_server.membership import Membership, PushResult, WorkerRecord
 from ps_server.optimizers import make_optimizer
-from ps_server.rows import RowGrad, checked_ids, dynamic_gradient, owned_parts, split_gradient
+from ps_server.rows import RowGrad, check_table_name, checked_ids, dynamic_gradient, owned_parts, split_gradient
 from ps_server.store import ParameterStore, PartKey, PartState, dynamic_key
 
 log = logging.getLogger(__name__)
@@ -329,6 +329,7 @@ class Shard:
         merged: dict[PartKey, np.ndarray | RowGrad] = dict(grads)
         named: set[str] = set()
         for name, ids, values in row_grads:
+            check_table_name(name, where)
             if name in named:
                 raise InvalidTensorError(f"{where}: tensor {name!r} has two row gradients; send one (ids may repeat)")
             named.add(name)
@@ -413,6 +414,7 @@ class Shard:
         where = f"PullRows by {worker_id or 'a client'!r}"
         plan = []
         for name, ids in tables:
+            check_table_name(name, where)
             spec = shard_map.specs.get(name)
             if spec is not None and spec.dynamic is not None:
                 checked_ids(spec, ids, self.config.shard_index, self.config.num_shards, where)

@@ -9,7 +9,7 @@ import pytest
 
 from ps_common import codec
 from ps_common.dynamic_ids import MAX_IDS_PER_REQUEST, DynamicTable, initial_rows, shard_of_ids, splitmix64
-from ps_common.errors import (CheckpointMismatchError, InitMismatchError, InvalidTensorError, ResourceExhaustedError,
+from ps_common.errors import (CheckpointMismatchError, InitMismatchError, InvalidRequestError, InvalidTensorError, ResourceExhaustedError,
                               UnknownTensorError)
 from ps_common.shard_map import ParamSpec, build_shard_map
 from ps_server.checkpoints.directory import CheckpointDirectory
@@ -241,6 +241,10 @@ def test_bad_ids_are_refused_naming_the_table():
                         timeout=1)
     with pytest.raises(UnknownTensorError):
         shard.pull_rows([("nope", ids(1))], min_step=0, worker_id="", clock=0, timeout=1)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        shard.pull_rows([("", ids(1))], min_step=0, worker_id="", clock=0, timeout=1)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        shard.push("a", 0, 0, {}, [("", ids(1), grad(1))])
     assert live_rows(shard) == 0
 
 

@@ -352,8 +352,9 @@ class Shard:
             return
         extra = sum(self.store.dynamic[name].missing(ids) * self.store.dynamic[name].row_state_bytes
                     for name, ids in tables)
-        if extra and self.store.nbytes + sum(t.rows * t.row_state_bytes for t in self.store.dynamic.values()) \
-                + extra > self.config.shard_bytes_limit:
+        tables_held = self.store.dynamic.values()
+        held = self.store.nbytes - sum(t.nbytes for t in tables_held) + sum(t.rows * t.row_state_bytes for t in tables_held)
+        if extra and held + extra > self.config.shard_bytes_limit:
             raise ResourceExhaustedError(
                 f"shard {self.config.shard_index}: creating dynamic rows of {[n for n, _ in tables][:5]} "
                 f"({extra} bytes with optimizer state) would pass its limit of {self.config.shard_bytes_limit} "

@@ -18,7 +18,9 @@ import ml_dtypes
 import numpy as np
 
 from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_common.dynamic_ids import DynamicTable
 from ps_common.errors import InvalidRequestError, InvalidTensorError
+from ps_common.shard_map import ParamSpec
 
 #: Largest ``data`` field in one chunk, and the most bytes of chunks packed in one message.
 CHUNK_BYTES = 4 << 20
@@ -452,10 +454,30 @@ def _chunk_view(msg: memoryview) -> ChunkView:
 
 
 def spec_to_wire(name: str, dtype: np.dtype | str, shape: Sequence[int], *,
-                 state: bool = False) -> pb.ParameterSpec:
-    """A ParameterSpec message (`state`: model state, replaced by pushes, not optimized)."""
-    return pb.ParameterSpec(name=name, dtype=dtype_to_wire(dtype), shape=[int(d) for d in shape],
-                            state=state)
+                 state: bool = False, dynamic: DynamicTable | None = None) -> pb.ParameterSpec:
+    """A ParameterSpec message (`state`: model state, replaced by pushes, not optimized; `dynamic`: a
+    hash-keyed table whose `shape` is one row's)."""
+    spec = pb.ParameterSpec(name=name, dtype=dtype_to_wire(dtype), shape=[int(d) for d in shape], state=state)
+    if dynamic is not None:
+        spec.dynamic.CopyFrom(pb.DynamicTable(initializer=dynamic.initializer,
+                                              evict_after_steps=dynamic.evict_after_steps, seed=dynamic.seed))
+    return spec
+
+
+def param_spec_to_wire(spec: ParamSpec) -> pb.ParameterSpec:
+    """The ParameterSpec message of a ParamSpec."""
+    return spec_to_wire(spec.name, spec.dtype, spec.shape, state=spec.state, dynamic=spec.dynamic)
+
+
+def spec_from_wire(message: pb.ParameterSpec) -> ParamSpec:
+    """The ParamSpec of a ParameterSpec message (InvalidTensorError for an unknown dtype)."""
+    dynamic = None
+    if message.HasField("dynamic"):
+        d = message.dynamic
+        dynamic = DynamicTable(initializer=d.initializer or "zeros", evict_after_steps=int(d.evict_after_steps),
+                               seed=int(d.seed))
+    return ParamSpec(name=message.name, dtype=dtype_from_wire(message.dtype, name=message.name).name,
+                     shape=tuple(int(d) for d in message.shape), state=message.state, dynamic=dynamic)
 
 
 # ---------------------------------------------------------------- sparse rows (RowGradient, RowValues)

@@ -28,6 +28,9 @@ shard count and get the same map. The rules:
   with only unsplittable tensors the balance is that of step 1.
 * ShardMap.parts is sorted by (name, row_start); a Part's key is the tensor name when
   it is the whole tensor and f"{name}[{row_start}:{row_end}]" for a row range.
+* A dynamic table (ParamSpec.dynamic set; its shape is one row's) has no parts: it lives
+  on every shard, each holding the ids hashed to it (ps_common/dynamic_ids.py). It is in
+  `specs` but takes no place in the split. It must be floating point and not state.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+
+from ps_common.dynamic_ids import DynamicTable
 
 DEFAULT_PARTITION_MIN_BYTES: int = 1 << 20
 
@@ -64,6 +69,7 @@ class ParamSpec:
     dtype: str
     shape: tuple[int, ...]
     state: bool = False   # model state (running statistics): pushes replace it, no optimizer
+    dynamic: DynamicTable | None = None   # a hash-keyed table: `shape` is one row's, rows by int64 id
 
     def __post_init__(self) -> None:
         shape = tuple(int(d) if isinstance(d, np.integer) else d for d in self.shape)
@@ -79,9 +85,14 @@ class ParamSpec:
         return math.prod(self.shape) * _itemsize(self.dtype)
 
     @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one row: shape[1:], or the whole shape of a dynamic table."""
+        return self.shape if self.dynamic is not None else self.shape[1:]
+
+    @property
     def row_bytes(self) -> int:
-        """Bytes of one row along axis 0 (the whole nbytes for a rank-0 tensor)."""
-        return math.prod(self.shape[1:]) * _itemsize(self.dtype)
+        """Bytes of one row along axis 0 (the whole nbytes for a rank-0 tensor; one row of a dynamic table)."""
+        return math.prod(self.row_shape) * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -214,6 +225,13 @@ def _validate(specs: list[ParamSpec], num_shards: int, partition_min_bytes: int)
             _itemsize(spec.dtype)
         except ValueError as exc:
             raise ValueError(f"tensor {spec.name!r}: {exc}") from None
+        if spec.dynamic is not None:
+            if not isinstance(spec.dynamic, DynamicTable):
+                raise ValueError(f"tensor {spec.name!r}: dynamic must be a DynamicTable, got {spec.dynamic!r}")
+            if np.dtype(spec.dtype).kind != "f" or spec.state:
+                raise ValueError(f"dynamic table {spec.name!r} is {spec.dtype}{' state' if spec.state else ''}: "
+                                 "a dynamic table trains, so it must be floating point and not state")
+            spec.dynamic.check(spec.name)
 
 
 def _water_level_capacities(loads: list[int], amount: int) -> list[Fraction]:
@@ -255,9 +273,10 @@ def build_shard_map(
     spec_list.sort(key=lambda s: s.name)
     by_name = {s.name: s for s in spec_list}
 
-    splittable = [s for s in spec_list if s.nbytes > partition_min_bytes and s.rows >= 2]
+    placed = [s for s in spec_list if s.dynamic is None]   # dynamic tables live on every shard, by id hash
+    splittable = [s for s in placed if s.nbytes > partition_min_bytes and s.rows >= 2]
     split_names = {s.name for s in splittable}
-    fixed = [s for s in spec_list if s.name not in split_names]
+    fixed = [s for s in placed if s.name not in split_names]
 
     parts: list[Part] = []
     loads = [0] * num_shards

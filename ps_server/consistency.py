@@ -117,10 +117,12 @@ class PolicyHost(Protocol):
 
 @dataclass
 class PolicySnapshot:
-    """A policy's part of a checkpoint: sync's step contributors and accumulator (None/empty for the others)."""
+    """A policy's part of a checkpoint: sync's step contributors and accumulator (None/empty for the others).
+
+    An accumulated sparse gradient is a RowGrad (rows of a dense table, or ids of a dynamic one)."""
 
     contributors: list[str] | None = None
-    accumulator: dict[PartKey, np.ndarray] = field(default_factory=dict)
+    accumulator: dict[PartKey, np.ndarray | RowGrad] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -266,9 +268,10 @@ class SyncPolicy(ConsistencyPolicy):
         return PolicyInfo(self.mode, effective_replicas=self.effective_replicas(host))
 
     def snapshot(self, copy: Callable[[np.ndarray], np.ndarray]) -> PolicySnapshot:
-        # a row accumulator is written dense (checkpoints hold arrays); it applies the same after a restore
+        # row accumulators stay rows (the shard writes a dense table's densely, a dynamic table's by id)
         return PolicySnapshot(list(self.contributors),
-                              {k: v.dense() if isinstance(v, RowGrad) else copy(v) for k, v in self.accumulator.items()})
+                              {k: RowGrad(v.rows.copy(), v.values.copy(), v.part_rows) if isinstance(v, RowGrad)
+                               else copy(v) for k, v in self.accumulator.items()})
 
     def restore(self, snapshot: PolicySnapshot) -> None:
         self.contributors = list(snapshot.contributors or [])

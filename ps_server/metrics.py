@@ -18,6 +18,9 @@ Metric names (all prefixed `ps_`):
   rpcs_total{rpc,code}                  finished rpcs by gRPC status code
   step, initialized, parts, parameter_bytes, workers_registered, workers_live,
   worker_clock{worker}, effective_replicas (sync only)   gauges read at scrape time
+  dynamic_table_rows{table}             live rows of each dynamic table on this shard (read at scrape time)
+  dynamic_table_created_rows_total{table}, dynamic_table_evictions_total{table}
+                                        rows created / evicted since the shard started (read at scrape time)
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ps_proto.v1 import parameter_server_pb2 as pb
@@ -227,6 +230,18 @@ class _ShardStateCollector(Collector):
                                           "min(N, live workers), at least 1", labels=["shard"])
             effective.add_metric([self.label], view.policy.effective_replicas)
             yield effective
+        if view.dynamic:
+            rows = GaugeMetricFamily("ps_dynamic_table_rows", "Live rows of a dynamic table on this shard",
+                                     labels=["shard", "table"])
+            created = CounterMetricFamily("ps_dynamic_table_created_rows", "Rows of a dynamic table created from its "
+                                          "initializer (first use, or use after eviction)", labels=["shard", "table"])
+            evicted = CounterMetricFamily("ps_dynamic_table_evictions", "Rows of a dynamic table evicted after "
+                                          "evict_after_steps untouched steps", labels=["shard", "table"])
+            for d in view.dynamic:
+                rows.add_metric([self.label, d.name], d.rows)
+                created.add_metric([self.label, d.name], d.created)
+                evicted.add_metric([self.label, d.name], d.evicted)
+            yield from (rows, created, evicted)
 
 
 # ---------------------------------------------------------------------- rpc latency

@@ -2,7 +2,8 @@
 
 A `RowGrad` is the gradient of some rows of one owned part: `rows` are part-local row
 indices (sorted, unique: duplicates are summed when it is built), `values` their gradient
-rows. The sync policy adds row gradients of several workers (`add`) and scales them
+rows. For a dynamic table `rows` are the ids themselves and `part_rows` is None (the
+table has no fixed row count; `checked_ids` and `dynamic_gradient` check such ids). The sync policy adds row gradients of several workers (`add`) and scales them
 (`scale`) without ever touching the untouched rows, so a step costs what its rows cost.
 """
 
@@ -12,20 +13,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ps_common.errors import InvalidTensorError, UnknownTensorError
-from ps_common.shard_map import Part, ShardMap
+from ps_common.dynamic_ids import MAX_IDS_PER_REQUEST, shard_of_ids
+from ps_common.errors import InvalidRequestError, InvalidTensorError, UnknownTensorError
+from ps_common.shard_map import ParamSpec, Part, ShardMap
 
 
 @dataclass
 class RowGrad:
-    """The gradient of rows `rows` (part-local, sorted, unique) of a part with `part_rows` rows."""
+    """The gradient of rows `rows` (part-local, sorted, unique) of a part with `part_rows` rows
+    (of a dynamic table: ids, and part_rows None)."""
 
     rows: np.ndarray     # int64, shape (k,)
     values: np.ndarray   # shape (k, *row shape)
-    part_rows: int
+    part_rows: int | None
 
     @classmethod
-    def summed(cls, rows: np.ndarray, values: np.ndarray, part_rows: int) -> "RowGrad":
+    def summed(cls, rows: np.ndarray, values: np.ndarray, part_rows: int | None) -> "RowGrad":
         """From rows that may repeat: the gradients of a repeated row are summed."""
         unique, inverse = np.unique(rows, return_inverse=True)
         if len(unique) == len(rows):
@@ -40,7 +43,9 @@ class RowGrad:
         return int(self.values.nbytes + self.rows.nbytes)
 
     def dense(self) -> np.ndarray:
-        """The same gradient as a full array of the part's shape (zeros elsewhere)."""
+        """The same gradient as a full array of the part's shape (zeros elsewhere); not for a dynamic table."""
+        if self.part_rows is None:
+            raise ValueError("a dynamic table's row gradient has no dense form")
         out = np.zeros((self.part_rows,) + self.values.shape[1:], dtype=self.values.dtype)
         out[self.rows] = self.values
         return out
@@ -64,6 +69,12 @@ def scale(acc: np.ndarray | RowGrad, factor: float) -> None:
     """acc *= factor, in place (only the touched rows of a RowGrad)."""
     target = acc.values if isinstance(acc, RowGrad) else acc
     np.multiply(target, factor, out=target)
+
+
+def check_table_name(name: str, where: str) -> None:
+    """InvalidRequestError for an empty table name (a malformed request, not an unknown tensor)."""
+    if not name:
+        raise InvalidRequestError(f"{where}: a table's name must not be empty")
 
 
 def owned_parts(shard_map: ShardMap, shard_index: int, name: str, ids: np.ndarray, where: str) -> list[tuple[Part, np.ndarray]]:
@@ -118,3 +129,37 @@ def split_gradient(shard_map: ShardMap, shard_index: int, name: str, ids: np.nda
         raise InvalidTensorError(f"{where}: row gradient of {name!r} holds NaN or inf")
     return {(part.name, part.row_start): RowGrad.summed(ids[pos] - part.row_start, values[pos], part.row_end - part.row_start)
             for part, pos in found}
+
+
+def checked_ids(spec: ParamSpec, ids: np.ndarray, shard_index: int, num_shards: int, where: str) -> None:
+    """Ids of dynamic table `spec` for this shard: a 1-d int64 array of at most MAX_IDS_PER_REQUEST ids,
+    each hashed to this shard (ps_common/dynamic_ids.py); else InvalidTensorError naming the id and its shard."""
+    if ids.dtype != np.int64 or ids.ndim != 1:
+        raise InvalidTensorError(f"{where}: ids of dynamic table {spec.name!r} must be a 1-d int64 array, "
+                                 f"got {ids.dtype}{list(ids.shape)}")
+    if len(ids) > MAX_IDS_PER_REQUEST:
+        raise InvalidTensorError(f"{where}: {len(ids)} ids of dynamic table {spec.name!r}, over the limit of "
+                                 f"{MAX_IDS_PER_REQUEST} per table and request")
+    if len(ids) and num_shards > 1:
+        owner = shard_of_ids(ids, num_shards)
+        wrong = np.flatnonzero(owner != shard_index)
+        if len(wrong):
+            bad = int(ids[wrong[0]])
+            raise InvalidTensorError(f"{where}: id {bad} of dynamic table {spec.name!r} hashes to shard "
+                                     f"{int(owner[wrong[0]])}, not shard {shard_index} (splitmix64(id) % {num_shards})")
+
+
+def dynamic_gradient(spec: ParamSpec, ids: np.ndarray, values: np.ndarray, shard_index: int, num_shards: int,
+                     where: str) -> RowGrad:
+    """A checked row gradient of dynamic table `spec`, by id, repeated ids summed.
+
+    Checks: ids as checked_ids, values of shape (len(ids), *row shape) in the table's dtype, finite.
+    """
+    checked_ids(spec, ids, shard_index, num_shards, where)
+    want = (len(ids), *spec.row_shape)
+    if values.dtype != np.dtype(spec.dtype) or tuple(values.shape) != want:
+        raise InvalidTensorError(f"{where}: row gradient of dynamic table {spec.name!r} is "
+                                 f"{values.dtype}{list(values.shape)}, expected {spec.dtype}{list(want)}")
+    if values.size and not (np.isfinite(values.min()) and np.isfinite(values.max())):
+        raise InvalidTensorError(f"{where}: row gradient of dynamic table {spec.name!r} holds NaN or inf")
+    return RowGrad.summed(ids, values, None)

@@ -19,13 +19,13 @@ from ps_common import codec
 from ps_common.errors import (REASON_KEY, InvalidRequestError, PSError, SharedMemoryUnavailableError,
                               UnknownTensorError, UnknownWorkerError, WaitTimeoutError, shorten)
 from ps_common.shared_memory import Layout
-from ps_common.shard_map import ParamSpec
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.admission import Admission, StreamWatchdog
 from ps_server.consistency import Mode, step_after_push
 from ps_server.membership import PushResult
 from ps_server.pull_cache import PullCache
+from ps_server.rows import check_table_name
 from ps_server.shared_memory import Segments
 from ps_server.shard import Shard, ShardView
 
@@ -158,9 +158,11 @@ def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
     )
     if view.shard_map is not None:
         for spec in sorted(view.shard_map.specs.values(), key=lambda s: s.name):
-            info.parameters.append(codec.spec_to_wire(spec.name, spec.dtype, spec.shape, state=spec.state))
+            info.parameters.append(codec.param_spec_to_wire(spec))
         for part in view.shard_map.parts:
             info.parts.add(name=part.name, row_start=part.row_start, row_end=part.row_end, shard=part.shard)
+    for d in view.dynamic:
+        info.dynamic_tables.add(name=d.name, rows=d.rows, created=d.created, evicted=d.evicted)
     for w in view.workers:
         info.workers.add(worker_id=w.worker_id, clock=w.clock, live=w.live,
                          lease_remaining_ms=int(w.lease_remaining * 1000))
@@ -229,8 +231,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         with self.admission.enter("InitParameters"):
             header, chunks = _header_and_chunks(self._stream(request_iterator, context, "InitParameters"),
                                                 "InitParameters", pb.InitHeader)
-            specs = [ParamSpec(name=s.name, dtype=codec.dtype_from_wire(s.dtype, name=s.name).name,
-                               shape=tuple(int(d) for d in s.shape), state=s.state) for s in header.parameters]
+            specs = [codec.spec_from_wire(s) for s in header.parameters]
             values = _assemble(chunks, self.shard.init_layout(specs))
             already, step, nparts = self.shard.initialize(specs, values, header.worker_id)
         return pb.InitResponse(already_initialized=already, step=step, num_parts=nparts)
@@ -266,11 +267,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         specs = self.shard.store.shard_map.specs
         out = []
         for rg in header.row_gradients:
+            check_table_name(rg.name, "row gradient")
             spec = specs.get(rg.name)
             if spec is None:
                 raise UnknownTensorError(f"row gradient: tensor {rg.name!r} is not a parameter of this model")
             ids = np.array(rg.ids, dtype=np.int64)
-            out.append((rg.name, ids, codec.rows_from_wire(rg.name, rg.dtype, rg.data, len(ids), spec.shape[1:],
+            out.append((rg.name, ids, codec.rows_from_wire(rg.name, rg.dtype, rg.data, len(ids), spec.row_shape,
                                                            want=np.dtype(spec.dtype))))
         return out
 

@@ -35,11 +35,12 @@ from ps_server.checkpoints.state import (OutcomeSnapshot, PartSnapshot, ShardSta
                                          check_compatible, check_ranges, consistency_of)
 from ps_server.config import MAX_COUNTER, ServerConfig
 from ps_server.consistency import ConsistencyPolicy, Decision, DropReason, PolicyInfo, PolicySnapshot, make_policy
+from ps_server.dynamic import DynamicRows
 from ps_server.events import Events
 from ps_server.membership import Membership, PushResult, WorkerRecord
 from ps_server.optimizers import make_optimizer
-from ps_server.rows import RowGrad, owned_parts, split_gradient
-from ps_server.store import ParameterStore, PartKey, PartState
+from ps_server.rows import RowGrad, check_table_name, checked_ids, dynamic_gradient, owned_parts, split_gradient
+from ps_server.store import ParameterStore, PartKey, PartState, dynamic_key
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,16 @@ class WorkerView:
 
 
 @dataclass(frozen=True)
+class DynamicView:
+    """One dynamic table on this shard, as cluster info and metrics show it."""
+
+    name: str
+    rows: int       # live rows
+    created: int    # rows created since the shard started or was restored
+    evicted: int    # rows evicted since then
+
+
+@dataclass(frozen=True)
 class ShardView:
     """A consistent read of the shard's state, for cluster info and metrics."""
 
@@ -75,6 +86,7 @@ class ShardView:
     workers: tuple[WorkerView, ...]
     policy: PolicyInfo
     optimizer: str
+    dynamic: tuple[DynamicView, ...] = ()
 
 
 class _Host:
@@ -86,7 +98,7 @@ class _Host:
         self.live_count = shard.membership.live_count
         self.live_clocks = shard.membership.live_clocks
         self.not_live = shard.membership.not_live
-        self.apply = shard.store.apply
+        self.apply = lambda grads: shard.store.apply(grads, step=shard.step)   # touches dynamic rows at t
 
     @property
     def step(self) -> int:
@@ -133,6 +145,7 @@ class Shard:
         if decision.applied:
             self.step += 1
             self.applied_gradients += decision.applied
+            self.store.evict(self.step)   # dynamic rows untouched for longer than evict_after_steps
             self.events.emit("step", step=self.step)
         for event in decision.events:
             self.events.emit(event.name, **event.fields)
@@ -282,6 +295,8 @@ class Shard:
                 raise InvalidRequestError(
                     f"push from {worker_id!r}: clock {clock} is more than max_clock_ahead={self.config.max_clock_ahead} "
                     f"ahead of the shard's clock {record.clock} for it")
+            self._check_room([(key[0], g.rows) for key, g in grads.items()
+                              if isinstance(g, RowGrad) and g.part_rows is None])
             staleness = self.step - read_step   # on arrival, before this push can advance the step
             if read_step > self.step:
                 # Only a shard restored from an older checkpoint can be behind a worker's read.
@@ -314,15 +329,36 @@ class Shard:
         merged: dict[PartKey, np.ndarray | RowGrad] = dict(grads)
         named: set[str] = set()
         for name, ids, values in row_grads:
+            check_table_name(name, where)
             if name in named:
                 raise InvalidTensorError(f"{where}: tensor {name!r} has two row gradients; send one (ids may repeat)")
             named.add(name)
+            spec = shard_map.specs.get(name)
+            if spec is not None and spec.dynamic is not None:   # a dynamic table: by id (its own key, no chunks)
+                merged[dynamic_key(name)] = dynamic_gradient(spec, ids, values, self.config.shard_index,
+                                                             self.config.num_shards, where)
+                continue
             for key, grad in split_gradient(shard_map, self.config.shard_index, name, ids, values, where).items():
                 if key in merged:
                     raise InvalidTensorError(f"{where}: tensor {name!r} rows from {key[1]} has both a dense gradient "
                                              "and a row gradient")
                 merged[key] = grad
         return merged
+
+    def _check_room(self, tables: Sequence[tuple[str, np.ndarray]]) -> None:
+        """ResourceExhaustedError (lock held) when creating the missing rows of `tables` (dynamic table name,
+        ids) would take this shard past its parameter bytes limit (max_shard_bytes) with their optimizer state."""
+        if not tables:
+            return
+        extra = sum(self.store.dynamic[name].missing(ids) * self.store.dynamic[name].row_state_bytes
+                    for name, ids in tables)
+        tables_held = self.store.dynamic.values()
+        held = self.store.nbytes - sum(t.nbytes for t in tables_held) + sum(t.rows * t.row_state_bytes for t in tables_held)
+        if extra and held + extra > self.config.shard_bytes_limit:
+            raise ResourceExhaustedError(
+                f"shard {self.config.shard_index}: creating dynamic rows of {[n for n, _ in tables][:5]} "
+                f"({extra} bytes with optimizer state) would pass its limit of {self.config.shard_bytes_limit} "
+                "bytes (max_shard_bytes): evict sooner (evict_after_steps) or use more shards")
 
     def _duplicate(self, record: WorkerRecord, clock: int) -> PushResult:
         first = record.outcomes.get(clock)
@@ -377,11 +413,24 @@ class Shard:
         if shard_map is None:
             raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet: pull before InitParameters")
         where = f"PullRows by {worker_id or 'a client'!r}"
-        plan = [(name, ids, owned_parts(shard_map, self.config.shard_index, name, ids, where)) for name, ids in tables]
+        plan = []
+        for name, ids in tables:
+            check_table_name(name, where)
+            spec = shard_map.specs.get(name)
+            if spec is not None and spec.dynamic is not None:
+                checked_ids(spec, ids, self.config.shard_index, self.config.num_shards, where)
+                plan.append((name, ids, None))
+            else:
+                plan.append((name, ids, owned_parts(shard_map, self.config.shard_index, name, ids, where)))
 
         def read(step: int, parts: list[PartState]) -> tuple[int, list[tuple[str, np.ndarray]]]:
+            # under the lock: dynamic rows are created (from the initializer) and touched at this step
+            self._check_room([(name, ids) for name, ids, found in plan if found is None])
             out = []
             for name, ids, found in plan:
+                if found is None:
+                    out.append((name, self.store.dynamic[name].read(ids, step)))
+                    continue
                 spec = shard_map.specs[name]
                 rows = np.empty((len(ids), *spec.shape[1:]), dtype=spec.dtype)
                 for part, pos in found:
@@ -487,8 +536,15 @@ class Shard:
             policy = self.policy.snapshot(_copy)
             parts = [PartSnapshot(name=name, row_start=row_start, row_end=state.part.row_end, value=_copy(state.value),
                                   slots={k: _copy(v) for k, v in state.slots.items()},
-                                  accumulator=policy.accumulator.get((name, row_start)))
+                                  accumulator=_dense(policy.accumulator.get((name, row_start))))
                      for (name, row_start), state in sorted(self.store.parts.items())]
+            dynamic = []
+            for name, table in sorted(self.store.dynamic.items()):
+                snap = table.snapshot()
+                acc = policy.accumulator.get(dynamic_key(name))
+                if acc is not None:
+                    snap.accumulator_ids, snap.accumulator_values = acc.rows, acc.values
+                dynamic.append(snap)
             workers = [WorkerSnapshot(r.worker_id, r.clock, self.membership.is_live(r),
                                       [OutcomeSnapshot(clock=k, accepted=bool(o.accepted), drop_reason=int(o.drop_reason),
                                                        message=o.message, step=int(o.step), clock_after=int(o.clock),
@@ -502,15 +558,16 @@ class Shard:
                 partition_min_bytes=c.partition_min_bytes, optimizer=self.optimizer.name,
                 optimizer_params=dict(self.optimizer.hyperparameters), consistency=consistency_of(c), step=self.step,
                 dropped=self.dropped, applied_gradients=self.applied_gradients,
-                parameters=[ParamSpec(s.name, s.dtype, tuple(s.shape), s.state) for s in specs], parts=parts,
+                parameters=[ParamSpec(s.name, s.dtype, tuple(s.shape), s.state, s.dynamic) for s in specs], parts=parts,
                 workers=workers,
-                contributors=policy.contributors, created_unix=time.time())
+                contributors=policy.contributors, created_unix=time.time(), dynamic=dynamic)
 
     def restore(self, state: ShardState) -> None:
         """Replaces the whole state with a checkpoint's (before serving); checked first, so a bad one changes nothing."""
         check_compatible(state, self.config, warn=False)
         check_ranges(state)
         shard_map, parts, accumulator = self._checked_parts(state)
+        dynamic = self._checked_dynamic(state, shard_map, accumulator)
         workers: dict[str, WorkerRecord] = {}
         for w in state.workers:
             record = WorkerRecord(w.worker_id, clock=w.clock)
@@ -524,7 +581,7 @@ class Shard:
             raise CheckpointMismatchError(f"checkpoint of shard {state.shard_index} at step {state.step}: sync "
                                           f"contributors {unknown} are not among its workers")
         with self._cond:
-            self.store.restore(shard_map, parts)
+            self.store.restore(shard_map, parts, dynamic)
             self.membership.replace(workers, [w.worker_id for w in state.workers if w.live])
             self.policy.restore(PolicySnapshot(contributors if state.contributors is not None else None, accumulator))
             self.step, self.dropped, self.applied_gradients = state.step, state.dropped, state.applied_gradients
@@ -585,6 +642,48 @@ class Shard:
                     accumulator[key] = RowGrad(touched.astype(np.int64), accumulator[key][touched], shape[0])
         return shard_map, parts, accumulator
 
+    def _checked_dynamic(self, state: ShardState, shard_map: ShardMap | None,
+                         accumulator: dict[PartKey, np.ndarray | RowGrad]) -> dict[str, DynamicRows]:
+        """The dynamic tables rebuilt from a checkpoint (checked against its parameter list; ids against this
+        shard's hash); their sync accumulators go into `accumulator` as rows by id."""
+        where = f"checkpoint of shard {state.shard_index} at step {state.step}"
+        specs = {} if shard_map is None else {n: s for n, s in shard_map.specs.items() if s.dynamic is not None}
+        have = {d.name: d for d in state.dynamic}
+        if set(have) - set(specs):
+            raise CheckpointMismatchError(f"{where}: rows of dynamic tables {sorted(set(have) - set(specs))[:5]} "
+                                          "that its parameter list lacks")
+        fresh_slots = set(self.optimizer.init_state(np.zeros((1,), np.float32))) - {"step"} | {ROW_STEP}
+        tables: dict[str, DynamicRows] = {}
+        for name, spec in specs.items():
+            table = tables[name] = DynamicRows(spec, self.optimizer)
+            snap = have.get(name)
+            if snap is None:   # a table that held no rows
+                continue
+            k = len(snap.ids)
+            rows = (k, *spec.row_shape)
+            shapes_ok = (snap.ids.dtype == np.int64 and snap.ids.shape == (k,) and snap.touched.shape == (k,)
+                         and snap.values.shape == rows and snap.values.dtype == np.dtype(spec.dtype)
+                         and set(snap.slots) == fresh_slots
+                         and all(a.shape == (rows if n != ROW_STEP else (k,)) for n, a in snap.slots.items()))
+            if not shapes_ok or len(np.unique(snap.ids)) != k:
+                raise CheckpointMismatchError(
+                    f"{where}: dynamic table {name!r} holds {k} ids with values {snap.values.dtype}"
+                    f"{list(snap.values.shape)} and slots {sorted(snap.slots)}; the table needs unique int64 ids, "
+                    f"rows of {spec.dtype}{list(spec.row_shape)} and slots {sorted(fresh_slots)}")
+            try:
+                checked_ids(spec, snap.ids, self.config.shard_index, self.config.num_shards, where)
+            except InvalidTensorError as exc:
+                raise CheckpointMismatchError(str(exc)) from None
+            table.restore(snap)
+            if snap.accumulator_ids is not None:
+                ids, values = snap.accumulator_ids, snap.accumulator_values
+                if ids.dtype != np.int64 or ids.ndim != 1 or values.shape != (len(ids), *spec.row_shape):
+                    raise CheckpointMismatchError(f"{where}: accumulator of dynamic table {name!r} has ids "
+                                                  f"{ids.dtype}{list(ids.shape)} and rows {list(values.shape)}")
+                accumulator[dynamic_key(name)] = RowGrad(_writable(snap.accumulator_ids),
+                                                         _writable(snap.accumulator_values), None)
+        return tables
+
     # ------------------------------------------------------------------ info
 
     def view(self) -> ShardView:
@@ -595,7 +694,15 @@ class Shard:
             return ShardView(step=self.step, initialized=self.store.initialized, dropped=self.dropped,
                              shard_map=self.store.shard_map, parts_held=len(self.store.parts),
                              bytes_held=self.store.nbytes, workers=workers, policy=self.policy.info(self.policy_host),
-                             optimizer=self.optimizer.name)
+                             optimizer=self.optimizer.name,
+                             dynamic=tuple(DynamicView(name, t.rows, t.created, t.evicted)
+                                           for name, t in sorted(self.store.dynamic.items())))
+
+
+def _dense(acc: np.ndarray | RowGrad | None) -> np.ndarray | None:
+    """A dense part's accumulator as an array: a row accumulator is written dense (it applies the same after a
+    restore, where its non-zero rows become rows again)."""
+    return acc.dense() if isinstance(acc, RowGrad) else acc
 
 
 def _copy(array: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ps_common.errors import InitMismatchError, InvalidTensorError, NotInitializedError, UnknownTensorError
 from ps_common.shard_map import ParamSpec, Part, ShardMap, build_shard_map
+from ps_server.dynamic import DynamicRows
 from ps_server.optimizers import Optimizer
 from ps_server.rows import RowGrad
 
@@ -43,6 +44,7 @@ class ParameterStore:
         self.optimizer = optimizer
         self.shard_map: ShardMap | None = None
         self.parts: dict[PartKey, PartState] = {}
+        self.dynamic: dict[str, DynamicRows] = {}   # dynamic tables: the rows whose ids hash to this shard
 
     @property
     def initialized(self) -> bool:
@@ -73,6 +75,9 @@ class ParameterStore:
             if a.state != b.state:
                 raise InitMismatchError(f"tensor {name!r} is initialized as {_role(a.state)}, re-init asks for "
                                         f"{_role(b.state)}")
+            if a.dynamic != b.dynamic:
+                raise InitMismatchError(f"tensor {name!r} is initialized with dynamic={a.dynamic}, re-init asks for "
+                                        f"dynamic={b.dynamic}")
         return self.shard_map, True
 
     @staticmethod
@@ -82,6 +87,9 @@ class ParameterStore:
         def expected(name: str, row_start: int) -> tuple[np.dtype, tuple[int, ...]]:
             if name not in shard_map.specs:
                 raise UnknownTensorError(f"tensor {name!r} is not a parameter of this model")
+            if shard_map.specs[name].dynamic is not None:
+                raise InvalidTensorError(f"tensor {name!r} is a dynamic table: it has no parts; its rows travel by "
+                                         "id (PullRows, RowGradient), never in chunks")
             try:
                 part = shard_map.part(name, row_start)
             except KeyError:
@@ -112,6 +120,7 @@ class ParameterStore:
             value = np.array(values[key], dtype=part.dtype, copy=True, order="C")
             parts[key] = PartState(part=part, value=value, slots=self.optimizer.init_state(value))
         self.shard_map, self.parts = shard_map, parts
+        self.dynamic = {s.name: DynamicRows(s, self.optimizer) for s in shard_map.specs.values() if s.dynamic is not None}
 
     def select(self, names: Iterable[str]) -> list[PartState]:
         """The owned parts of the named tensors (all owned parts when names is empty)."""
@@ -126,11 +135,18 @@ class ParameterStore:
         wanted = set(names)
         return [s for s in self.parts.values() if s.part.name in wanted]
 
-    def apply(self, grads: Mapping[PartKey, np.ndarray | RowGrad]) -> None:
+    def apply(self, grads: Mapping[PartKey, np.ndarray | RowGrad], *, step: int = 0) -> None:
         """Runs the optimizer on each given part (in place) and bumps its version. A state
-        part (ParamSpec.state: running statistics) takes the pushed value itself instead."""
+        part (ParamSpec.state: running statistics) takes the pushed value itself instead.
+        A dynamic table's gradient (key (name, 0), a RowGrad by id) updates its rows lazily,
+        creating missing ones, and touches them at `step`."""
         assert self.shard_map is not None
         for key, grad in grads.items():
+            table = self.dynamic.get(key[0])
+            if table is not None:
+                assert isinstance(grad, RowGrad)
+                table.apply(grad.rows, grad.values, step)
+                continue
             state = self.parts[key]
             if isinstance(grad, RowGrad):   # sparse: only the touched rows (checked by the shard: not state)
                 self.optimizer.apply_rows(state.value, grad.rows, grad.values, state.slots)
@@ -140,20 +156,37 @@ class ParameterStore:
                 self.optimizer.apply(state.value, grad, state.slots)
             state.version += 1
 
-    def restore(self, shard_map: ShardMap | None, parts: dict[PartKey, PartState]) -> None:
+    def evict(self, step: int) -> dict[str, int]:
+        """Evicts the dynamic tables' rows untouched for longer than their evict_after_steps; {table: rows evicted}."""
+        out = {}
+        for name, table in self.dynamic.items():
+            count = table.evict(step)
+            if count:
+                out[name] = count
+        return out
+
+    def restore(self, shard_map: ShardMap | None, parts: dict[PartKey, PartState],
+                dynamic: dict[str, DynamicRows] | None = None) -> None:
         """Replaces the whole store with checked checkpoint contents (ps_server/checkpoints/state.py)."""
-        self.shard_map, self.parts = shard_map, parts
+        self.shard_map, self.parts, self.dynamic = shard_map, parts, dict(dynamic or {})
 
     def clear(self) -> None:
         """Drops the parameter list, values and optimizer state (Admin.ResetParameters)."""
-        self.shard_map, self.parts = None, {}
+        self.shard_map, self.parts, self.dynamic = None, {}, {}
 
     def trainable_keys(self) -> set[PartKey]:
-        """The owned parts that train: floating point. Others (integer ids, vocabularies) are state that is
-        initialized and pulled but never pushed (docs/protocol.md, "Non-trainable tensors")."""
-        return {key for key, state in self.parts.items() if state.value.dtype.kind == "f"}
+        """The owned parts that train: floating point, and each dynamic table as (name, 0). Others (integer
+        ids, vocabularies) are state that is initialized and pulled but never pushed (docs/protocol.md,
+        "Non-trainable tensors")."""
+        keys = {key for key, state in self.parts.items() if state.value.dtype.kind == "f"}
+        return keys | {dynamic_key(name) for name in self.dynamic}
 
     @property
     def nbytes(self) -> int:
-        """Bytes of parameter values held."""
-        return sum(state.value.nbytes for state in self.parts.values())
+        """Bytes of parameter values held (dense parts and the dynamic tables' live rows)."""
+        return sum(state.value.nbytes for state in self.parts.values()) + sum(t.nbytes for t in self.dynamic.values())
+
+
+def dynamic_key(name: str) -> PartKey:
+    """The key of a dynamic table's gradient in a push (and in the sync accumulator): (name, 0)."""
+    return (name, 0)

@@ -313,7 +313,7 @@ class PSClient:
         if not info.initialized:
             raise ServerError.remote(NotInitializedError)(f"shard 0 ({self.addresses[0]}) is not initialized: no shard map yet",
                               grpc.StatusCode.FAILED_PRECONDITION, self.addresses[0])
-        specs = [ParamSpec(s.name, codec.dtype_name(s.dtype), tuple(s.shape), s.state) for s in info.parameters]
+        specs = [codec.spec_from_wire(s) for s in info.parameters]
         self.shard_map = build_shard_map(specs, self.num_shards, partition_min_bytes=info.partition_min_bytes)
         served = [(p.name, p.row_start, p.row_end, p.shard) for p in info.parts]
         ours = [(p.name, p.row_start, p.row_end, p.shard) for p in self.shard_map.parts]
@@ -322,17 +322,26 @@ class PSClient:
                              "are client and server of different versions?")
         return self.shard_map
 
-    def initialize(self, parameters: Mapping[str, np.ndarray], *, state: Collection[str] = ()) -> bool:
+    def initialize(self, parameters: Mapping[str, np.ndarray], *, state: Collection[str] = (),
+                   dynamic: Collection[ParamSpec] = ()) -> bool:
         """Sets the initial values on every shard (idempotent). True when they were already set.
 
         The tensors named in `state` are model state (running statistics): a push carries
-        their new values, which the shards take as they are (ParameterSpec.state)."""
+        their new values, which the shards take as they are (ParameterSpec.state).
+        `dynamic` declares dynamic tables (`sparse.dynamic_table(...)`: rows keyed by any
+        int64 id, created on first use; no values): use them with pull_rows and push's
+        row_gradients, ids routed to shards by their hash (docs/protocol.md, "Dynamic tables")."""
         info = self.cluster_info(0)
         self._check_shards(info)
         specs = [ParamSpec(n, codec.as_wire_array(np.asarray(a)).dtype.name, tuple(np.shape(a)), n in state)
                  for n, a in parameters.items()]
+        for spec in dynamic:
+            if spec.dynamic is None or spec.name in parameters:
+                raise ValueError(f"dynamic table {spec.name!r}: declare it with sparse.dynamic_table(...), once, "
+                                 "and not among the parameters with values")
+            specs.append(spec)
         shard_map = build_shard_map(specs, self.num_shards, partition_min_bytes=info.partition_min_bytes)
-        header = pb.InitHeader(parameters=[codec.spec_to_wire(s.name, s.dtype, s.shape, state=s.state) for s in specs],
+        header = pb.InitHeader(parameters=[codec.param_spec_to_wire(s) for s in specs],
                                worker_id=self.worker_id)
 
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.InitResponse:
@@ -556,6 +565,7 @@ class PSClient:
                   ssp: bool = False, timeout: float | None = None) -> dict[str, np.ndarray]:
         """The rows `ids` of each named table (global row ids, any order, repeats allowed), from the shards
         that own them (one PullRows per shard), as {name: array of shape (len(ids), *row shape)}.
+        For a dynamic table the ids are any int64 values, sent to the shard their hash names.
 
         Waits as `pull` does (min_steps, ssp, timeout) and records the step of each shard it asked.
         """
@@ -573,7 +583,7 @@ class PSClient:
 
         targets = sorted(plan)
         answers = [fetch(targets[0])] if len(targets) == 1 else list(self._pool.map(fetch, targets))
-        out = {name: np.empty((len(ids), *shard_map.specs[name].shape[1:]), dtype=shard_map.specs[name].dtype)
+        out = {name: np.empty((len(ids), *shard_map.specs[name].row_shape), dtype=shard_map.specs[name].dtype)
                for name, ids in rows.items()}
         for shard, answer in zip(targets, answers):
             self.steps[shard] = answer.step
@@ -762,6 +772,8 @@ class PSClient:
             spec = shard_map.specs.get(name)
             if spec is None:
                 raise InvalidTensorError(f"gradient for unknown tensor {name!r}")
+            if spec.dynamic is not None:
+                raise InvalidTensorError(f"gradient for dynamic table {name!r}: push it as row_gradients (ids, rows)")
             if tuple(np.shape(grad)) != tuple(spec.shape) or np.asarray(grad).dtype != np.dtype(spec.dtype):
                 raise InvalidTensorError(f"gradient for {name!r} is {np.asarray(grad).dtype}{list(np.shape(grad))}, "
                                          f"the parameter is {spec.dtype}{list(spec.shape)}")

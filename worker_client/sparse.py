@@ -4,6 +4,10 @@ A table split by the shard map has row ranges on several shards; a worker's ids 
 shard whose range holds them (global ids on the wire), and every shard holding a part of a
 table gets a RowGradient for it, empty when the batch touched none of its rows (a sync step
 needs a gradient for every part: docs/protocol.md, "Sparse rows").
+
+A dynamic table (rows keyed by any int64 id) lives on every shard: an id goes to shard
+`splitmix64(id) % num_shards` (ps_common/dynamic_ids.py, the rule the shards check), and
+every shard gets a RowGradient for it, empty when none of the batch's ids hash there.
 """
 
 from __future__ import annotations
@@ -13,19 +17,35 @@ from collections.abc import Mapping
 import numpy as np
 
 from ps_common import codec
+from ps_common.dynamic_ids import DynamicTable, shard_of_ids
 from ps_common.errors import InvalidTensorError
-from ps_common.shard_map import ShardMap
+from ps_common.shard_map import ParamSpec, ShardMap
+
+
+def dynamic_table(name: str, row_shape: tuple[int, ...] | list[int], *, dtype: str = "float32",
+                  initializer: str = "zeros", evict_after_steps: int = 0, seed: int = 0) -> ParamSpec:
+    """The spec of a dynamic table for PSClient.initialize(dynamic=[...]): rows of `row_shape` keyed by any
+    int64 id, created from `initializer` ("zeros", "normal:STD", "uniform:A") on first use, evicted after
+    `evict_after_steps` untouched steps (0: never). ValueError for a bad setting."""
+    spec = ParamSpec(name, np.dtype(dtype).name, tuple(int(d) for d in row_shape),
+                     dynamic=DynamicTable(initializer, int(evict_after_steps), int(seed)))
+    spec.dynamic.check(name)
+    return spec
 from ps_proto.v1 import parameter_server_pb2 as pb
 
 
 def owners(shard_map: ShardMap, name: str, ids: np.ndarray) -> np.ndarray:
     """The shard of each id of table `name`; InvalidTensorError for an unknown table or an id out of range."""
     spec = shard_map.specs.get(name)
-    if spec is None or not spec.shape:
+    if spec is None or not (spec.shape or spec.dynamic):
         raise InvalidTensorError(f"rows of {name!r}: not a table of this model (a tensor with rows)")
     ids = np.asarray(ids)
     if ids.dtype.kind not in "iu" or ids.ndim != 1:
         raise InvalidTensorError(f"rows of {name!r}: ids must be a 1-d integer array, got {ids.dtype}{list(ids.shape)}")
+    if spec.dynamic is not None:
+        if ids.dtype == np.uint64 and len(ids) and ids.max() >= 1 << 63:
+            raise InvalidTensorError(f"rows of {name!r}: id {int(ids.max())} is outside the int64 range")
+        return shard_of_ids(ids.astype(np.int64), shard_map.num_shards)
     if len(ids) and (ids.min() < 0 or ids.max() >= spec.shape[0]):
         bad = int(ids[(ids < 0) | (ids >= spec.shape[0])][0])
         raise InvalidTensorError(f"rows of {name!r}: id {bad} is outside [0, {spec.shape[0]})")
@@ -74,13 +94,15 @@ def row_gradients_by_shard(shard_map: ShardMap, row_gradients: Mapping[str, tupl
         ids = np.asarray(ids, dtype=np.int64)
         values = np.asarray(values)
         spec = shard_map.specs.get(name)
-        if spec is not None and values.shape != (len(ids), *spec.shape[1:]):
+        if spec is not None and values.shape != (len(ids), *spec.row_shape):
             raise InvalidTensorError(f"row gradient of {name!r} is {values.dtype}{list(values.shape)}, "
-                                     f"{len(ids)} rows of {spec.dtype}{list(spec.shape)} need {[len(ids), *spec.shape[1:]]}")
+                                     f"{len(ids)} rows of {spec.dtype}{list(spec.shape)} need {[len(ids), *spec.row_shape]}")
         owner = owners(shard_map, name, ids)
         if values.dtype == np.float32 and wire_dtype != values.dtype:
             values = values.astype(wire_dtype)
-        for shard in sorted({p.shard for p in shard_map.parts_of(name)}):
+        holders = range(shard_map.num_shards) if spec is not None and spec.dynamic is not None else \
+            sorted({p.shard for p in shard_map.parts_of(name)})
+        for shard in holders:
             pos = np.flatnonzero(owner == shard)
             dtype, data = codec.rows_to_wire(values[pos])
             out.setdefault(shard, []).append(pb.RowGradient(name=name, ids=ids[pos], dtype=dtype, data=data))

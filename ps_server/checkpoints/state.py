@@ -13,6 +13,7 @@ import numpy as np
 from ps_common.errors import CheckpointMismatchError, CorruptCheckpointError
 from ps_common.shard_map import ParamSpec
 from ps_server.config import MAX_COUNTER, ServerConfig
+from ps_server.dynamic import ROW_STEP, DynamicSnapshot
 from ps_server.optimizers import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class ShardState:
     workers: list[WorkerSnapshot]
     contributors: list[str] | None = None    # sync: the workers in the step's accumulator
     created_unix: float = 0.0
+    dynamic: list[DynamicSnapshot] = field(default_factory=list)   # dynamic tables' live rows (none before v2)
 
     @property
     def initialized(self) -> bool:
@@ -83,7 +85,7 @@ class ShardState:
         for p in self.parts:
             total += p.value.nbytes + sum(s.nbytes for s in p.slots.values())
             total += 0 if p.accumulator is None else p.accumulator.nbytes
-        return total
+        return total + sum(d.nbytes for d in self.dynamic)
 
 
 def consistency_of(config: ServerConfig) -> dict[str, Any]:
@@ -125,6 +127,11 @@ def check_ranges(state: ShardState, limit: int = MAX_COUNTER) -> None:
         for o in w.outcomes:
             values += [(f"outcome clock of worker {w.worker_id!r}", o.clock), ("outcome step", o.step),
                        ("outcome clock_after", o.clock_after)]
+    for d in state.dynamic:
+        for what, array in ((f"a touch step of dynamic table {d.name!r}", d.touched),
+                            (f"a row_step of dynamic table {d.name!r}", d.slots.get(ROW_STEP))):
+            if array is not None and len(array):
+                values += [(what, int(array.min())), (what, int(array.max()))]
     for what, value in values:
         if not 0 <= value < limit:
             raise CorruptCheckpointError(f"checkpoint at step {state.step}: {what} is {value}, outside [0, {limit})")

@@ -58,16 +58,28 @@ DROP_ALREADY_CONTRIBUTED: DropReason
 DROP_STEP_AHEAD: DropReason
 
 class ParameterSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "state")
+    __slots__ = ("name", "dtype", "shape", "state", "dynamic")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     state: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., state: _Optional[bool] = ...) -> None: ...
+    dynamic: DynamicTable
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., state: _Optional[bool] = ..., dynamic: _Optional[_Union[DynamicTable, _Mapping]] = ...) -> None: ...
+
+class DynamicTable(_message.Message):
+    __slots__ = ("initializer", "evict_after_steps", "seed")
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    EVICT_AFTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    initializer: str
+    evict_after_steps: int
+    seed: int
+    def __init__(self, initializer: _Optional[str] = ..., evict_after_steps: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "dtype", "shape", "row_start", "byte_offset", "data")
@@ -372,7 +384,7 @@ class PartAssignment(_message.Message):
     def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "mode", "replicas_to_aggregate", "total_replicas", "staleness", "max_staleness", "step", "initialized", "parameters", "parts", "workers", "optimizer", "partition_min_bytes", "chunk_bytes", "effective_replicas", "dropped_stale")
+    __slots__ = ("shard_index", "num_shards", "mode", "replicas_to_aggregate", "total_replicas", "staleness", "max_staleness", "step", "initialized", "parameters", "parts", "workers", "optimizer", "partition_min_bytes", "chunk_bytes", "effective_replicas", "dropped_stale", "dynamic_tables")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +402,7 @@ class ClusterInfo(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_TABLES_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     mode: ConsistencyMode
@@ -407,7 +420,20 @@ class ClusterInfo(_message.Message):
     chunk_bytes: int
     effective_replicas: int
     dropped_stale: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[_Union[ConsistencyMode, str]] = ..., replicas_to_aggregate: _Optional[int] = ..., total_replicas: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., step: _Optional[int] = ..., initialized: _Optional[bool] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[PartAssignment, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., optimizer: _Optional[str] = ..., partition_min_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., effective_replicas: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
+    dynamic_tables: _containers.RepeatedCompositeFieldContainer[DynamicTableInfo]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[_Union[ConsistencyMode, str]] = ..., replicas_to_aggregate: _Optional[int] = ..., total_replicas: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., step: _Optional[int] = ..., initialized: _Optional[bool] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[PartAssignment, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., optimizer: _Optional[str] = ..., partition_min_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., effective_replicas: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dynamic_tables: _Optional[_Iterable[_Union[DynamicTableInfo, _Mapping]]] = ...) -> None: ...
+
+class DynamicTableInfo(_message.Message):
+    __slots__ = ("name", "rows", "created", "evicted")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    created: int
+    evicted: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., created: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

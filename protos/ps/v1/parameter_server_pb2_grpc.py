@@ -186,6 +186,8 @@ class ParameterServerServicer:
         INVALID_ARGUMENT naming the tensor, the id and the owning shard. Waits as Pull does
         (min_step, SSP hold), at most the wait timeout: DEADLINE_EXCEEDED. Also NOT_FOUND (an
         unknown tensor), FAILED_PRECONDITION (not initialized), RESOURCE_EXHAUSTED (OVERLOADED).
+        A dynamic table's ids are any int64 values hashed to this shard; rows missing are created
+        from its initializer (RESOURCE_EXHAUSTED when that would pass max_shard_bytes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

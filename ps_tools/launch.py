@@ -67,8 +67,14 @@ from ps_common.errors import LaunchError, ProcessStartError, PSError
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.process import ChildProcess, Output
 from ps_server.cli import READY_PREFIX, server_config
+from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
+from ps_models.datasets import Dataset
 from worker_client.cli import prepare_worker
+from worker_client.engine.load import load_model
 from worker_client.engine.session import placement
+from worker_client.pipeline.cut import plan_stages, write_stages
+from worker_client.pipeline.evaluate import evaluate_pipeline
+from worker_client.pipeline.worker import auto_micro_batches
 from worker_client.tensorboard import ScalarWriter, eval_scalars, progress_scalars, require_writer
 from worker_client.training import format_event
 
@@ -341,6 +347,10 @@ class Launcher:
         self.deadline = self.started + config.launch.timeout
         self._scratch = tempfile.TemporaryDirectory(prefix="ps-launch-")
         self.model_path: Path | None = None
+        self.dataset: Dataset | None = None
+        self.stage_plan: Path | None = None      # pipeline jobs: the stage models and stages.json
+        self.rendezvous: Path | None = None      # ... where the stage workers find each other
+        self.evaluation: dict[str, Any] | None = None   # ... the launcher's evaluation of the whole model
         self.tensorboard: ScalarWriter | None = None
         self._tb_written_at = 0.0
         self._tb_step = -1
@@ -354,11 +364,29 @@ class Launcher:
         the CPU: the device itself is each worker's to check.
         """
         c = self.config
-        self.model_path = prepare_worker(c, Path(self._scratch.name), device="cpu").model_path
+        prepared = prepare_worker(c, Path(self._scratch.name), device="cpu")
+        self.model_path = prepared.model_path
+        self.dataset = prepared.dataset
         placement(c.worker.device)   # the workers' device: DeviceUnavailableError naming what to install
+        if c.job.stages > 1:   # cut once; every stage worker reads only its own stage's model
+            model = load_model(self.model_path)
+            plan = plan_stages(model, c.job.stages, cuts=c.job.cuts, loss=c.worker.loss, include=c.worker.include,
+                               exclude=c.worker.exclude, source=str(self.model_path))
+            self.stage_plan = Path(self._scratch.name) / "stages"
+            write_stages(model, plan, self.stage_plan)
+            self.rendezvous = Path(self._scratch.name) / "rendezvous"
+            self.rendezvous.mkdir()
+            micro = c.job.micro_batches or auto_micro_batches(c.worker.batch_size)
+            if c.worker.batch_size % micro:
+                raise JobConfigError(f"Invalid [job] micro_batches (--micro-batches): {micro}: batch_size "
+                                     f"{c.worker.batch_size} does not split into {micro} equal micro-batches")
+            self._say(f"pipeline: {plan.count} stages, cut after "
+                      + ", ".join(repr(s.sends) for s in plan.stages[:-1])
+                      + "; cost shares " + ", ".join(f"{x:.2f}" for x in plan.costs), stages=plan.count,
+                      cuts=[s.sends for s in plan.stages[:-1]], costs=plan.costs)
         base = c.server.metrics_port
         if base:
-            for i in range(c.job.shards):
+            for i in range(c.job.shards * c.job.stages):
                 check_port_free(base + i, f"shard {i}'s metrics endpoint (--metrics-port {base} + {i})")
         if c.worker.tensorboard:
             require_writer()
@@ -387,17 +415,21 @@ class Launcher:
         """Every child logs JSON lines (parsed here) at the level the launcher shows."""
         return ["--log-json", "--log-level", self.level]
 
-    def shard_argv(self, index: int) -> list[str]:
+    def shard_argv(self, index: int, stage: int | None = None) -> list[str]:
+        """A shard's command line; a pipeline job's stage `stage` has shards of its own (their own checkpoint
+        folders and metrics ports: the stage's shards come after the earlier stages')."""
         c = self.config
+        number = index if stage is None else stage * c.job.shards + index
         skip = ("server.shard_index", "server.host", "server.port", "server.metrics_port", "server.checkpoint_dir",
                 "job.stop_with_parent", "job.log_json", "job.log_level")
         argv = process.python_module_argv(
             "ps_server", *jobconfig.to_argv(c, scope="server", skip=skip), *self._logging_flags(),
             "--shard-index", str(index), "--host", "127.0.0.1", "--port", "0", "--stop-with-parent")
         if c.server.checkpoint_dir is not None:   # a checkpoint folder belongs to one shard
-            argv += ["--checkpoint-dir", str(Path(c.server.checkpoint_dir) / f"shard{index}")]
-        if c.server.metrics_port is not None:   # one port each: the base plus the shard index (0: any)
-            argv += ["--metrics-port", str(c.server.metrics_port + index if c.server.metrics_port else 0)]
+            folder = Path(c.server.checkpoint_dir) if stage is None else Path(c.server.checkpoint_dir) / f"stage{stage}"
+            argv += ["--checkpoint-dir", str(folder / f"shard{index}")]
+        if c.server.metrics_port is not None:   # one port each: the base plus the shard's number (0: any)
+            argv += ["--metrics-port", str(c.server.metrics_port + number if c.server.metrics_port else 0)]
         return argv
 
     def worker_argv(self, index: int, addresses: list[str], model_path: str) -> list[str]:
@@ -405,7 +437,8 @@ class Launcher:
         skip = ("worker.index", "worker.worker_id", "worker.servers", "worker.events", "worker.model",
                 "job.stop_with_parent", "worker.intra_op_threads", "job.log_json", "job.log_level",
                 "worker.tensorboard", "worker.tensorboard_every_worker")
-        threads = c.worker.intra_op_threads or max(1, (os.cpu_count() or 1) // max(1, c.job.workers or 1))
+        processes = (c.job.workers or 1) * c.job.stages
+        threads = c.worker.intra_op_threads or max(1, (os.cpu_count() or 1) // processes)
         argv = process.python_module_argv(
             "worker_client", *jobconfig.to_argv(c, scope="worker", skip=skip), *self._logging_flags(),
             "--model", model_path, "--worker-index", str(index), "--servers", ",".join(addresses),
@@ -413,6 +446,13 @@ class Launcher:
         if c.worker.tensorboard and c.worker.tensorboard_every_worker:   # DIR/worker<i>; the job's scalars in DIR
             argv += ["--tensorboard", c.worker.tensorboard, "--tensorboard-every-worker"]
         return argv
+
+    def stage_argv(self, replica: int, stage: int, addresses: list[str]) -> list[str]:
+        """Stage `stage` of replica `replica`: its own stage model, its stage's shards, the rendezvous folder."""
+        assert self.stage_plan is not None and self.rendezvous is not None and self.model_path is not None
+        argv = self.worker_argv(replica, addresses, str(self.model_path))
+        return argv + ["--stage", str(stage), "--stage-plan", str(self.stage_plan),
+                       "--stage-rendezvous", str(self.rendezvous), "--worker-id", f"replica{replica}-stage{stage}"]
 
     # ------------------------------------------------------------------ output
 
@@ -571,8 +611,15 @@ class Launcher:
     # ------------------------------------------------------------------ phases
 
     def start_shards(self) -> list[str]:
-        """Starts every shard and waits for all READY lines (at most --ready-timeout); their addresses in order."""
-        shards = [self._start(f"shard{i}", "shard", i, self.shard_argv(i)) for i in range(self.config.job.shards)]
+        """Starts every shard and waits for all READY lines (at most --ready-timeout); their addresses in order.
+
+        A pipeline job's stages each have `shards` shards: the addresses are stage by stage."""
+        c = self.config
+        if c.job.stages > 1:
+            shards = [self._start(f"stage{k}-shard{i}", "shard", k * c.job.shards + i, self.shard_argv(i, k))
+                      for k in range(c.job.stages) for i in range(c.job.shards)]
+        else:
+            shards = [self._start(f"shard{i}", "shard", i, self.shard_argv(i)) for i in range(c.job.shards)]
         ready_deadline = time.monotonic() + self.config.launch.ready_timeout
         while any(s.ready is None for s in shards):
             self._pump_once(READY_POLL_INTERVAL)
@@ -592,8 +639,14 @@ class Launcher:
     def run_workers(self, addresses: list[str]) -> None:
         """Starts every worker and waits until all finished with a result (or one fails, or the timeout)."""
         assert self.model_path is not None, "prepare() first"
-        workers = [self._start(f"worker{i}", "worker", i, self.worker_argv(i, addresses, str(self.model_path)))
-                   for i in range(self.config.job.workers or 1)]
+        c = self.config
+        if c.job.stages > 1:   # replica r's stage k trains against stage k's shards
+            groups = [addresses[k * c.job.shards:(k + 1) * c.job.shards] for k in range(c.job.stages)]
+            workers = [self._start(f"replica{r}-stage{k}", "worker", r, self.stage_argv(r, k, groups[k]))
+                       for r in range(c.job.workers or 1) for k in range(c.job.stages)]
+        else:
+            workers = [self._start(f"worker{i}", "worker", i, self.worker_argv(i, addresses, str(self.model_path)))
+                       for i in range(c.job.workers or 1)]
         while True:
             self._pump_once(RUN_POLL_INTERVAL)
             self._check_children()
@@ -609,6 +662,23 @@ class Launcher:
         self.display.progress(p, force=True)
         if p is not None and self.tensorboard is not None and p.unit == "step":
             self.tensorboard.scalars(p.done, progress_scalars(p.fields()))
+        if c.job.stages > 1:
+            self.evaluate_pipeline(addresses)
+
+    def evaluate_pipeline(self, addresses: list[str]) -> None:
+        """The whole model's test metrics at the stages' final parameters (no stage worker holds them all)."""
+        c = self.config
+        assert self.model_path is not None and self.dataset is not None
+        groups = [addresses[k * c.job.shards:(k + 1) * c.job.shards] for k in range(c.job.stages)]
+        credentials, metadata = client_security(c.worker.tls_ca, c.worker.tls_cert, c.worker.tls_key,
+                                                token_from(c.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
+        try:
+            self.evaluation = evaluate_pipeline(self.model_path, groups, self.dataset, timeout=c.job.wait_timeout,
+                                                channel_credentials=credentials, call_metadata=metadata)
+        except (PSError, ValueError) as exc:
+            raise LaunchError(f"evaluating the pipeline's final parameters failed: {exc}") from exc
+        self._say(f"evaluated the whole model at the stages' final parameters: test accuracy "
+                  f"{_fmt(self.evaluation.get('test_accuracy'), '.4f')}", **self.evaluation)
 
     def stop_all(self) -> None:
         """Stops every child still running, workers first: SIGTERM, then SIGKILL after --stop-timeout (by PID)."""
@@ -634,7 +704,10 @@ class Launcher:
         """The job's result: the fields of the final JSON line."""
         c = self.config
         results = [w.result for w in self.children if w.role == "worker" and w.result]
-        chief = next((r for r in results if r.get("worker") == 0), results[0] if results else {})
+        chief = next((r for r in results if r.get("worker") == 0 and r.get("stage", 0) == 0),
+                     results[0] if results else {})
+        if self.evaluation is not None:   # a pipeline job: the launcher evaluated the whole model
+            chief = {**chief, **self.evaluation}
         samples = sum(r["samples"] for r in results)
         train_seconds = max((r["seconds"] for r in results), default=0.0)
         return {
@@ -653,6 +726,25 @@ class Launcher:
             "model": c.worker.model, "data": c.worker.data,
             "record": str(Path(c.launch.record).resolve()) if c.launch.record else None,
             "tensorboard": str(Path(c.worker.tensorboard).resolve()) if c.worker.tensorboard else None,
+            "stages": c.job.stages, **self._pipeline_summary(results),
+        }
+
+    def _pipeline_summary(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """A pipeline job's per-stage figures: micro-batches, parameter bytes, peak memory, abandoned steps."""
+        if self.config.job.stages <= 1:
+            return {}
+        by_stage: dict[int, list[dict[str, Any]]] = {}
+        for r in results:
+            by_stage.setdefault(int(r.get("stage", 0)), []).append(r)
+        stages = range(self.config.job.stages)
+        return {
+            "micro_batches": next((r.get("micro_batches") for r in results), None),
+            "shard_processes": self.config.job.shards * self.config.job.stages,
+            "stage_parameter_bytes": [max((r.get("parameter_bytes", 0) for r in by_stage.get(k, [])), default=None)
+                                      for k in stages],
+            "stage_peak_rss_mb": [max((r.get("peak_rss_mb", 0) for r in by_stage.get(k, [])), default=None)
+                                  for k in stages],
+            "abandoned_steps": sum(r.get("abandoned_steps", 0) for r in results),
         }
 
     def run(self) -> int:

@@ -536,8 +536,13 @@ class Trainer:
             "bytes_pulled_per_step": round((client.bytes_pulled - tally.bytes_pulled) / max(1, tally.iterations), 1),
             "bytes_pushed_per_step": round((client.bytes_pushed - tally.bytes_pushed) / max(1, tally.iterations), 1),
             "unique_rows_per_step": round(tally.rows / max(1, tally.iterations), 1)}
+        result.update(self._result_extras(result))
         self.report("done", result)
         return result
+
+    def _result_extras(self, result: Mapping[str, Any]) -> dict[str, Any]:
+        """Fields a kind of worker adds to (or changes in) its result before it is reported (none here)."""
+        return {}
 
     def _done(self, tally: _Tally) -> bool:
         """True once the shards reached `steps` or this worker finished its `epochs`."""

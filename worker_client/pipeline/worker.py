@@ -133,16 +133,14 @@ class StageTrainer(Trainer):
                         *, final: bool = False) -> dict[str, Any] | None:
         return None
 
-    def run(self) -> dict[str, Any]:
-        result = super().run()
-        result.update({"stage": self.stage, "stages": self.stages, "micro_batches": self.micro_batches,
-                       "abandoned_steps": self.abandoned, "parameters": len(self.runner.trainable_names),
-                       "parameter_bytes": int(sum(v.nbytes for v in self.runner.parameters().values())),
-                       "peak_rss_mb": round(peak_rss_mb(), 1)})
-        if self.stage > 0:
-            result["samples"] = 0   # a batch is counted once: by stage 0
-            result["samples_per_second"] = 0.0
-        return result
+    def _result_extras(self, result: Mapping[str, Any]) -> dict[str, Any]:
+        extras = {"stage": self.stage, "stages": self.stages, "micro_batches": self.micro_batches,
+                  "abandoned_steps": self.abandoned, "parameters": len(self.runner.trainable_names),
+                  "parameter_bytes": int(sum(v.nbytes for v in self.runner.parameters().values())),
+                  "peak_rss_mb": round(peak_rss_mb(), 1)}
+        if self.stage > 0:   # a batch is counted once: by stage 0
+            extras.update(samples=0, samples_per_second=0.0)
+        return extras
 
     # ------------------------------------------------------------------ the loop
 

@@ -178,6 +178,21 @@ def build_mlp(input_dim: int = 64, hidden: Sequence[int] = (128, 64), num_classe
                              "hidden": list(hidden), "num_classes": num_classes})
 
 
+def build_deep_mlp(input_dim: int = 64, width: int = 256, depth: int = 8, num_classes: int = 10,
+                   *, seed: int = 0) -> onnx.ModelProto:
+    """`build_mlp` with `depth` hidden layers of `width` units: the model pipeline stages are
+    shown and measured on (many layers of one size cut anywhere into balanced stages).
+    Parameters and input are as build_mlp's; the metadata says model "deep_mlp"."""
+    _positive(width=width, depth=depth)
+    model = build_mlp(input_dim, (width,) * depth, num_classes, seed=seed)
+    model.graph.name = "deep_mlp"
+    for prop in model.metadata_props:
+        if prop.key == "model":
+            prop.value = "deep_mlp"
+    model.metadata_props.add(key="depth", value=str(depth))
+    return model
+
+
 def build_lenet(input_shape: Sequence[int] = (1, 8, 8), num_classes: int = 10, *,
                 channels: Sequence[int] = (8, 16), fc_hidden: int = 64,
                 seed: int = 0) -> onnx.ModelProto:
@@ -315,12 +330,13 @@ def build_tiny_transformer(seq_len: int = 8, vocab: int = 1000, d_model: int = 3
 #: The bundled models by name.
 BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
     "mlp": build_mlp,
+    "deep_mlp": build_deep_mlp,
     "lenet": build_lenet,
     "embedding": build_embedding_model,
     "transformer": build_tiny_transformer,
 }
 
-_INPUT_NAMES = {"mlp": "x", "lenet": "x", "embedding": "ids", "transformer": "ids"}
+_INPUT_NAMES = {"mlp": "x", "deep_mlp": "x", "lenet": "x", "embedding": "ids", "transformer": "ids"}
 
 
 def input_name_of(name: str) -> str:

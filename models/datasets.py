@@ -386,9 +386,9 @@ def reshape_for(dataset: Dataset, model: str) -> Dataset:
     images (an `image_shape`). embedding/transformer: int64 ids (n, bag) fed to "ids".
     """
     ds = dataset
-    if model == "mlp":
+    if model in ("mlp", "deep_mlp"):
         if ds.x_train.dtype.kind != "f":
-            raise DatasetError(f"dataset {ds.name!r} holds integer ids; model 'mlp' needs "
+            raise DatasetError(f"dataset {ds.name!r} holds integer ids; model {model!r} needs "
                                f"float features")
         return dataclasses.replace(ds, x_train=ds.x_train.reshape(ds.num_train, -1),
                                    x_test=ds.x_test.reshape(ds.num_test, -1), input_name="x")
@@ -408,7 +408,7 @@ def reshape_for(dataset: Dataset, model: str) -> Dataset:
                                f"{ds.x_train.dtype}) is not int64 ids of shape (n, bag); "
                                f"model {model!r} needs those")
         return dataclasses.replace(ds, input_name="ids")
-    raise DatasetError(f"unknown model {model!r}; expected one of mlp, lenet, embedding, "
+    raise DatasetError(f"unknown model {model!r}; expected one of mlp, deep_mlp, lenet, embedding, "
                        f"transformer")
 
 

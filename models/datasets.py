@@ -7,8 +7,9 @@ Dataset specs accepted by `load_dataset`:
   stratified 80/20 split (1438 train, 359 test). Nothing is downloaded.
 * ``"synthetic:<kind>[?key=value&...]"`` -- generated from ``seed``; kinds and keys:
   ``classification`` (n, features, classes, noise, test), ``regression`` (n, features,
-  outputs, noise, test) and ``ids`` (n, vocab, bag, classes, signal, test). E.g.
-  ``"synthetic:classification?n=2000&features=64&classes=10"``.
+  outputs, noise, test), ``ids`` (n, vocab, bag, classes, signal, test) and ``clicks``
+  (n, fields, vocab, rank, signal, skew, test: click labels from a factorization machine,
+  see `click_logits`). E.g. ``"synthetic:classification?n=2000&features=64&classes=10"``.
 * a path to a ``.npz`` file in the format below.
 
 The .npz format (also in docs/data-format.md):
@@ -49,6 +50,7 @@ __all__ = [
     "DatasetError",
     "iterate_batches",
     "load_dataset",
+    "click_logits",
     "load_npz",
     "num_batches",
     "reshape_for",
@@ -271,6 +273,8 @@ _SYNTHETIC: dict[str, dict[str, tuple[type, float | int]]] = {
                    "noise": (float, 0.1), "test": (float, 0.2)},
     "ids": {"n": (int, 2000), "vocab": (int, 1000), "bag": (int, 8), "classes": (int, 2),
             "signal": (float, 0.7), "test": (float, 0.2), "hot": (int, 0)},
+    "clicks": {"n": (int, 50000), "fields": (int, 10), "vocab": (int, 1000), "rank": (int, 4),
+               "signal": (float, 2.0), "skew": (float, 1.3), "test": (float, 0.2)},
 }
 
 
@@ -315,7 +319,7 @@ def _check_synthetic(spec: str, kind: str, p: dict[str, float | int]) -> None:
     n_test = round(p["n"] * p["test"])
     if p["n"] < 2 or n_test < 1 or n_test >= p["n"]:
         raise fail(f"n={p['n']} with test={p['test']} leaves an empty train or test split")
-    for key in ("features", "outputs", "vocab", "bag"):
+    for key in ("features", "outputs", "vocab", "bag", "fields", "rank"):
         if key in p and p[key] < 1:
             raise fail(f"{key}={p[key]} must be at least 1")
     if "classes" in p and p["classes"] < 2:
@@ -329,6 +333,11 @@ def _check_synthetic(spec: str, kind: str, p: dict[str, float | int]) -> None:
             raise fail(f"hot={p['hot']} must be 0 (every id) or in [classes={p['classes']}, vocab={p['vocab']}]")
         if p["vocab"] < p["classes"]:
             raise fail(f"vocab={p['vocab']} is smaller than classes={p['classes']}")
+    if kind == "clicks":
+        if p["fields"] < 2:
+            raise fail(f"fields={p['fields']} must be at least 2 (the signal is pairwise)")
+        if p["signal"] < 0 or p["skew"] < 0:
+            raise fail(f"signal={p['signal']} and skew={p['skew']} must be >= 0")
 
 
 def _synthetic(spec: str, *, seed: int) -> Dataset:
@@ -349,6 +358,9 @@ def _synthetic(spec: str, *, seed: int) -> Dataset:
         x64 = rng.normal(size=(n, features))
         y = (x64 @ weights + p["noise"] * rng.normal(size=(n, outputs))).astype(np.float32)
         x = x64.astype(np.float32)
+    elif kind == "clicks":
+        x, y, _ = _clicks(p, rng)
+        input_name, num_classes = "ids", 2
     elif p["hot"]:  # ids drawn from `hot` ids spread over [0, vocab): a huge table, a learnable signal
         vocab, bag, classes, hot = int(p["vocab"]), int(p["bag"]), int(p["classes"]), int(p["hot"])
         pool = np.sort(rng.choice(vocab, size=hot, replace=False)).astype(np.int64)
@@ -375,6 +387,47 @@ def _synthetic(spec: str, *, seed: int) -> Dataset:
     cut = n - n_test
     return Dataset(name=spec, x_train=x[:cut], y_train=y[:cut], x_test=x[cut:],
                    y_test=y[cut:], input_name=input_name, num_classes=num_classes)
+
+
+def _clicks(p: dict[str, float | int], rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, labels, true logits) of synthetic:clicks; the draws `click_logits` documents, in that order."""
+    n, fields, vocab, rank = int(p["n"]), int(p["fields"]), int(p["vocab"]), int(p["rank"])
+    signal, pairs = float(p["signal"]), fields * (fields - 1) // 2
+    popularity = np.arange(1, vocab + 1, dtype=np.float64) ** -float(p["skew"])
+    popularity /= popularity.sum()
+    # field f's id of popularity rank r is f * vocab + order[f, r]: the popular ids spread over the field's range
+    order = np.stack([rng.permutation(vocab) for _ in range(fields)])
+    x = np.stack([f * vocab + order[f, rng.choice(vocab, size=n, p=popularity)] for f in range(fields)],
+                 axis=1).astype(np.int64)
+    linear = rng.normal(0.0, signal / 2 / math.sqrt(fields), size=fields * vocab)
+    factors = rng.normal(0.0, (signal ** 2 / (pairs * rank)) ** 0.25, size=(fields * vocab, rank))
+    v = factors[x]                                           # (n, fields, rank)
+    pairwise = 0.5 * ((v.sum(axis=1) ** 2) - (v ** 2).sum(axis=1)).sum(axis=1)
+    logits = linear[x].sum(axis=1) + pairwise
+    y = (rng.random(n) < 1.0 / (1.0 + np.exp(-logits))).astype(np.int64)
+    return x, y, logits
+
+
+def click_logits(spec: str, *, seed: int = 0) -> np.ndarray:
+    """The true logits of every example of a ``synthetic:clicks`` spec, train rows then test rows.
+
+    The data: ``fields`` categorical fields, each with its own ``vocab`` ids; field f's ids
+    are the global ids ``[f * vocab, (f + 1) * vocab)``, so one table of ``fields * vocab``
+    rows serves every field and the model input is the (n, fields) int64 ``ids`` with no
+    offsets computed in the graph. Each field's ids are drawn with Zipf popularity
+    ``rank ** -skew`` (the popular ids scattered over the field's range). The label is 1 with
+    probability ``sigmoid(logit)``, where the logit is a factorization machine's:
+    ``sum_f w[id_f] + sum_{f<g} <v[id_f], v[id_g]>``, with ``w ~ N(0, signal^2 / (4 fields))``
+    (the first-order part has standard deviation ``signal / 2``) and ``v`` of width
+    ``rank`` with entries ``N(0, s^2)``, ``s^4 = signal^2 / (rank * fields (fields - 1) / 2)``
+    (the pairwise part has standard deviation ``signal``). No bias: about half the labels
+    are 1. These logits rank the examples as well as anything can: their AUC against the
+    labels is the data's Bayes AUC (docs/models.md, "Recommendation example").
+    """
+    kind, p = _parse_synthetic(spec)
+    if kind != "clicks":
+        raise DatasetError(f"dataset spec {spec!r}: click_logits needs synthetic:clicks, got synthetic:{kind}")
+    return _clicks(p, np.random.default_rng(seed))[2]
 
 
 # --- layouts ------------------------------------------------------------------------------

@@ -56,8 +56,14 @@ def check_fit(engine: GradientEngine, dataset: Dataset, *, model: str, data: str
     model's classes; targets of the model's output width for mse), and the batch size
     against the smallest worker share.
     """
-    dims = engine.feed_dims()
-    inputs = [n for n in engine.input_names if n in dims]
+    dims = dict(engine.feed_dims())
+    # a sparse table's Gathers read positions inputs shaped like the model's own index input (engine/sparse.py):
+    # the data feeds that index input, which the session may not take at all (sparse.dropped_inputs)
+    for table in engine.sparse.tables.values():
+        for index, positions in table.positions.items():
+            if positions in dims:
+                dims.setdefault(index, dims.pop(positions))
+    inputs = [n for n in [*engine.input_names, *engine.sparse.dropped_inputs] if n in dims]
     name = inputs[0] if len(inputs) == 1 else dataset.input_name
     if name not in dims:
         raise DatasetError(f"data {data} feeds the model input {dataset.input_name!r}, but model {model} takes "

@@ -10,8 +10,9 @@ import pytest
 
 import ps_models
 from ps_models.data.make_digits import stratified_split
-from ps_models.datasets import (DIGITS_PATH, Dataset, DatasetError, iterate_batches, load_dataset,
-                             load_npz, num_batches, reshape_for, worker_shard)
+from ps_models.datasets import (DIGITS_PATH, Dataset, DatasetError, click_logits, iterate_batches,
+                             load_dataset, load_npz, num_batches, reshape_for, worker_shard)
+from worker_client.training import binary_auc
 
 
 def _rows(x: np.ndarray) -> set[bytes]:
@@ -126,8 +127,52 @@ def test_synthetic_ids_carry_a_learnable_signal() -> None:
     assert (predicted == (ds.y_test == 1)).mean() > 0.9
 
 
+def test_synthetic_clicks_give_each_field_its_own_range_of_global_ids() -> None:
+    ds = load_dataset("synthetic:clicks?n=2000&fields=5&vocab=30")
+    assert ds.x_train.shape == (1600, 5) and ds.x_train.dtype == np.int64
+    assert ds.input_name == "ids" and ds.num_classes == 2
+    x = np.concatenate([ds.x_train, ds.x_test])
+    for f in range(5):
+        assert x[:, f].min() >= f * 30 and x[:, f].max() < (f + 1) * 30
+
+
+def test_synthetic_click_ids_follow_the_zipf_popularity() -> None:
+    ds = load_dataset("synthetic:clicks?n=20000&fields=2&vocab=1000&skew=1.3")
+    counts = np.sort(np.bincount(ds.x_train[:, 0], minlength=1000))[::-1]
+    top = 1 / (np.arange(1, 1001) ** -1.3).sum()      # the most popular id's probability
+    assert counts[0] / len(ds.x_train) == pytest.approx(top, rel=0.05)
+    assert counts[0] > 20 * counts[100]                   # rank 101 is (101)^1.3 ~ 400x rarer
+
+
+def test_synthetic_click_labels_follow_their_true_logits_whose_auc_is_the_bayes_auc() -> None:
+    """The documented defaults: the true factorization machine ranks the test split at AUC 0.875."""
+    ds = load_dataset("synthetic:clicks")
+    logits = click_logits("synthetic:clicks")
+    assert logits.shape == (ds.num_train + ds.num_test,)
+    y = np.concatenate([ds.y_train, ds.y_test])
+    # calibrated: the click rate in each decile of the true logit is the mean sigmoid there
+    order = np.argsort(logits)
+    for chunk in np.array_split(order, 10):
+        assert y[chunk].mean() == pytest.approx((1 / (1 + np.exp(-logits[chunk]))).mean(), abs=0.03)
+    bayes = binary_auc(logits[ds.num_train:], ds.y_test)
+    assert bayes == pytest.approx(0.875, abs=0.001)
+
+
+def test_synthetic_clicks_have_a_pairwise_signal_that_first_order_rates_miss() -> None:
+    """Per-id click rates (the best a first-order model learns) rank the test split well below the true logits."""
+    spec = "synthetic:clicks?n=40000&fields=4&vocab=20&skew=0"
+    ds = load_dataset(spec)
+    logits = click_logits(spec)
+    rates = np.zeros(80)
+    np.add.at(rates, ds.x_train, ds.y_train[:, None])
+    rates /= np.maximum(np.bincount(ds.x_train.ravel(), minlength=80), 1)
+    first_order = binary_auc(np.log(rates / (1 - rates))[ds.x_test].sum(1), ds.y_test)
+    bayes = binary_auc(logits[ds.num_train:], ds.y_test)
+    assert bayes > first_order + 0.05, (bayes, first_order)
+
+
 @pytest.mark.parametrize("spec", ["synthetic:classification?n=300", "synthetic:regression",
-                                  "synthetic:ids?n=200"])
+                                  "synthetic:ids?n=200", "synthetic:clicks?n=500"])
 def test_synthetic_data_is_a_function_of_the_seed(spec: str) -> None:
     same = load_dataset(spec, seed=4), load_dataset(spec, seed=4)
     other = load_dataset(spec, seed=5)
@@ -148,6 +193,8 @@ def test_synthetic_data_is_a_function_of_the_seed(spec: str) -> None:
     ("synthetic:ids?vocab=2&classes=3", ["vocab=2", "classes=3"]),
     ("synthetic:ids?signal=2", ["signal=2.0"]),
     ("synthetic:regression?noise=nan", ["noise='nan'"]),
+    ("synthetic:clicks?fields=1", ["fields=1", "pairwise"]),
+    ("synthetic:clicks?skew=-1", ["skew=-1.0"]),
     ("mnist", ["unknown dataset spec 'mnist'", "digits", "synthetic:"]),
     ("missing/file.npz", ["'missing/file.npz'", "no file at"]),
 ])

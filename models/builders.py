@@ -178,7 +178,7 @@ def build_mlp(input_dim: int = 64, hidden: Sequence[int] = (128, 64), num_classe
                              "hidden": list(hidden), "num_classes": num_classes})
 
 
-def build_deep_mlp(input_dim: int = 64, width: int = 256, depth: int = 8, num_classes: int = 10,
+def build_deep_mlp(input_dim: int = 64, width: int = 128, depth: int = 6, num_classes: int = 10,
                    *, seed: int = 0) -> onnx.ModelProto:
     """`build_mlp` with `depth` hidden layers of `width` units: the model pipeline stages are
     shown and measured on (many layers of one size cut anywhere into balanced stages).

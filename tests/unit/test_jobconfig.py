@@ -269,3 +269,46 @@ def test_trainable_patterns_and_the_expected_count_come_from_the_job_file_and_fl
     child = jobconfig.to_argv(config, scope="worker")
     assert child[child.index("--include") + 1] == "*,log_temp"
     assert child[child.index("--expect-parameters") + 1] == "4"
+
+
+PIPELINE_CLUSTER = {"ps": ["ps0:2222", "ps1:2222", "ps2:2222", "ps3:2222"],
+                    "worker": ["w0:3333", "w1:3333", "w2:3333", "w3:3333", "w4:3333", "w5:3333"]}
+
+
+def _pipeline_tf(task: dict) -> dict[str, str]:
+    return {"TF_CONFIG": json.dumps({"cluster": PIPELINE_CLUSTER, "task": task})}
+
+
+def test_tf_config_places_a_pipeline_stage_worker_next_to_its_replica_and_its_stage_shards() -> None:
+    # 2 stages: ps0, ps1 are stage 0's shards, ps2, ps3 stage 1's; workers replica by replica
+    config = load(["--stages", "2"], scope="worker", env=_pipeline_tf({"type": "worker", "index": 1, "stage": 1}))
+    assert (config.worker.index, config.worker.stage, config.job.workers) == (1, 1, 3)
+    assert config.worker.servers == ["ps2:2222", "ps3:2222"] and config.job.shards == 2
+    assert config.worker.stage_listen == "0.0.0.0:3333"
+    assert config.worker.stage_peers == ["w2:3333", "-"]
+    first = load(["--stages", "2"], scope="worker", env=_pipeline_tf({"type": "worker", "index": 2, "stage": 0}))
+    assert first.worker.stage_peers == ["-", "w5:3333"] and first.worker.servers == ["ps0:2222", "ps1:2222"]
+
+
+def test_tf_config_makes_a_pipeline_ps_task_a_shard_of_its_stage() -> None:
+    config = load(["--stages", "2"], scope="server", env=_pipeline_tf({"type": "ps", "index": 3}))
+    assert (config.server.shard_index, config.job.shards) == (1, 2)
+
+
+@pytest.mark.parametrize("task,stages,match", [
+    ({"type": "worker", "index": 0}, 2, "task has no \"stage\""),
+    ({"type": "worker", "index": 0, "stage": 1}, 3, "not a multiple of stages = 3"),
+    ({"type": "worker", "index": 0, "stage": -1}, 2, "task.stage must be an integer >= 0"),
+])
+def test_a_pipeline_tf_config_that_does_not_fit_says_why(task: dict, stages: int, match: str) -> None:
+    with pytest.raises(JobConfigError, match=match):
+        load(["--stages", str(stages)], scope="worker", env=_pipeline_tf(task))
+
+
+def test_pipeline_settings_are_checked_against_each_other() -> None:
+    with pytest.raises(JobConfigError, match="3 stages need 2 cuts"):
+        load(["--stages", "3", "--cuts", "a", "--servers", "h:1"], scope="worker")
+    with pytest.raises(JobConfigError, match="must be < stages"):
+        load(["--stages", "2", "--stage", "2", "--servers", "h:1"], scope="worker")
+    with pytest.raises(JobConfigError, match="do not train sparse tables"):
+        load(["--stages", "2", "--sparse-min-rows", "10"], scope="launch")

@@ -1,0 +1,76 @@
+"""End to end: ps-launch --stages K --workers R trains like data-parallel training.
+
+In sync mode a pipeline step's gradients equal the whole model's on the same batch, and
+replica r reads the same share of the data as data-parallel worker r: the two jobs follow
+the same trajectory up to float rounding, so their test accuracies agree within a point.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ps_common.process import python_module_argv
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+JOB_TIMEOUT = 150
+#: (model, data, steps, accuracy floor): every bundled model, and the deep MLP.
+MODELS = [
+    ("mlp", "digits", 200, 0.93),
+    ("deep_mlp", "digits", 200, 0.90),
+    ("lenet", "digits", 200, 0.80),
+    ("transformer", "synthetic:ids?n=1200&vocab=100&bag=8&classes=2", 150, 0.75),
+    ("embedding", "synthetic:ids?n=1200&vocab=100&bag=8&classes=2", 150, 0.75),
+]
+
+
+def launch(tmp_path: Path, name: str, *flags: str) -> dict[str, Any]:
+    record = tmp_path / name
+    argv = python_module_argv("ps_tools.launch", "--optimizer", "momentum", "--lr", "0.05", "--batch-size", "32",
+                              "--eval-every", "0", "--log-level", "WARNING", "--timeout", str(JOB_TIMEOUT),
+                              "--record", str(record), *flags)
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=JOB_TIMEOUT + 30)
+    assert done.returncode == 0, f"ps-launch exited {done.returncode}:\n{done.stderr[-4000:]}"
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    run = json.loads((record / "run.json").read_text())
+    assert run["summary"] == summary
+    assert all(p["exit_code"] == 0 for p in run["processes"]), run["processes"]
+    return summary
+
+
+@pytest.mark.parametrize("model,data,steps,floor", MODELS, ids=[m[0] for m in MODELS])
+def test_two_stages_of_two_replicas_reach_the_data_parallel_accuracy(model: str, data: str, steps: int,
+                                                                     floor: float, tmp_path: Path) -> None:
+    common = ["--mode", "sync", "--workers", "2", "--shards", "1", "--model", model, "--data", data,
+              "--steps", str(steps)]
+    parallel = launch(tmp_path, "data-parallel", *common)
+    pipeline = launch(tmp_path, "pipeline", *common, "--stages", "2", "--micro-batches", "2")
+    assert pipeline["stages"] == 2 and parallel["stages"] == 1
+    assert pipeline["steps"] == steps and pipeline["micro_batches"] == 2
+    assert pipeline["shard_processes"] == 2 and pipeline["abandoned_steps"] == 0
+    assert pipeline["test_accuracy"] >= floor, pipeline
+    assert abs(pipeline["test_accuracy"] - parallel["test_accuracy"]) <= 0.01, (pipeline, parallel)
+    # each stage holds its own parameters only: together they are the model's, none holds them all
+    whole = parallel["bytes_pushed_per_step"]
+    assert sum(pipeline["stage_parameter_bytes"]) == pytest.approx(whole, rel=0.01)
+    assert max(pipeline["stage_parameter_bytes"]) < whole
+    assert len(pipeline["stage_peak_rss_mb"]) == 2 and min(pipeline["stage_peak_rss_mb"]) > 0
+
+
+def test_three_stages_from_a_job_file_with_named_cuts(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nmode = "async"\nstages = 3\nworkers = 1\nmicro_batches = 4\n'
+                   'cuts = ["relu2_4", "relu4_8"]\n'
+                   '[worker]\nmodel = "deep_mlp"\ndata = "digits"\nsteps = 150\n')
+    summary = launch(tmp_path, "job-file", "--config", str(job))
+    assert (summary["stages"], summary["micro_batches"], summary["mode"]) == (3, 4, "async")
+    assert summary["test_accuracy"] >= 0.85, summary
+    run = json.loads((tmp_path / "job-file" / "run.json").read_text())
+    stages = sorted(w["stage"] for w in run["workers"])
+    assert stages == [0, 1, 2]

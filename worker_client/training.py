@@ -38,6 +38,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import resource
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -117,6 +119,24 @@ def format_event(event: str, fields: Mapping[str, Any]) -> str:
             text += f"; test accuracy {_num(f['test_accuracy'])}, test loss {_num(f['test_loss'])}"
         return text
     return f"{who} {event}: {json.dumps(dict(f), default=_jsonable)}"
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB.
+
+    Linux: VmHWM of /proc/self/status, the high-water mark of this program's own memory.
+    Not getrusage's ru_maxrss: Linux carries that over fork and exec, so a worker started by
+    a launcher holding a whole model would report the launcher's peak as its own. Elsewhere
+    ru_maxrss (KiB; bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
 def _num(value: float | None) -> str:
@@ -535,7 +555,8 @@ class Trainer:
             "test_auc": final.get("test_auc") if final else None,
             "bytes_pulled_per_step": round((client.bytes_pulled - tally.bytes_pulled) / max(1, tally.iterations), 1),
             "bytes_pushed_per_step": round((client.bytes_pushed - tally.bytes_pushed) / max(1, tally.iterations), 1),
-            "unique_rows_per_step": round(tally.rows / max(1, tally.iterations), 1)}
+            "unique_rows_per_step": round(tally.rows / max(1, tally.iterations), 1),
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
         result.update(self._result_extras(result))
         self.report("done", result)
         return result

@@ -32,8 +32,6 @@ which no stage worker holds: the launcher evaluates the final parameters (evalua
 from __future__ import annotations
 
 import logging
-import resource
-import sys
 import tempfile
 import threading
 import time
@@ -136,8 +134,7 @@ class StageTrainer(Trainer):
     def _result_extras(self, result: Mapping[str, Any]) -> dict[str, Any]:
         extras = {"stage": self.stage, "stages": self.stages, "micro_batches": self.micro_batches,
                   "abandoned_steps": self.abandoned, "parameters": len(self.runner.trainable_names),
-                  "parameter_bytes": int(sum(v.nbytes for v in self.runner.parameters().values())),
-                  "peak_rss_mb": round(peak_rss_mb(), 1)}
+                  "parameter_bytes": int(sum(v.nbytes for v in self.runner.parameters().values()))}
         if self.stage > 0:   # a batch is counted once: by stage 0
             extras.update(samples=0, samples_per_second=0.0)
         return extras
@@ -351,12 +348,6 @@ class StageTrainer(Trainer):
                                     f"{self.plan.wait_timeout:.0f} s (wait_timeout)")
         self._rejoin()
         return self._pull(None)
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory in MiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
 # ---------------------------------------------------------------------- setting a stage worker up

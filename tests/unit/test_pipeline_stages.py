@@ -76,14 +76,20 @@ def test_a_k_stage_pipeline_gives_the_whole_models_gradients(name: str, stages: 
     assert_gradients_match(gradients, reference)
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
-def test_an_exported_torch_model_cut_in_two_matches_torch_autograd(name: str, tmp_path: Path) -> None:
-    data = np.load(FIXTURES / "torch" / f"{name}.npz")
+EXPORTED = [("torch", "mlp"), ("torch", "cnn"), ("torch", "transformer"), ("torch", "gru_reader"),
+            ("torch", "depthwise_separable"), ("torch", "embedding_bag"), ("keras", "keras_cnn"),
+            ("jax", "jax_mlp")]
+
+
+@pytest.mark.parametrize("folder,name", EXPORTED, ids=[n for _, n in EXPORTED])
+def test_an_exported_model_cut_in_two_matches_its_frameworks_autograd(folder: str, name: str,
+                                                                       tmp_path: Path) -> None:
+    data = np.load(FIXTURES / folder / f"{name}.npz")
     feeds = {k[len("input:"):]: data[k] for k in data.files if k.startswith("input:")}
     feeds["labels"] = data["labels"]
     reference = {k[len("grad:"):]: data[k] for k in data.files if k.startswith("grad:")}
-    model = onnx.load(str(FIXTURES / "torch" / f"{name}.onnx"))
-    plan = plan_stages(model, 2)
+    model = onnx.load(str(FIXTURES / folder / f"{name}.onnx"))
+    plan = plan_stages(model, 2, loss=str(data["loss_kind"]))
     paths = write_stages(model, plan, tmp_path)
     batch = len(feeds["labels"])
     pipeline = LocalPipeline(plan, paths, batch_size=batch, micro_batches=2, cache_dir=tmp_path,
@@ -156,3 +162,11 @@ def test_split_batch_needs_equal_micro_batches() -> None:
     assert [list(p["x"]) for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(Exception, match="does not split into 3"):
         split_batch({"x": np.arange(8)}, 3)
+
+
+def test_a_cut_that_hands_on_a_tensor_without_a_batch_axis_is_refused() -> None:
+    # the GRU's initial state is (layers, batch, hidden): axis 0 is not the batch
+    model = onnx.load(str(FIXTURES / "torch" / "gru_reader.onnx"))
+    h0 = next(n.output[0] for n in model.graph.node if n.op_type == "ConstantOfShape")
+    with pytest.raises(CutError, match="axis 0 is not the batch"):
+        plan_stages(model, 2, cuts=[h0])

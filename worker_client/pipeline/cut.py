@@ -139,6 +139,14 @@ def _symbolic_batch(model: onnx.ModelProto) -> onnx.ModelProto:
         return out
 
 
+def _batch_first(value: onnx.ValueInfoProto) -> bool:
+    """Whether an inferred value's axis 0 can be the batch: symbolic (the batch's symbol, or
+    another an op such as a Reshape to -1 gave it), never a fixed length."""
+    shape = value.type.tensor_type.shape
+    return value.type.tensor_type.HasField("shape") and len(shape.dim) > 0 \
+        and not shape.dim[0].HasField("dim_value")
+
+
 def _loss_output(model: onnx.ModelProto, loss: str | None) -> str:
     if loss is not None and loss.startswith("output:"):
         return loss[len("output:"):]
@@ -203,6 +211,10 @@ def plan_stages(model: onnx.ModelProto, count: int, *, cuts: Sequence[str] = (),
                 return name
         return None
 
+    # what may cross a cut: tensors whose axis 0 is the batch (each micro-batch's own rows), as
+    # inferred with a symbolic batch; a stage fixes axis 0 of its inputs to its micro-batch size
+    batch_major = {v.name for v in list(inferred.graph.input) + list(inferred.graph.value_info)
+                   + list(inferred.graph.output) if _batch_first(v)}
     holders = [i for i in range(len(nodes)) if param_cost[i] > 0]
     if cuts:
         positions = [_cut_position(nodes, made_at, name, source) for name in cuts]
@@ -214,6 +226,11 @@ def plan_stages(model: onnx.ModelProto, count: int, *, cuts: Sequence[str] = (),
             if split is not None:
                 raise CutError(f"{source}: a cut at {name!r} splits the readers of parameter "
                                f"{split!r}; cut before its first reader or after its last")
+            odd = [n for n in boundary(c) if n not in batch_major]
+            if odd:
+                raise CutError(f"{source}: the cut at {name!r} would hand {odd} to the next stage, but their "
+                               f"axis 0 is not the batch (or their shape is unknown): a stage takes only "
+                               f"batch-major tensors; cut where only activations cross")
             if c >= made_at[loss_output]:
                 raise CutError(f"{source}: the cut at {name!r} leaves no node that computes "
                                f"the loss's input {loss_output!r} after it")
@@ -221,8 +238,10 @@ def plan_stages(model: onnx.ModelProto, count: int, *, cuts: Sequence[str] = (),
         if len(holders) < count:
             raise CutError(f"{source}: {count} stages need at least {count} layers with "
                            f"parameters, but the model has {len(holders)}")
-        positions = _balanced(cost, count, boundary, splits, holders,
-                              made_at[loss_output])
+        def usable(c: int) -> bool:
+            return splits(c) is None and all(name in batch_major for name in boundary(c))
+
+        positions = _balanced(cost, count, boundary, usable, holders, made_at[loss_output])
     ends = positions + [len(nodes) - 1]
     stages = []
     starts = [0] + [c + 1 for c in positions]
@@ -270,10 +289,11 @@ def _cut_position(nodes: list[onnx.NodeProto], made_at: dict[str, int], name: st
     raise CutError(f"{source}: cut {name!r} is neither a tensor a node makes nor a node's name")
 
 
-def _balanced(cost: list[float], count: int, boundary, splits, holders: list[int],
+def _balanced(cost: list[float], count: int, boundary, usable, holders: list[int],
               loss_node: int) -> list[int]:
-    """K-1 cut positions, each as close as it can be to j/K of the cumulative cost, that
-    split no parameter and leave every stage at least one layer with parameters."""
+    """K-1 cut positions, each as close as it can be to j/K of the cumulative cost, that are
+    `usable` (split no parameter, cross only tensors of known type) and leave every stage at
+    least one layer with parameters."""
     prefix = []
     running = 0.0
     for c in cost:
@@ -287,7 +307,7 @@ def _balanced(cost: list[float], count: int, boundary, splits, holders: list[int
         for c in range(lower, loss_node):
             before = [h for h in holders if (positions[-1] if positions else -1) < h <= c]
             after = [h for h in holders if h > c]
-            if not before or len(after) < count - j or splits(c) is not None:
+            if not before or len(after) < count - j or not usable(c):
                 continue
             crossing = len(boundary(c))
             score = abs(prefix[c] - target) + CROSSING_PENALTY * max(0, crossing - 1)
@@ -295,7 +315,9 @@ def _balanced(cost: list[float], count: int, boundary, splits, holders: list[int
                 best = (score, c)
         if best is None:
             raise CutError(f"no cut for stage {j} of {count}: every position splits a "
-                           f"parameter's readers or leaves a stage without a layer")
+                           f"parameter's readers, crosses a tensor that is not batch-major (or "
+                           f"of unknown shape), or leaves a stage without a layer; name the cuts "
+                           f"(--cuts) or use fewer stages")
         positions.append(best[1])
     return positions
 
@@ -312,7 +334,7 @@ def stage_model(model: onnx.ModelProto, plan: StagePlan, index: int) -> onnx.Mod
     initializers = [t for t in graph.initializer if t.name in reads]
 
     def value(name: str) -> onnx.ValueInfoProto:
-        if name not in known:
+        if name not in known:   # a model input or an inferred value; a cut plan_stages made has every one
             raise CutError(f"the type of {name!r}, which crosses into or out of stage {index}, "
                            f"cannot be inferred; give the model static shapes or cut elsewhere")
         copy = onnx.ValueInfoProto()

@@ -198,6 +198,7 @@ class LocalPipeline:
         self.micro_batches = micro_batches
 
     def parameters(self) -> dict[str, np.ndarray]:
+        """Every stage's initial trainable values (the whole model's parameters)."""
         out: dict[str, np.ndarray] = {}
         for runner in self.runners:
             out.update(runner.parameters())
@@ -205,8 +206,8 @@ class LocalPipeline:
 
     def gradients(self, parameters: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray]
                   ) -> tuple[float, dict[str, np.ndarray]]:
-        own = [{n: parameters[n] for n in r.trainable_names + r.state_names if n in parameters}
-               for r in self.runners]
+        own = [{**r.initial_state(), **{n: parameters[n] for n in r.trainable_names + r.state_names
+                                        if n in parameters}} for r in self.runners]
         for runner in self.runners:
             runner.begin()
         micro = split_batch(inputs, self.micro_batches)

@@ -74,3 +74,18 @@ def test_three_stages_from_a_job_file_with_named_cuts(tmp_path: Path) -> None:
     run = json.loads((tmp_path / "job-file" / "run.json").read_text())
     stages = sorted(w["stage"] for w in run["workers"])
     assert stages == [0, 1, 2]
+
+
+def test_each_stage_worker_peaks_below_the_whole_model_worker(tmp_path: Path) -> None:
+    import onnx
+
+    from ps_models.builders import build_deep_mlp
+
+    model = tmp_path / "deep.onnx"   # 30 MB of parameters: enough to show above a worker's own ~150 MB
+    onnx.save(build_deep_mlp(width=1024, depth=8), str(model))
+    common = ["--mode", "sync", "--workers", "1", "--model", str(model), "--data", "digits", "--steps", "10"]
+    whole = launch(tmp_path, "whole", *common)
+    stages = launch(tmp_path, "stages", *common, "--stages", "2")
+    whole_peak = json.loads((tmp_path / "whole" / "run.json").read_text())["workers"][0]["peak_rss_mb"]
+    assert all(peak < whole_peak for peak in stages["stage_peak_rss_mb"]), (stages["stage_peak_rss_mb"], whole_peak)
+    assert max(stages["stage_parameter_bytes"]) < 0.7 * sum(stages["stage_parameter_bytes"])

@@ -85,7 +85,7 @@ LAUNCH_MISTAKES = {
     # id: (flags, what the one line must say)
     "missing-model": (["--model", "{root}/no-such-model.onnx"],
                       ["Invalid [worker] model (--model)", "no-such-model.onnx", "no such file",
-                       "not a bundled model (embedding, lenet, mlp, transformer)"]),
+                       "not a bundled model (deep_mlp, embedding, lenet, mlp, transformer)"]),
     "truncated-model": (["--model", "{truncated}"],
                         ["the model file {truncated} (3000 bytes) does not parse as an ONNX model",
                          "truncated, corrupt or not an ONNX file"]),

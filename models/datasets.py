@@ -8,8 +8,9 @@ Dataset specs accepted by `load_dataset`:
 * ``"synthetic:<kind>[?key=value&...]"`` -- generated from ``seed``; kinds and keys:
   ``classification`` (n, features, classes, noise, test), ``regression`` (n, features,
   outputs, noise, test), ``ids`` (n, vocab, bag, classes, signal, test) and ``clicks``
-  (n, fields, vocab, rank, signal, skew, test: click labels from a factorization machine,
-  see `click_logits`). E.g. ``"synthetic:classification?n=2000&features=64&classes=10"``.
+  (n, fields, vocab, rank, signal, skew, test, hashed: click labels from a factorization machine,
+  see `click_logits`; ``hashed=1`` turns each id into an int64 key by `hash_ids`).
+  E.g. ``"synthetic:classification?n=2000&features=64&classes=10"``.
 * a path to a ``.npz`` file in the format below.
 
 The .npz format (also in docs/data-format.md):
@@ -51,6 +52,7 @@ __all__ = [
     "iterate_batches",
     "load_dataset",
     "click_logits",
+    "hash_ids",
     "load_npz",
     "num_batches",
     "reshape_for",
@@ -274,7 +276,7 @@ _SYNTHETIC: dict[str, dict[str, tuple[type, float | int]]] = {
     "ids": {"n": (int, 2000), "vocab": (int, 1000), "bag": (int, 8), "classes": (int, 2),
             "signal": (float, 0.7), "test": (float, 0.2), "hot": (int, 0)},
     "clicks": {"n": (int, 50000), "fields": (int, 10), "vocab": (int, 1000), "rank": (int, 4),
-               "signal": (float, 2.0), "skew": (float, 1.3), "test": (float, 0.2)},
+               "signal": (float, 2.0), "skew": (float, 1.3), "test": (float, 0.2), "hashed": (int, 0)},
 }
 
 
@@ -338,6 +340,8 @@ def _check_synthetic(spec: str, kind: str, p: dict[str, float | int]) -> None:
             raise fail(f"fields={p['fields']} must be at least 2 (the signal is pairwise)")
         if p["signal"] < 0 or p["skew"] < 0:
             raise fail(f"signal={p['signal']} and skew={p['skew']} must be >= 0")
+        if p["hashed"] not in (0, 1):
+            raise fail(f"hashed={p['hashed']} must be 0 (row ids) or 1 (hashed int64 keys)")
 
 
 def _synthetic(spec: str, *, seed: int) -> Dataset:
@@ -360,6 +364,8 @@ def _synthetic(spec: str, *, seed: int) -> Dataset:
         x = x64.astype(np.float32)
     elif kind == "clicks":
         x, y, _ = _clicks(p, rng)
+        if p["hashed"]:
+            x = hash_ids(x)
         input_name, num_classes = "ids", 2
     elif p["hot"]:  # ids drawn from `hot` ids spread over [0, vocab): a huge table, a learnable signal
         vocab, bag, classes, hot = int(p["vocab"]), int(p["bag"]), int(p["classes"]), int(p["hot"])
@@ -406,6 +412,28 @@ def _clicks(p: dict[str, float | int], rng: np.random.Generator) -> tuple[np.nda
     logits = linear[x].sum(axis=1) + pairwise
     y = (rng.random(n) < 1.0 / (1.0 + np.exp(-logits))).astype(np.int64)
     return x, y, logits
+
+
+#: The mix of `hash_ids`: splitmix64's finalizer (Steele, Lea and Flood 2014) after adding this salt.
+HASH_SALT = 0x5DEECE66D2B7E151
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def hash_ids(ids: np.ndarray) -> np.ndarray:
+    """Each id mapped to an int64 key spread over the whole int64 range, as a recommender's hashed feature ids.
+
+    ``splitmix64(id + HASH_SALT)`` viewed as int64: a bijection of 64-bit values (distinct ids stay
+    distinct), fixed (no seed), so train and test, and every worker, map an id alike. Used by
+    ``synthetic:clicks?hashed=1``; the keys are far beyond any table's rows, so only a dynamic
+    table (docs/protocol.md, "Dynamic tables") can hold them.
+    """
+    z = np.asarray(ids, dtype=np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(HASH_SALT) + np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+        z = z ^ (z >> np.uint64(31))
+    return z.view(np.int64)
 
 
 def click_logits(spec: str, *, seed: int = 0) -> np.ndarray:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ps_common.dynamic_ids import parse_initializer
 from ps_common.errors import JobConfigError  # noqa: F401 -- callers catch it as jobconfig.JobConfigError
 from ps_common.settings import (  # noqa: F401 -- re-exported: the settings' public names live here too
     DEFAULT_STEPS,
@@ -366,9 +367,14 @@ def validate(config: JobConfig, *, scope: str) -> None:
     if worker.stage_peers and len(worker.stage_peers) != 2:
         raise _fail(config, known["worker.stage_peers"], "give two addresses: the previous stage's and the next's "
                                                          "('-' for none)")
-    if job.stages > 1 and (worker.sparse_tables or worker.sparse_min_rows is not None):
+    if job.stages > 1 and (worker.sparse_tables or worker.sparse_min_rows is not None or worker.dynamic_tables):
         raise _fail(config, known["job.stages"], "pipeline stages do not train sparse tables yet; drop "
-                                                 "--sparse-tables / --sparse-min-rows")
+                                                 "--sparse-tables / --sparse-min-rows / --dynamic-tables")
+    try:
+        parse_initializer(worker.dynamic_initializer)
+    except ValueError:
+        raise _fail(config, known["worker.dynamic_initializer"],
+                    "use zeros, normal:STD or uniform:A with STD, A > 0") from None
     if config.launch.min_accuracy is not None and config.launch.min_accuracy > 1:
         raise _fail(config, known["launch.min_accuracy"], "must be <= 1")
 

@@ -254,6 +254,17 @@ class WorkerSettings:
                                              "docs/protocol.md, \"Sparse rows\")")
     sparse_min_rows: int | None = _setting(None, "--sparse-min-rows", scopes=_WORKER, minimum=1,
                                            help="also train sparsely every such table with at least this many rows")
+    dynamic_tables: list[str] = _setting([], "--dynamic-tables", scopes=_WORKER, metavar="NAME,...",
+                                         help="embedding tables the shards hold as dynamic tables: the ids are any "
+                                              "int64 keys (hashed feature ids), not row indices, and a row exists "
+                                              "once used; trains sparsely (implies --sparse-tables); the model's "
+                                              "table gives only the row shape (docs/protocol.md, \"Dynamic tables\")")
+    dynamic_initializer: str = _setting("normal:0.01", "--dynamic-initializer", scopes=_WORKER, metavar="INIT",
+                                        help="how the shards create a dynamic table's unseen row (training or "
+                                             "evaluation): zeros, normal:STD or uniform:A, seeded by the job's seed")
+    evict_after_steps: int = _setting(0, "--evict-after-steps", scopes=_WORKER, minimum=0, metavar="N",
+                                      help="a dynamic table forgets a row untouched for this many global steps "
+                                           "(a later use creates it afresh); 0: never")
     steps: int | None = _setting(None, "--steps", scopes=_WORKER, minimum=1,
                                  default_doc=f"{DEFAULT_STEPS} when epochs is unset",
                                  help="stop when the shards' global step reaches this")

@@ -58,7 +58,7 @@ def prepare_worker(job: JobConfig, workdir: Path, *, device: str | None = None) 
                    workers=job.job.workers or 1, seed=job.job.seed, device=device or w.device, include=w.include,
                    exclude=w.exclude, expect_parameters=w.expect_parameters, worker_index=w.index,
                    intra_op_threads=w.intra_op_threads, sparse_tables=w.sparse_tables,
-                   sparse_min_rows=w.sparse_min_rows)
+                   sparse_min_rows=w.sparse_min_rows, dynamic_tables=w.dynamic_tables)
 
 
 def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threading.Event | None = None,
@@ -79,7 +79,8 @@ def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None
     plan = TrainingPlan(worker_index=w.index, num_workers=job.job.workers or 1, batch_size=w.batch_size,
                         steps=w.steps, epochs=w.epochs, seed=job.job.seed, eval_every=w.eval_every,
                         progress_every=w.progress_every, start_timeout=w.start_timeout,
-                        wait_timeout=job.job.wait_timeout)
+                        wait_timeout=job.job.wait_timeout, dynamic_initializer=w.dynamic_initializer,
+                        evict_after_steps=w.evict_after_steps)
     log.info("worker %d of %d (%s): model %s, %s, shards %s", w.index, plan.num_workers, w.worker_id,
              prepared.model_path, dataset.describe(), w.servers,
              extra={"worker": w.index, "model": str(prepared.model_path), "servers": w.servers})

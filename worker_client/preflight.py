@@ -128,7 +128,7 @@ def prepare(model_path: Path, kind: str | None, *, model: str, data: str, loss: 
             seed: int, device: str = "cpu", include: list[str] | None = None, exclude: list[str] | None = None,
             expect_parameters: int | None = None, worker_index: int = 0,
             intra_op_threads: int | None = None, sparse_tables: list[str] | None = None,
-            sparse_min_rows: int | None = None) -> Prepared:
+            sparse_min_rows: int | None = None, dynamic_tables: list[str] | None = None) -> Prepared:
     """Loads the data and builds the engine (its gradient graph is cached on disk), then `check_fit`.
 
     Raises ModelLoadError, UnsupportedModelError, DeviceUnavailableError, DatasetError or
@@ -139,7 +139,7 @@ def prepare(model_path: Path, kind: str | None, *, model: str, data: str, loss: 
                             exclude=exclude or [], expect_parameters=expect_parameters,
                             seed=(seed, worker_index),   # this worker's Dropout masks
                             intra_op_threads=intra_op_threads, sparse_tables=sparse_tables or [],
-                            sparse_min_rows=sparse_min_rows)
+                            sparse_min_rows=sparse_min_rows, dynamic_tables=dynamic_tables or [])
     check_fit(engine, dataset, model=model, data=data, loss=loss, batch_size=batch_size, workers=workers)
     return Prepared(model_path, kind, engine, dataset)
 

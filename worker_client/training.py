@@ -54,6 +54,7 @@ from ps_models.datasets import Dataset, iterate_batches, num_batches, worker_sha
 from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PSClient, PushReport, ServerError
 from worker_client.engine import GradientEngine
+from worker_client.sparse import dynamic_table
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,8 @@ class TrainingPlan:
     progress_every: float = 1.0       # seconds between progress events
     start_timeout: float = 300.0      # joining: shards reachable, initialized, start barrier
     wait_timeout: float = 300.0       # one pull's wait (sync step, SSP hold), and worker 0's wait at the end
+    dynamic_initializer: str = "normal:0.01"   # how the shards create a dynamic table's unseen rows
+    evict_after_steps: int = 0        # a dynamic table's rows untouched this many steps are evicted; 0: never
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_index < self.num_workers:
@@ -378,7 +381,7 @@ class Trainer:
         known = {w.worker_id for w in info.workers}
         if plan.is_chief:
             already = client.initialize({**self.engine.server_parameters(), **self.engine.state()},
-                                        state=self.engine.state_names)
+                                        state=self.engine.state_names, dynamic=self._dynamic_specs())
             log.info("parameters %s on %d shard(s)", "were already initialized" if already else "initialized",
                      client.num_shards, extra={"shards": client.num_shards, "already_initialized": already})
         else:
@@ -411,10 +414,21 @@ class Trainer:
         if self.stop.is_set():
             raise TrainingError(f"stopped before {what}")
 
+    def _dynamic_specs(self) -> list[Any]:
+        """The dynamic tables to declare at init: each with its row shape, the plan's initializer and eviction."""
+        return [dynamic_table(name, shape, dtype=dtype.name, initializer=self.plan.dynamic_initializer,
+                              evict_after_steps=self.plan.evict_after_steps, seed=self.plan.seed)
+                for name, (shape, dtype) in self.engine.dynamic_tables().items()]
+
     def _check_parameters(self, shard_map: Any) -> None:
         mine = {**self.engine.server_parameters(), **self.engine.state()}
         theirs = shard_map.specs
-        problems = [f"{n!r} is not on the shards" for n in mine if n not in theirs]
+        dynamic = self.engine.dynamic_tables()
+        problems = [f"{n!r} is not on the shards as a dynamic table" for n, (shape, dtype) in dynamic.items()
+                    if n not in theirs or theirs[n].dynamic is None or tuple(theirs[n].shape) != shape
+                    or np.dtype(theirs[n].dtype) != dtype]
+        theirs = {n: spec for n, spec in theirs.items() if n not in dynamic}
+        problems += [f"{n!r} is not on the shards" for n in mine if n not in theirs]
         problems += [f"the shards hold {n!r}, the model does not" for n in theirs if n not in mine]
         problems += [f"{n!r} is {theirs[n].dtype}{list(theirs[n].shape)} on the shards, "
                      f"{mine[n].dtype}{list(mine[n].shape)} in the model"

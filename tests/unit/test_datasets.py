@@ -10,7 +10,7 @@ import pytest
 
 import ps_models
 from ps_models.data.make_digits import stratified_split
-from ps_models.datasets import (DIGITS_PATH, Dataset, DatasetError, click_logits, iterate_batches,
+from ps_models.datasets import (DIGITS_PATH, Dataset, DatasetError, click_logits, hash_ids, iterate_batches,
                              load_dataset, load_npz, num_batches, reshape_for, worker_shard)
 from worker_client.training import binary_auc
 
@@ -136,6 +136,19 @@ def test_synthetic_clicks_give_each_field_its_own_range_of_global_ids() -> None:
         assert x[:, f].min() >= f * 30 and x[:, f].max() < (f + 1) * 30
 
 
+def test_hashed_synthetic_clicks_are_the_same_examples_with_each_id_a_fixed_int64_key() -> None:
+    plain = load_dataset("synthetic:clicks?n=2000&fields=5&vocab=30")
+    hashed = load_dataset("synthetic:clicks?n=2000&fields=5&vocab=30&hashed=1")
+    np.testing.assert_array_equal(hashed.x_train, hash_ids(plain.x_train))
+    np.testing.assert_array_equal(hashed.x_test, hash_ids(plain.x_test))
+    np.testing.assert_array_equal(hashed.y_train, plain.y_train)
+    assert hashed.x_train.dtype == np.int64 and np.abs(hashed.x_train).min() > 1 << 40
+    assert (hashed.x_train < 0).any() and (hashed.x_train > 1 << 62).any()     # spread over the int64 range
+    assert len(np.unique(hashed.x_train)) == len(np.unique(plain.x_train))     # distinct ids stay distinct
+    np.testing.assert_array_equal(click_logits("synthetic:clicks?n=2000&fields=5&vocab=30&hashed=1"),
+                                  click_logits("synthetic:clicks?n=2000&fields=5&vocab=30"))
+
+
 def test_synthetic_click_ids_follow_the_zipf_popularity() -> None:
     ds = load_dataset("synthetic:clicks?n=20000&fields=2&vocab=1000&skew=1.3")
     counts = np.sort(np.bincount(ds.x_train[:, 0], minlength=1000))[::-1]
@@ -195,6 +208,7 @@ def test_synthetic_data_is_a_function_of_the_seed(spec: str) -> None:
     ("synthetic:regression?noise=nan", ["noise='nan'"]),
     ("synthetic:clicks?fields=1", ["fields=1", "pairwise"]),
     ("synthetic:clicks?skew=-1", ["skew=-1.0"]),
+    ("synthetic:clicks?hashed=2", ["hashed=2", "0 (row ids) or 1"]),
     ("mnist", ["unknown dataset spec 'mnist'", "digits", "synthetic:"]),
     ("missing/file.npz", ["'missing/file.npz'", "no file at"]),
 ])

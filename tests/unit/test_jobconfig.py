@@ -312,3 +312,17 @@ def test_pipeline_settings_are_checked_against_each_other() -> None:
         load(["--stages", "2", "--stage", "2", "--servers", "h:1"], scope="worker")
     with pytest.raises(JobConfigError, match="do not train sparse tables"):
         load(["--stages", "2", "--sparse-min-rows", "10"], scope="launch")
+    with pytest.raises(JobConfigError, match="do not train sparse tables.*--dynamic-tables"):
+        load(["--stages", "2", "--dynamic-tables", "emb"], scope="launch")
+
+
+def test_dynamic_table_settings_are_read_and_a_bad_initializer_is_refused() -> None:
+    job = load(["--dynamic-tables", "a,b", "--dynamic-initializer", "uniform:0.1", "--evict-after-steps", "50"],
+               scope="launch")
+    assert job.worker.dynamic_tables == ["a", "b"]
+    assert (job.worker.dynamic_initializer, job.worker.evict_after_steps) == ("uniform:0.1", 50)
+    assert load([], scope="launch").worker.dynamic_initializer == "normal:0.01"
+    with pytest.raises(JobConfigError, match="dynamic-initializer.*'gauss:1'.*normal:STD"):
+        load(["--dynamic-initializer", "gauss:1"], scope="launch")
+    with pytest.raises(JobConfigError, match="evict-after-steps"):
+        load(["--evict-after-steps", "-1"], scope="launch")

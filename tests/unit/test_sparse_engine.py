@@ -126,3 +126,58 @@ def test_a_table_in_external_data_is_mapped_not_read_and_gives_the_dense_gradien
     scattered = np.zeros((rows, dim), np.float32)
     np.add.at(scattered, rows_ids, values)
     np.testing.assert_allclose(scattered, grads["embedding.weight"], atol=ATOL, rtol=0)
+
+
+def test_a_dynamic_tables_huge_ids_pass_through_and_its_row_gradients_scattered_equal_the_dense_gradient(
+        embedding_path, tmp_path):
+    """Dynamic ids are keys: never range-checked or wrapped; remapped to rows they give the dense gradient."""
+    from ps_models.datasets import hash_ids
+
+    dense = GradientEngine(embedding_path, batch_size=BATCH, cache_dir=tmp_path / "cache")
+    dynamic = GradientEngine(embedding_path, batch_size=BATCH, cache_dir=tmp_path / "cache",
+                             dynamic_tables=["embedding.weight"])
+    plan = dynamic.sparse
+    assert plan.tables["embedding.weight"].dynamic
+    assert plan.tables["embedding.weight"].capacity == BATCH * BAG
+    assert "embedding.weight" not in dynamic.server_parameters()        # the shards create its rows
+    assert dynamic.dynamic_tables() == {"embedding.weight": ((DIM,), np.dtype(np.float32))}
+    rng = np.random.default_rng(5)
+    rows = rng.integers(0, 40, size=(BATCH, BAG)).astype(np.int64)     # rows of the dense model's table
+    keys = hash_ids(rows)                                               # the same ids as int64 keys
+    keys[0, 0] = np.iinfo(np.int64).min
+    rows[0, 0] = VOCAB - 1                                              # the dense twin of that key
+    assert np.abs(keys).max() > 1 << 60
+    labels = rng.integers(0, 2, size=BATCH).astype(np.int64)
+    params = dense.parameters()
+    table = params["embedding.weight"] + rng.standard_normal((VOCAB, DIM)).astype(np.float32) * 0.1
+    params["embedding.weight"] = table
+    loss, grads = dense.gradients(params, {"ids": rows, "labels": labels})
+
+    unique = plan.unique_ids({"ids": keys})["embedding.weight"]
+    assert unique.tolist() == sorted(set(keys.ravel().tolist()))        # as given: not wrapped, not refused
+    row_of = {int(k): int(r) for k, r in zip(keys.ravel(), rows.ravel())}
+    as_rows = np.array([row_of[int(k)] for k in unique], dtype=np.int64)
+    sparse_params = {k: v for k, v in params.items() if k != "embedding.weight"}
+    sparse_params["embedding.weight.rows"] = plan.rows_parameter("embedding.weight", table[as_rows])
+    sparse_loss, sparse_grads = dynamic.gradients(sparse_params, plan.feeds({"ids": keys, "labels": labels},
+                                                                             {"embedding.weight": unique}))
+    assert sparse_loss == pytest.approx(loss, abs=ATOL)
+    ids, row_grads = plan.row_gradients(sparse_grads, {"embedding.weight": unique})["embedding.weight"]
+    np.testing.assert_array_equal(ids, unique)
+    scattered = np.zeros_like(table)
+    np.add.at(scattered, [row_of[int(k)] for k in ids], row_grads)
+    np.testing.assert_allclose(scattered, grads["embedding.weight"], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(sparse_grads["fc.weight"], grads["fc.weight"], atol=ATOL, rtol=0)
+
+
+def test_a_dynamic_tables_capacity_is_the_batchs_index_elements_even_beyond_the_models_rows(tmp_path):
+    path = tmp_path / "small.onnx"
+    onnx.save_model(build_embedding_model(vocab_size=10, dim=DIM, bag_size=BAG, seed=3), str(path))
+    sparse = GradientEngine(path, batch_size=BATCH, cache_dir=tmp_path / "cache", sparse_tables=["embedding.weight"])
+    dynamic = GradientEngine(path, batch_size=BATCH, cache_dir=tmp_path / "cache", dynamic_tables=["embedding.weight"])
+    assert sparse.sparse.tables["embedding.weight"].capacity == 10
+    assert dynamic.sparse.tables["embedding.weight"].capacity == BATCH * BAG
+    with pytest.raises(ValueError, match="outside table 'embedding.weight'"):
+        sparse.sparse.unique_ids({"ids": np.full((BATCH, BAG), 1 << 40, np.int64)})
+    assert dynamic.sparse.unique_ids({"ids": np.full((BATCH, BAG), 1 << 40, np.int64)})["embedding.weight"].tolist() \
+        == [1 << 40]

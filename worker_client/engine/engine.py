@@ -89,6 +89,7 @@ class GradientEngine:
                  intra_op_threads: int | None = None, inter_op_threads: int | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
                  sparse_tables: Sequence[str] = (), sparse_min_rows: int | None = None,
+                 dynamic_tables: Sequence[str] = (),
                  input_gradients: Sequence[str] = ()) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -117,7 +118,11 @@ class GradientEngine:
         self._eval_session: ort.InferenceSession | None = None
         if isinstance(sparse_tables, str):
             raise TypeError("sparse_tables is a sequence of table names, not a string")
-        self._sparse_request = (tuple(sparse_tables), sparse_min_rows)
+        if isinstance(dynamic_tables, str):
+            raise TypeError("dynamic_tables is a sequence of table names, not a string")
+        # a dynamic table trains sparsely: it is named for stage "sparse" too
+        self._dynamic_request = tuple(dynamic_tables)
+        self._sparse_request = (tuple(dict.fromkeys([*sparse_tables, *dynamic_tables])), sparse_min_rows)
         if isinstance(input_gradients, str):
             raise TypeError("input_gradients is a sequence of input names, not a string")
         self.input_gradient_names: list[str] = list(input_gradients)
@@ -137,7 +142,8 @@ class GradientEngine:
             tables = find_sparse_tables(model, min_rows=min_rows, named=named)
             if tables:
                 model, self.sparse = rewrite_sparse(model, tables, self.batch_size,
-                                                    base_dir=self.model_path.parent)
+                                                    base_dir=self.model_path.parent,
+                                                    dynamic=self._dynamic_request)
             load_external_data_for_model(model, str(self.model_path.parent))
             clamp_ir_version(model)
         else:
@@ -243,14 +249,20 @@ class GradientEngine:
         return {name: value.copy() for name, value in self._initial.items()}
 
     def server_parameters(self) -> dict[str, np.ndarray]:
-        """What the shards hold: `parameters()` with each sparse table whole in place of its rows parameter.
+        """What the shards hold as values: `parameters()` with each sparse table whole in place of its rows
+        parameter; a dynamic table is neither (the shards create its rows: `dynamic_tables()`).
 
         A table is the engine's own array, not a copy (read-only: a table in external data is
         mapped from its file, so a 10^7-row table costs no memory until it is sent)."""
         rows = {t.rows_name for t in self.sparse.tables.values()}
         out = {name: value for name, value in self.parameters().items() if name not in rows}
-        out.update({name: t.initial for name, t in self.sparse.tables.items()})
+        out.update({name: t.initial for name, t in self.sparse.tables.items() if not t.dynamic})
         return out
+
+    def dynamic_tables(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """{table: (row shape, dtype)} of the tables the shards hold as dynamic tables (docs/protocol.md,
+        "Dynamic tables"): rows keyed by any int64 id, created on first use."""
+        return {name: (tuple(t.shape[1:]), t.initial.dtype) for name, t in self.sparse.tables.items() if t.dynamic}
 
     def state(self) -> dict[str, np.ndarray]:
         """The model's initial state values (copies), in `state_names` order: the running

@@ -13,13 +13,18 @@ At run time (`SparsePlan`): `unique_ids(inputs)` gives each table's unique ids o
 pulled rows to P, and `row_gradients` cuts the rows' gradient back to the unique ids (what
 the worker pushes). Scattering the row gradient into a zero table gives the original model's
 dense gradient (tests/unit/test_sparse_engine.py).
+
+A *dynamic* table (`rewrite_sparse(..., dynamic=...)`) is held by the shards as a dynamic table
+(docs/protocol.md, "Dynamic tables"): its ids are keys (any int64), not row indices, so they
+are neither range-checked nor wrapped, and its capacity P is the batch's index elements even
+when the model's table has fewer rows (the model's table only gives the row shape and dtype).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +51,7 @@ class SparseTable:
     initial: np.ndarray
     capacity: int                                       # P: index elements per batch
     positions: dict[str, str] = field(default_factory=dict)   # indices input -> positions input
+    dynamic: bool = False                               # ids are int64 keys of a dynamic table, not row indices
 
     @property
     def rows_name(self) -> str:
@@ -60,13 +66,17 @@ class SparsePlan:
     dropped_inputs: list[str]          # index inputs only the rewritten Gathers used: not fed to the session
 
     def unique_ids(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Each table's sorted unique row ids of a batch (negative indices counted from the end, as Gather does)."""
+        """Each table's sorted unique row ids of a batch (negative indices counted from the end, as Gather does;
+        a dynamic table's ids are keys, taken as they are)."""
         out = {}
         for name, table in self.tables.items():
             rows = table.shape[0]
             parts = []
             for index in table.positions:
                 ids = np.asarray(inputs[index]).astype(np.int64).reshape(-1)
+                if table.dynamic:
+                    parts.append(ids)
+                    continue
                 if len(ids) and (ids.min() < -rows or ids.max() >= rows):
                     bad = int(ids[(ids < -rows) | (ids >= rows)][0])
                     raise ValueError(f"input {index!r}: index {bad} is outside table {name!r} of {rows} rows")
@@ -82,7 +92,8 @@ class SparsePlan:
             for index, positions in table.positions.items():
                 raw = np.asarray(inputs[index])
                 ids_ = raw.astype(np.int64)
-                ids_ = np.where(ids_ < 0, ids_ + rows, ids_)
+                if not table.dynamic:
+                    ids_ = np.where(ids_ < 0, ids_ + rows, ids_)
                 out[positions] = np.searchsorted(ids[name], ids_).astype(raw.dtype)
         return out
 
@@ -158,10 +169,12 @@ def table_value(tensor: onnx.TensorProto, base_dir: str | os.PathLike[str] | Non
 
 
 def rewrite_sparse(model: onnx.ModelProto, tables: Sequence[str], batch_size: int, *,
-                   base_dir: str | os.PathLike[str] | None = None) -> tuple[onnx.ModelProto, SparsePlan]:
+                   base_dir: str | os.PathLike[str] | None = None,
+                   dynamic: Collection[str] = ()) -> tuple[onnx.ModelProto, SparsePlan]:
     """A copy of `model` where each table's Gathers read "T.rows" at "IDX@T.positions" (see the module's doc).
 
     `base_dir`: the model's folder, where a table in external data is mapped from (`table_value`).
+    `dynamic`: the tables (of `tables`) whose ids are dynamic-table keys (see the module's doc).
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -183,7 +196,9 @@ def rewrite_sparse(model: onnx.ModelProto, tables: Sequence[str], batch_size: in
                 raise ValueError(f"indices input {index!r} of table {name!r} needs a static shape besides the "
                                  f"batch axis, got {dims}")
             capacity += batch_size * math.prod(dims[1:])
-        table = SparseTable(name, tuple(value.shape), value, min(capacity, value.shape[0]))
+        dynamic_ = name in dynamic
+        table = SparseTable(name, tuple(value.shape), value, capacity if dynamic_ else min(capacity, value.shape[0]),
+                            dynamic=dynamic_)
         for index in indices:
             positions = f"{index}@{name}{POSITIONS_SUFFIX}"
             table.positions[index] = positions

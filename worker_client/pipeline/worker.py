@@ -92,6 +92,9 @@ class _StageEngineView:
     def state(self) -> dict[str, np.ndarray]:
         return self.runner.initial_state()
 
+    def dynamic_tables(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {}   # pipelines train no sparse or dynamic tables (refused by the settings)
+
 
 @dataclass
 class StageLinks:

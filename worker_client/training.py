@@ -586,16 +586,23 @@ class Trainer:
             return True
         return plan.epochs is not None and tally.start_clock + tally.iterations >= plan.epochs * self.batches_per_epoch
 
+    def _first_pull(self, tally: _Tally) -> dict[str, np.ndarray] | None:
+        """The loop's first parameters (None when stopped), evaluated at the start; from here the
+        byte counters count the loop's own bytes."""
+        parameters = self._pull(None)
+        if parameters is not None:
+            self._maybe_evaluate(parameters, min(self.client.steps), 0.0)
+            tally.bytes_pulled, tally.bytes_pushed = self.client.bytes_pulled, self.client.bytes_pushed
+        return parameters
+
     def _train(self, tally: _Tally, started: float) -> bool:
         """Step 3 of the module docstring until `_done` (False) or `stop` is set (True)."""
         plan, client = self.plan, self.client
         window = _Window()
         last_progress = started
-        parameters = self._pull(None)
+        parameters = self._first_pull(tally)
         if parameters is None:
             return True
-        self._maybe_evaluate(parameters, min(client.steps), 0.0)
-        tally.bytes_pulled, tally.bytes_pushed = client.bytes_pulled, client.bytes_pushed   # the loop's own bytes
         mins: list[int] | None = None   # sync: the steps the next rows must be read at
         batches = self._batches(tally.start_clock)
         while not self._done(tally):

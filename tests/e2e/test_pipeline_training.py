@@ -8,17 +8,15 @@ the same trajectory up to float rounding, so their test accuracies agree within 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ps_common.process import python_module_argv
+from tests.helpers.launch import run_launch
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT = 150
 #: (model, data, steps, accuracy floor): every bundled model, and the deep MLP.
 MODELS = [
@@ -31,15 +29,8 @@ MODELS = [
 
 
 def launch(tmp_path: Path, name: str, *flags: str) -> dict[str, Any]:
-    record = tmp_path / name
-    argv = python_module_argv("ps_tools.launch", "--optimizer", "momentum", "--lr", "0.05", "--batch-size", "32",
-                              "--eval-every", "0", "--log-level", "WARNING", "--timeout", str(JOB_TIMEOUT),
-                              "--record", str(record), *flags)
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=JOB_TIMEOUT + 30)
-    assert done.returncode == 0, f"ps-launch exited {done.returncode}:\n{done.stderr[-4000:]}"
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    run = json.loads((record / "run.json").read_text())
-    assert run["summary"] == summary
+    summary, run = run_launch(tmp_path / name, "--optimizer", "momentum", "--lr", "0.05", "--batch-size", "32",
+                              "--eval-every", "0", "--log-level", "WARNING", *flags, timeout=JOB_TIMEOUT)
     assert all(p["exit_code"] == 0 for p in run["processes"]), run["processes"]
     return summary
 
@@ -84,7 +75,7 @@ def test_each_stage_worker_peaks_below_the_whole_model_worker(tmp_path: Path) ->
     model = tmp_path / "deep.onnx"   # 30 MB of parameters: enough to show above a worker's own ~150 MB
     onnx.save(build_deep_mlp(width=1024, depth=8), str(model))
     common = ["--mode", "sync", "--workers", "1", "--model", str(model), "--data", "digits", "--steps", "10"]
-    whole = launch(tmp_path, "whole", *common)
+    launch(tmp_path, "whole", *common)
     stages = launch(tmp_path, "stages", *common, "--stages", "2")
     whole_peak = json.loads((tmp_path / "whole" / "run.json").read_text())["workers"][0]["peak_rss_mb"]
     assert all(peak < whole_peak for peak in stages["stage_peak_rss_mb"]), (stages["stage_peak_rss_mb"], whole_peak)

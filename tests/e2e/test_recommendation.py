@@ -4,21 +4,18 @@ states ("Recommendation example")."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ps_common.process import python_module_argv
 from ps_models.datasets import click_logits, load_dataset
 from ps_models.recsys import FM_PATH
+from tests.helpers.launch import run_launch
 from worker_client.training import binary_auc
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 DATA = "synthetic:clicks"
 #: The documented recipe: two shards, two sync workers, Adagrad (sparse and dense Adagrad are the same updates).
 JOB = ["--model", str(FM_PATH), "--data", DATA, "--shards", "2", "--workers", "2", "--mode", "sync",
@@ -43,14 +40,7 @@ DYNAMIC_AUC_BAR = 0.74
 
 
 def launch(tmp_path: Path, *flags: str, job: list[str] = JOB) -> dict[str, Any]:
-    record = tmp_path / "record"
-    argv = python_module_argv("ps_tools.launch", *job, "--log-level", "WARNING", "--timeout", str(JOB_TIMEOUT),
-                              "--record", str(record), *flags)
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=JOB_TIMEOUT + 30)
-    assert done.returncode == 0, f"ps-launch exited {done.returncode}:\n{done.stderr[-4000:]}"
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    run = json.loads((record / "run.json").read_text())
-    assert run["summary"] == summary
+    summary, run = run_launch(tmp_path / "record", *job, "--log-level", "WARNING", *flags, timeout=JOB_TIMEOUT)
     summary["settings"] = run["settings"]
     assert summary["steps"] >= 600
     return summary

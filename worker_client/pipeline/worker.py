@@ -148,10 +148,9 @@ class StageTrainer(Trainer):
         plan, client = self.plan, self.client
         window = _Window()
         last_progress = started
-        parameters = self._pull(None)
+        parameters = self._first_pull(tally)
         if parameters is None:
             return True
-        tally.bytes_pulled, tally.bytes_pushed = client.bytes_pulled, client.bytes_pushed
         batches = self._batches(tally.start_clock) if self.stage == 0 else None
         while True:
             if self.stop.is_set():

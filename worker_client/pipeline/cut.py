@@ -23,6 +23,8 @@ so a launcher can cut once and every stage worker load just its own stage's mode
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -139,6 +141,26 @@ def _symbolic_batch(model: onnx.ModelProto) -> onnx.ModelProto:
         return out
 
 
+def _inferred_values(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """Every input's and inferred value's type, with the batch symbolic (`_symbolic_batch`)."""
+    inferred = _symbolic_batch(model).graph
+    return {v.name: v for v in list(inferred.input) + list(inferred.value_info) + list(inferred.output)}
+
+
+def _covered(positions: int, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """For each cut position 0..positions-1, how many of the inclusive ranges `spans` hold it."""
+    steps = [0] * (positions + 1)
+    for low, high in spans:
+        if low <= high:
+            steps[max(low, 0)] += 1
+            steps[min(high, positions - 1) + 1] -= 1
+    counts, running = [], 0
+    for delta in steps[:positions]:
+        running += delta
+        counts.append(running)
+    return counts
+
+
 def _batch_first(value: onnx.ValueInfoProto) -> bool:
     """Whether an inferred value's axis 0 can be the batch: symbolic (the batch's symbol, or
     another an op such as a Reshape to -1 gave it), never a fixed length."""
@@ -180,8 +202,7 @@ def plan_stages(model: onnx.ModelProto, count: int, *, cuts: Sequence[str] = (),
             first_read.setdefault(name, i)
 
     # cost per node: parameter elements and estimated multiply-adds per example
-    inferred = _symbolic_batch(model)
-    values = {v.name: v for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    values = _inferred_values(model)
     param_cost = [0.0] * len(nodes)
     flop_cost = [0.0] * len(nodes)
     for i, node in enumerate(nodes):
@@ -213,8 +234,16 @@ def plan_stages(model: onnx.ModelProto, count: int, *, cuts: Sequence[str] = (),
 
     # what may cross a cut: tensors whose axis 0 is the batch (each micro-batch's own rows), as
     # inferred with a symbolic batch; a stage fixes axis 0 of its inputs to its micro-batch size
-    batch_major = {v.name for v in list(inferred.graph.input) + list(inferred.graph.value_info)
-                   + list(inferred.graph.output) if _batch_first(v)}
+    batch_major = {name for name, value in values.items() if _batch_first(value)}
+    # per cut position, counted once for all of them (what `boundary` and `splits` find at one):
+    # the tensors that cross it, those of them that are not batch-major, the parameters it splits
+    final = len(nodes) - 1
+    spans = [(0, last_read.get(n, -1) - 1, n) for n in model_inputs]
+    spans += [(i, final if o == loss_output else last_read.get(o, -1) - 1, o)
+              for i, node in enumerate(nodes) for o in node.output if o]
+    crossing = _covered(len(nodes), [(low, high) for low, high, _ in spans])
+    not_batch_major = _covered(len(nodes), [(low, high) for low, high, name in spans if name not in batch_major])
+    splitting = _covered(len(nodes), [(first_read[n], last_read[n] - 1) for n in parameters if n in first_read])
     holders = [i for i in range(len(nodes)) if param_cost[i] > 0]
     if cuts:
         positions = [_cut_position(nodes, made_at, name, source) for name in cuts]
@@ -238,16 +267,13 @@ def plan_stages(model: onnx.ModelProto, count: int, *, cuts: Sequence[str] = (),
         if len(holders) < count:
             raise CutError(f"{source}: {count} stages need at least {count} layers with "
                            f"parameters, but the model has {len(holders)}")
-        def usable(c: int) -> bool:
-            return splits(c) is None and all(name in batch_major for name in boundary(c))
-
-        positions = _balanced(cost, count, boundary, usable, holders, made_at[loss_output])
+        usable = [not splitting[c] and not not_batch_major[c] for c in range(len(nodes))]
+        positions = _balanced(cost, count, crossing, usable, holders, made_at[loss_output])
     ends = positions + [len(nodes) - 1]
     stages = []
     starts = [0] + [c + 1 for c in positions]
     receives = model_inputs
-    float_names = {v.name for v in list(inferred.graph.value_info) + list(inferred.graph.input)
-                   + list(inferred.graph.output) if v.type.tensor_type.elem_type in FLOAT_TYPES}
+    float_names = {name for name, value in values.items() if value.type.tensor_type.elem_type in FLOAT_TYPES}
     for k, (first, last) in enumerate(zip(starts, ends)):
         sends = boundary(last) if k < count - 1 else [loss_output]
         local_reads = {n for i in range(first, last + 1) for n in reads[i]}
@@ -289,28 +315,23 @@ def _cut_position(nodes: list[onnx.NodeProto], made_at: dict[str, int], name: st
     raise CutError(f"{source}: cut {name!r} is neither a tensor a node makes nor a node's name")
 
 
-def _balanced(cost: list[float], count: int, boundary, usable, holders: list[int],
+def _balanced(cost: list[float], count: int, crossing: list[int], usable: list[bool], holders: list[int],
               loss_node: int) -> list[int]:
     """K-1 cut positions, each as close as it can be to j/K of the cumulative cost, that are
-    `usable` (split no parameter, cross only tensors of known type) and leave every stage at
-    least one layer with parameters."""
-    prefix = []
-    running = 0.0
-    for c in cost:
-        running += c
-        prefix.append(running)
+    `usable` (split no parameter, cross only batch-major tensors) and leave every stage at
+    least one layer with parameters (`holders`, in order); `crossing`: tensors crossing each."""
+    prefix = list(itertools.accumulate(cost))
     positions: list[int] = []
     for j in range(1, count):
         target = j / count
-        lower = positions[-1] + 1 if positions else 0
+        previous = positions[-1] if positions else -1
+        held_before = bisect.bisect_right(holders, previous)
         best: tuple[float, int] | None = None
-        for c in range(lower, loss_node):
-            before = [h for h in holders if (positions[-1] if positions else -1) < h <= c]
-            after = [h for h in holders if h > c]
-            if not before or len(after) < count - j or not usable(c):
+        for c in range(previous + 1, loss_node):
+            held = bisect.bisect_right(holders, c)
+            if held == held_before or len(holders) - held < count - j or not usable[c]:
                 continue
-            crossing = len(boundary(c))
-            score = abs(prefix[c] - target) + CROSSING_PENALTY * max(0, crossing - 1)
+            score = abs(prefix[c] - target) + CROSSING_PENALTY * max(0, crossing[c] - 1)
             if best is None or score < best[0]:
                 best = (score, c)
         if best is None:
@@ -322,12 +343,12 @@ def _balanced(cost: list[float], count: int, boundary, usable, holders: list[int
     return positions
 
 
-def stage_model(model: onnx.ModelProto, plan: StagePlan, index: int) -> onnx.ModelProto:
-    """Stage `index` of `model` as a model of its own (module docstring)."""
+def stage_model(model: onnx.ModelProto, plan: StagePlan, index: int, *,
+                known: dict[str, onnx.ValueInfoProto] | None = None) -> onnx.ModelProto:
+    """Stage `index` of `model` as a model of its own (module docstring). `known`: the model's
+    inferred values (`_inferred_values`), when the caller has them already."""
     stage = plan.stages[index]
-    inferred = _symbolic_batch(model)
-    known = {v.name: v for v in list(inferred.graph.input) + list(inferred.graph.value_info)
-             + list(inferred.graph.output)}
+    known = _inferred_values(model) if known is None else known
     graph = model.graph
     nodes = list(graph.node)[stage.first:stage.last + 1]
     reads = {n for node in nodes for n in _reads(node)}
@@ -360,9 +381,10 @@ def write_stages(model: onnx.ModelProto, plan: StagePlan, directory: str | Path)
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
+    known = _inferred_values(model)   # inferred once for every stage
     for k in range(plan.count):
         path = folder / f"stage{k}.onnx"
-        onnx.save(stage_model(model, plan, k), str(path))
+        onnx.save(stage_model(model, plan, k, known=known), str(path))
         paths.append(path)
     (folder / "stages.json").write_text(plan.to_json())
     return paths

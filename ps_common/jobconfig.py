@@ -297,6 +297,10 @@ def to_argv(config: JobConfig, *, scope: str, skip: Sequence[str] = ()) -> list[
 
 # ---------------------------------------------------------------- resolve and validate
 
+#: What micro_batches = 0 (auto) may become, largest first: the first that divides the batch size.
+AUTO_MICRO_BATCHES = (4, 2, 1)
+
+
 def resolve(config: JobConfig) -> None:
     """Fills the settings that default to others (see each setting's documented default)."""
     job, worker = config.job, config.worker
@@ -310,6 +314,8 @@ def resolve(config: JobConfig) -> None:
         worker.steps = DEFAULT_STEPS
     if worker.worker_id is None:
         worker.worker_id = f"worker{worker.index}"
+    if job.micro_batches == 0:   # auto: the largest of 4, 2, 1 that divides the batch
+        job.micro_batches = next(m for m in AUTO_MICRO_BATCHES if worker.batch_size % m == 0)
 
 
 def _fail(config: JobConfig, info: SettingInfo, why: str) -> JobConfigError:
@@ -362,6 +368,9 @@ def validate(config: JobConfig, *, scope: str) -> None:
                 raise _fail(config, known["worker.servers"], str(exc)) from None
     if scope == "worker" and not worker.stage < job.stages:
         raise _fail(config, known["worker.stage"], f"must be < stages ({job.stages}, from {config.source('job.stages')})")
+    if job.stages > 1 and worker.batch_size % job.micro_batches:
+        raise _fail(config, known["job.micro_batches"],
+                    f"batch_size {worker.batch_size} does not split into {job.micro_batches} equal micro-batches")
     if job.cuts and len(job.cuts) != job.stages - 1:
         raise _fail(config, known["job.cuts"], f"{job.stages} stages need {job.stages - 1} cuts")
     if worker.stage_peers and len(worker.stage_peers) != 2:

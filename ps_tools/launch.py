@@ -74,7 +74,6 @@ from worker_client.engine.load import load_model
 from worker_client.engine.session import placement
 from worker_client.pipeline.cut import plan_stages, write_stages
 from worker_client.pipeline.evaluate import evaluate_pipeline
-from worker_client.pipeline.worker import auto_micro_batches
 from worker_client.tensorboard import ScalarWriter, eval_scalars, progress_scalars, require_writer
 from worker_client.training import format_event
 
@@ -376,10 +375,6 @@ class Launcher:
             write_stages(model, plan, self.stage_plan)
             self.rendezvous = Path(self._scratch.name) / "rendezvous"
             self.rendezvous.mkdir()
-            micro = c.job.micro_batches or auto_micro_batches(c.worker.batch_size)
-            if c.worker.batch_size % micro:
-                raise JobConfigError(f"Invalid [job] micro_batches (--micro-batches): {micro}: batch_size "
-                                     f"{c.worker.batch_size} does not split into {micro} equal micro-batches")
             self._say(f"pipeline: {plan.count} stages, cut after "
                       + ", ".join(repr(s.sends) for s in plan.stages[:-1])
                       + "; cost shares " + ", ".join(f"{x:.2f}" for x in plan.costs), stages=plan.count,

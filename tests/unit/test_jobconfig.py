@@ -326,3 +326,14 @@ def test_dynamic_table_settings_are_read_and_a_bad_initializer_is_refused() -> N
         load(["--dynamic-initializer", "gauss:1"], scope="launch")
     with pytest.raises(JobConfigError, match="evict-after-steps"):
         load(["--evict-after-steps", "-1"], scope="launch")
+
+
+@pytest.mark.parametrize("batch,expected", [(32, 4), (30, 2), (15, 1)])
+def test_micro_batches_default_to_the_largest_of_4_2_1_that_divides_the_batch(batch: int, expected: int) -> None:
+    config = load(["--stages", "2", "--batch-size", str(batch), "--servers", "h:1"], scope="worker")
+    assert config.job.micro_batches == expected
+
+
+def test_micro_batches_that_do_not_divide_the_batch_are_refused_for_a_pipeline() -> None:
+    with pytest.raises(JobConfigError, match="batch_size 32 does not split into 3 equal micro-batches"):
+        load(["--stages", "2", "--micro-batches", "3", "--servers", "h:1"], scope="worker")

@@ -211,12 +211,10 @@ class LocalPipeline:
         for runner in self.runners:
             runner.begin()
         micro = split_batch(inputs, self.micro_batches)
-        pending: list[dict[str, np.ndarray] | None] = []
-        for i, batch in enumerate(micro):
+        for i, batch in enumerate(micro):   # the last stage returns None: it has the loss
             received: dict[str, np.ndarray] | None = batch
             for runner, params in zip(self.runners, own):
                 received = runner.forward(i, params, received)
-            pending.append(received)
         for i in range(self.micro_batches):
             cotangents: dict[str, np.ndarray] | None = None
             for runner, params in zip(reversed(self.runners), reversed(own)):

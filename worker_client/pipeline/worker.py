@@ -65,11 +65,6 @@ PEER_CHECK_SECONDS = 1.0
 PROBE_SECONDS = 0.5
 
 
-def auto_micro_batches(batch_size: int) -> int:
-    """The largest of 4, 2, 1 that divides the batch size (the default of --micro-batches)."""
-    return next(m for m in (4, 2, 1) if batch_size % m == 0)
-
-
 class _PeerLost(Exception):
     """The step in flight cannot finish: a neighbour is gone or a wait ran out."""
 
@@ -181,10 +176,10 @@ class StageTrainer(Trainer):
                 if parameters is None:
                     return True
                 continue
-            result = self.runner
-            tally.loss = result.loss if self.runner.last else tally.loss
+            if self.runner.last:
+                tally.loss = self.runner.loss
             read_steps = list(client.steps)
-            outcome, parameters = client.push_pull({**result.gradients(), **result.new_state()},
+            outcome, parameters = client.push_pull({**self.runner.gradients(), **self.runner.new_state()},
                                                    read_steps=read_steps, wait_for_step=self.mode == "sync",
                                                    ssp=self.mode == "ssp", wait=2.0)
             tally.count(outcome)
@@ -431,9 +426,7 @@ def run_stage_worker(job: JobConfig, *, report: EventSink | None = None,
     w = job.worker
     with tempfile.TemporaryDirectory(prefix="ps-stage-") as scratch:
         plan, path = stage_files(job, Path(scratch))
-        micro_batches = job.job.micro_batches or auto_micro_batches(w.batch_size)
-        if w.batch_size % micro_batches:
-            raise TrainingError(f"batch_size {w.batch_size} does not split into {micro_batches} micro-batches")
+        micro_batches = job.job.micro_batches   # resolved and checked against the batch size by the settings
         runner = StageRunner(plan, w.stage, path, micro_batch_size=w.batch_size // micro_batches,
                              micro_batches=micro_batches, loss=w.loss, device=w.device, include=w.include,
                              exclude=w.exclude, seed=job.job.seed + w.index, intra_op_threads=w.intra_op_threads)

@@ -392,6 +392,11 @@ class PSClient:
             self._membership.thread.start()
         return self.clock
 
+    @property
+    def heartbeating(self) -> bool:
+        """Whether this client keeps a lease alive (registered with heartbeats, not deregistered since)."""
+        return self._membership.thread is not None
+
     def _heartbeat_loop(self) -> None:
         stop = self._membership.stop
         while not stop.wait(max(0.05, self._membership.lease_seconds / 3)):

@@ -311,7 +311,7 @@ class StageTrainer(Trainer):
 
     @property
     def _registered(self) -> bool:
-        return self.client._membership.thread is not None
+        return self.client.heartbeating
 
     def _leave(self) -> None:
         self.client.deregister()

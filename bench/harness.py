@@ -11,6 +11,7 @@ Measurements go to stdout as one JSON object a line: ``{"system", "metric", "siz
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from ps_common.process import ChildProcess as Child
 from ps_common.process import start_and_wait_ready, stop
@@ -89,6 +90,36 @@ def timed_iteration(iterator: Iterable, record: list[tuple[float, float]]) -> It
             yield item
     finally:
         record.append((first, spent))
+
+
+class Timings:
+    """Per-call durations (start on the monotonic clock, seconds) of the functions wrapped with `timed`."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[tuple[float, float]]] = {}
+
+    def timed(self, name: str, fn: Callable) -> Callable:
+        calls = self.calls.setdefault(name, [])
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls.append((start, time.monotonic() - start))
+
+        return wrapper
+
+    def timed_generator(self, name: str, fn: Callable[..., Iterator]) -> Callable[..., Iterator]:
+        """fn returns an iterator: the time spent in each of its steps is summed into one call."""
+        calls = self.calls.setdefault(name, [])
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return timed_iteration(fn(*args, **kwargs), calls)
+
+        return wrapper
 
 
 def emit_medians(runs: Mapping[str, list[float]], ratios: list[float], *, metric: str, ratio_metric: str,

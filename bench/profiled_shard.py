@@ -26,12 +26,10 @@ it sees only the main thread, and gRPC runs the handlers on its pool's threads.
 from __future__ import annotations
 
 import atexit
-import functools
 import json
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from ps_bench import harness
 from ps_server import cli, service
@@ -41,26 +39,14 @@ from ps_server.store import ParameterStore
 
 OUT_ENV = "PS_BENCH_PROFILE_OUT"
 
-calls: dict[str, list[tuple[float, float]]] = {}
-
-
-def timed(name: str, fn: Callable) -> Callable:
-    record = calls.setdefault(name, [])
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        start = time.monotonic()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            record.append((start, time.monotonic() - start))
-
-    return wrapper
+#: The wrapped functions' calls, by name (harness.Timings).
+timings = harness.Timings()
+timed = timings.timed
 
 
 def received(requests: Iterator) -> Iterator:
     """The request stream, the time spent waiting for each of its messages kept as one call of server.receive."""
-    return harness.timed_iteration(requests, calls.setdefault("server.receive", []))
+    return harness.timed_iteration(requests, timings.calls.setdefault("server.receive", []))
 
 
 def install() -> None:
@@ -88,7 +74,7 @@ def _write() -> None:
     path = os.environ.get(OUT_ENV)
     if path:
         with open(path, "w") as f:
-            json.dump(calls, f)
+            json.dump(timings.calls, f)
 
 
 def main() -> int:

@@ -22,13 +22,11 @@ Prints ``BENCH_RESULT {json}`` on stdout at the end.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,37 +41,7 @@ from worker_client.training import Trainer, TrainingPlan
 RESULT_PREFIX = "BENCH_RESULT "
 
 
-class Timings:
-    """Per-call durations (start on the monotonic clock, seconds) of the functions wrapped with `timed`."""
-
-    def __init__(self) -> None:
-        self.calls: dict[str, list[tuple[float, float]]] = {}
-
-    def timed(self, name: str, fn: Callable) -> Callable:
-        calls = self.calls.setdefault(name, [])
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            start = time.monotonic()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                calls.append((start, time.monotonic() - start))
-
-        return wrapper
-
-    def timed_generator(self, name: str, fn: Callable[..., Iterator]) -> Callable[..., Iterator]:
-        """fn returns an iterator: the time spent in each of its steps is summed into one call."""
-        calls = self.calls.setdefault(name, [])
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            return harness.timed_iteration(fn(*args, **kwargs), calls)
-
-        return wrapper
-
-
-def profile_client(timings: Timings) -> None:
+def profile_client(timings: harness.Timings) -> None:
     """Wraps the client's encoding and decoding of tensor messages (this process only)."""
     codec.pack_encoded = timings.timed_generator("client.encode", codec.pack_encoded)
     codec.decode_pull_response = timings.timed("client.decode", codec.decode_pull_response)
@@ -85,7 +53,7 @@ def profile_client(timings: Timings) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     total = args.warmup + args.steps
-    timings = Timings()
+    timings = harness.Timings()
     if args.profile:
         profile_client(timings)
     with tempfile.TemporaryDirectory(prefix="ps-bench-worker-") as scratch:

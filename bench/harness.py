@@ -122,6 +122,28 @@ class Timings:
         return wrapper
 
 
+def side_by_side(repeats: int, ours: Callable[[], float], theirs: Callable[[], float] | None = None, *,
+                 report: Callable[[int, dict[str, list[float]]], None] | None = None
+                 ) -> tuple[dict[str, list[float]], list[float]]:
+    """Measures `ours` and (when given) `theirs` `repeats` times, alternating which runs first so
+    neither always meets a warmer or busier machine. Returns ({SYSTEM: [...], TORCH: [...]}, the
+    ours / theirs ratio of each repeat); `report(repeat, runs)` after each repeat."""
+    runs: dict[str, list[float]] = {SYSTEM: [], TORCH: []}
+    ratios: list[float] = []
+    for repeat in range(repeats):
+        order = [SYSTEM, TORCH] if repeat % 2 == 0 else [TORCH, SYSTEM]
+        for system in order:
+            if system == SYSTEM:
+                runs[SYSTEM].append(ours())
+            elif theirs is not None:
+                runs[TORCH].append(theirs())
+        if theirs is not None:
+            ratios.append(runs[SYSTEM][-1] / runs[TORCH][-1])
+        if report is not None:
+            report(repeat, runs)
+    return runs, ratios
+
+
 def emit_medians(runs: Mapping[str, list[float]], ratios: list[float], *, metric: str, ratio_metric: str,
                  size_mb: float, unit: str, digits: int, **extra: object) -> None:
     """One JSON line per system with the median of its runs, and one with the median ratio ours/torch."""

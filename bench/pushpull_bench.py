@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from ps_bench import harness
-from ps_bench.harness import SYSTEM, TORCH, Proc, log
+from ps_bench.harness import TORCH, Proc, log
 from worker_client.client import PSClient
 
 COLS = 256
@@ -154,19 +154,14 @@ def main(argv: list[str] | None = None) -> int:
             rounds = args.rounds or min(50, max(3, round(200e6 / nbytes)))
             moved = 2 * nbytes * rounds
             timeout = 120 + moved / 10e6   # at least 10 MB/s, or something is wrong
-            runs: dict[str, list[float]] = {SYSTEM: [], TORCH: []}
-            ratios: list[float] = []
-            for repeat in range(args.repeats):
-                order = [SYSTEM, TORCH] if repeat % 2 == 0 else [TORCH, SYSTEM]
-                for system in order:
-                    if system == SYSTEM:
-                        runs[SYSTEM].append(moved / ours.timed(shape, rounds) / 1e9)
-                    elif theirs is not None:
-                        runs[TORCH].append(moved / theirs.timed(shape, rounds, timeout) / 1e9)
-                if theirs is not None:
-                    ratios.append(runs[SYSTEM][-1] / runs[TORCH][-1])
+            def report(repeat: int, runs: dict[str, list[float]]) -> None:
                 log(f"pushpull_bench: {size:g} MB, repeat {repeat + 1}/{args.repeats}: "
                     + ", ".join(f"{s} {v[-1]:.3f} GB/s" for s, v in runs.items() if v))
+
+            runs, ratios = harness.side_by_side(
+                args.repeats, lambda: moved / ours.timed(shape, rounds) / 1e9,
+                (lambda: moved / theirs.timed(shape, rounds, timeout) / 1e9) if theirs is not None else None,
+                report=report)
             harness.emit_medians(runs, ratios, metric="pushpull_gbps", ratio_metric="pushpull_ratio", size_mb=size,
                                  unit="GB/s", digits=4, rounds=rounds, repeats=args.repeats, shape=list(shape),
                                  data_path=args.data_path)

@@ -105,19 +105,13 @@ def rate(results: list[dict[str, Any]]) -> float:
 
 def bench_case(args: argparse.Namespace, workers: int, mode: str, work: Path, size_mb: float,
                with_torch: bool) -> dict[str, list[float]]:
-    runs: dict[str, list[float]] = {SYSTEM: [], TORCH: []}
-    ratios: list[float] = []
-    for repeat in range(args.repeats):
-        order = [SYSTEM, TORCH] if repeat % 2 == 0 else [TORCH, SYSTEM]
-        for system in order:
-            if system == SYSTEM:
-                runs[SYSTEM].append(rate(run_ours(args, workers, mode, work)))
-            elif with_torch:
-                runs[TORCH].append(rate(run_torch(args, workers, mode, work)))
-        if with_torch:
-            ratios.append(runs[SYSTEM][-1] / runs[TORCH][-1])
+    def report(repeat: int, runs: dict[str, list[float]]) -> None:
         log(f"train_bench: {workers} worker(s), {mode}, repeat {repeat + 1}/{args.repeats}: "
             + ", ".join(f"{s} {v[-1]:.1f} steps/s" for s, v in runs.items() if v))
+
+    runs, ratios = harness.side_by_side(
+        args.repeats, lambda: rate(run_ours(args, workers, mode, work)),
+        (lambda: rate(run_torch(args, workers, mode, work))) if with_torch else None, report=report)
     harness.emit_medians(runs, ratios, metric="steps_per_s", ratio_metric="steps_per_s_ratio", size_mb=size_mb,
                          unit="steps/s", digits=2, workers=workers, mode=mode, batch=args.batch, steps=args.steps,
                          threads=args.threads)

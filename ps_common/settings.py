@@ -299,6 +299,9 @@ class WorkerSettings:
                                     help="client certificate for mutual TLS (with tls_key); turns TLS on")
     tls_key: str | None = _setting(None, "--tls-key", scopes=frozenset({"worker"}), metavar="PEM",
                                    help="the private key of the client certificate")
+    insecure: bool = _setting(False, "--insecure", scopes=frozenset({"worker"}),
+                              help="pipeline: allow this stage worker's exchange port plaintext on a non-loopback "
+                                   "host (e.g. 0.0.0.0 from TF_CONFIG) without TLS, as a shard's --insecure does")
     progress_every: float = _setting(1.0, "--progress-every", scopes=_WORKER, positive=True, metavar="SECONDS",
                                      help="seconds between progress reports")
     stage: int = _setting(0, "--stage", scopes=frozenset({"worker"}), toml=False, minimum=0,

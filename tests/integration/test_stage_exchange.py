@@ -267,3 +267,30 @@ def test_under_mutual_tls_a_link_with_the_jobs_client_certificate_sends_and_one_
 def test_plaintext_off_loopback_is_refused_unless_the_job_is_insecure():
     with pytest.raises(ValueError, match="plaintext stage exchange on 0.0.0.0"):
         StageServer("0.0.0.0:0", replica=0, stage=0)
+
+
+def test_a_tf_config_stage_worker_serves_plaintext_on_all_interfaces_only_with_its_insecure_setting(caplog):
+    import argparse
+    import json
+
+    from ps_common import jobconfig
+    from worker_client.pipeline.worker import stage_security
+
+    tf = json.dumps({"cluster": {"ps": ["ps-0.job:2222", "ps-1.job:2222"],
+                                 "worker": ["w-0.job:2222", "w-1.job:2222"]},
+                     "task": {"type": "worker", "index": 0, "stage": 1}})
+
+    def job(*argv: str) -> jobconfig.JobConfig:
+        parser = argparse.ArgumentParser()
+        jobconfig.add_arguments(parser, scope="worker")
+        return jobconfig.load_config(parser.parse_args(["--stages", "2", *argv]), scope="worker",
+                                     env={"TF_CONFIG": tf})
+
+    plain = job()
+    assert plain.worker.stage_listen.startswith("0.0.0.0:") and not plain.worker.insecure
+    with pytest.raises(ValueError, match=r"plaintext stage exchange on 0\.0\.0\.0.*--insecure"):
+        StageServer("0.0.0.0:0", replica=0, stage=1, security=stage_security(plain))
+    with caplog.at_level("WARNING", logger="worker_client.pipeline.exchange"):
+        with StageServer("0.0.0.0:0", replica=0, stage=1, security=stage_security(job("--insecure"))) as srv:
+            assert srv.address.startswith("0.0.0.0:")
+    assert "PLAINTEXT" in caplog.text and "non-loopback" in caplog.text

@@ -114,7 +114,8 @@ class StageSecurity:
         """ValueError for plaintext on a non-loopback host unless `insecure` (a shard's rule)."""
         if self.server_cert is None and not access.is_loopback(host) and not self.insecure:
             raise ValueError(f"refusing to serve plaintext stage exchange on {host}, a non-loopback address: give "
-                             "the stage server a certificate (server_cert, server_key) or set insecure")
+                             "the stage worker a certificate (--tls-cert, --tls-key) or pass --insecure "
+                             "(insecure = true under [worker]) to accept plaintext")
 
     def channel(self, address: str, options: list[tuple[str, object]]) -> grpc.Channel:
         creds, _ = client_security(self.ca, self.cert, self.key)
@@ -501,6 +502,10 @@ class StageServer:
         self.server.start()
         log.info("stage %d of replica %d: stage exchange on %s (%s)", stage, replica, self.address,
                  "TLS" if credentials is not None else "plaintext")
+        if credentials is None and not access.is_loopback(host):
+            log.warning("stage %d of replica %d serves its stage exchange PLAINTEXT on %s, a non-loopback address "
+                        "(insecure): anyone who can reach the port reads the activations and any token sent",
+                        stage, replica, self.address)
 
     def take(self, kind: Kind, step: int, micro_batch: int, *, timeout: float,
              stop: threading.Event | None = None) -> dict[str, np.ndarray]:

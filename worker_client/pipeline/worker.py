@@ -373,12 +373,13 @@ def stage_files(job: JobConfig, workdir: Path) -> tuple[StagePlan, Path]:
 
 def stage_security(job: JobConfig) -> StageSecurity:
     """The job's security for the stage exchange: the worker token; TLS with the worker's own
-    certificate when it has one (mutual with its CA); plaintext, as the shards allow it, otherwise."""
+    certificate when it has one (mutual with its CA); otherwise plaintext, as a shard allows it:
+    on loopback, or anywhere with the worker's `insecure`."""
     w = job.worker
     token = token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV)
     tls = bool(w.tls_cert and w.tls_key)
     return StageSecurity(token=token, server_cert=w.tls_cert if tls else None, server_key=w.tls_key if tls else None,
-                         client_ca=w.tls_ca if tls else None, insecure=not tls, ca=w.tls_ca, cert=w.tls_cert,
+                         client_ca=w.tls_ca if tls else None, insecure=w.insecure, ca=w.tls_ca, cert=w.tls_cert,
                          key=w.tls_key)
 
 

@@ -272,8 +272,8 @@ class WorkerSettings:
                                   help="stop after this many passes over the worker's share (and at `steps`, "
                                        "when both are set)")
     eval_every: int = _setting(100, "--eval-every", scopes=_WORKER, minimum=0,
-                               help="worker 0 evaluates on the test split every this many global steps; "
-                                    "0: only at the end")
+                               help="worker 0 evaluates on the test split every this many global steps "
+                                    "(a pipeline job: ps-launch evaluates the whole model); 0: only at the end")
     device: str = _setting("cpu", "--device", scopes=_WORKER, help="cpu, cuda or cuda:N (needs onnxruntime-gpu)")
     intra_op_threads: int | None = _setting(None, "--intra-op-threads", scopes=_WORKER, minimum=1,
                                             default_doc="onnxruntime's (ps-launch: cores / workers)",

@@ -73,7 +73,7 @@ from worker_client.cli import prepare_worker
 from worker_client.engine.load import load_model
 from worker_client.engine.session import placement
 from worker_client.pipeline.cut import plan_stages, write_stages
-from worker_client.pipeline.evaluate import evaluate_pipeline
+from worker_client.pipeline.evaluate import PipelineEvaluator
 from worker_client.tensorboard import ScalarWriter, eval_scalars, progress_scalars, require_writer
 from worker_client.training import format_event
 
@@ -349,7 +349,9 @@ class Launcher:
         self.dataset: Dataset | None = None
         self.stage_plan: Path | None = None      # pipeline jobs: the stage models and stages.json
         self.rendezvous: Path | None = None      # ... where the stage workers find each other
-        self.evaluation: dict[str, Any] | None = None   # ... the launcher's evaluation of the whole model
+        self.evaluation: dict[str, Any] | None = None   # ... the launcher's final evaluation of the whole model
+        self._evaluator: PipelineEvaluator | None = None   # ... its evaluator, open while the stages train
+        self._eval_bucket = 0                               # ... the last eval_every bucket evaluated
         self.tensorboard: ScalarWriter | None = None
         self._tb_written_at = 0.0
         self._tb_step = -1
@@ -637,6 +639,7 @@ class Launcher:
         c = self.config
         if c.job.stages > 1:   # replica r's stage k trains against stage k's shards
             groups = [addresses[k * c.job.shards:(k + 1) * c.job.shards] for k in range(c.job.stages)]
+            self._evaluator = self._open_evaluator(groups)
             workers = [self._start(f"replica{r}-stage{k}", "worker", r, self.stage_argv(r, k, groups[k]))
                        for r in range(c.job.workers or 1) for k in range(c.job.stages)]
         else:
@@ -645,6 +648,8 @@ class Launcher:
         while True:
             self._pump_once(RUN_POLL_INTERVAL)
             self._check_children()
+            if self._evaluator is not None:
+                self._evaluate_pipeline_when_due()
             if all(w.finished_at is not None and (w.open_streams == 0 or
                                                   time.monotonic() - w.finished_at > DRAIN_TIMEOUT)
                    for w in workers):
@@ -657,23 +662,61 @@ class Launcher:
         self.display.progress(p, force=True)
         if p is not None and self.tensorboard is not None and p.unit == "step":
             self.tensorboard.scalars(p.done, progress_scalars(p.fields()))
-        if c.job.stages > 1:
-            self.evaluate_pipeline(addresses)
+        if self._evaluator is not None:
+            self.evaluate_pipeline()
 
-    def evaluate_pipeline(self, addresses: list[str]) -> None:
-        """The whole model's test metrics at the stages' final parameters (no stage worker holds them all)."""
+    def _open_evaluator(self, groups: list[list[str]]) -> PipelineEvaluator:
+        """The launcher's evaluator of a pipeline job's whole model (no stage worker holds it)."""
         c = self.config
         assert self.model_path is not None and self.dataset is not None
-        groups = [addresses[k * c.job.shards:(k + 1) * c.job.shards] for k in range(c.job.stages)]
         credentials, metadata = client_security(c.worker.tls_ca, c.worker.tls_cert, c.worker.tls_key,
                                                 token_from(c.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
         try:
-            self.evaluation = evaluate_pipeline(self.model_path, groups, self.dataset, timeout=c.job.wait_timeout,
-                                                channel_credentials=credentials, call_metadata=metadata)
+            return PipelineEvaluator(self.model_path, groups, self.dataset, timeout=c.job.wait_timeout,
+                                     channel_credentials=credentials, call_metadata=metadata)
+        except (PSError, ValueError) as exc:
+            raise LaunchError(f"cannot evaluate the pipeline's whole model {self.model_path}: {exc}") from exc
+
+    def _evaluate_pipeline_when_due(self) -> None:
+        """Every eval_every global steps of a pipeline job (stage 0's, asked of its first shard), the whole
+        model's test metrics, as worker 0 reports them in a data-parallel job; the final evaluation covers
+        the last step."""
+        every, steps = self.config.worker.eval_every, self.config.worker.steps
+        if not every or self.training_started is None:
+            return
+        assert self._evaluator is not None
+        try:
+            step = self._evaluator.step()
+            if step // every <= self._eval_bucket or (steps and step >= steps):
+                return
+            self._eval_bucket = step // every
+            record = self._evaluator.evaluate()
+        except (PSError, ValueError) as exc:   # a shard restarting, say: the next one may do; the final one must
+            self._say(f"evaluating the whole model mid-job failed (training goes on): {exc}", "WARNING")
+            return
+        self._record_pipeline_evaluation(record, final=False)
+
+    def _record_pipeline_evaluation(self, evaluation: dict[str, Any], *, final: bool) -> None:
+        record = {**evaluation, "final": final,
+                  "elapsed": round(time.monotonic() - (self.training_started or self.started), 3)}
+        self.evaluations.append(record)
+        if self.tensorboard is not None:
+            self.tensorboard.scalars(record["step"], eval_scalars(record))
+        self._say(f"whole model at step {record['step']}{' (final)' if final else ''}: test accuracy "
+                  f"{_fmt(record.get('test_accuracy'), '.4f')}, test loss {_fmt(record.get('test_loss'), '.4g')}",
+                  **record)
+
+    def evaluate_pipeline(self) -> None:
+        """The whole model's test metrics at the stages' final parameters (no stage worker holds them all)."""
+        assert self._evaluator is not None
+        try:
+            record = self._evaluator.evaluate()
         except (PSError, ValueError) as exc:
             raise LaunchError(f"evaluating the pipeline's final parameters failed: {exc}") from exc
-        self._say(f"evaluated the whole model at the stages' final parameters: test accuracy "
-                  f"{_fmt(self.evaluation.get('test_accuracy'), '.4f')}", **self.evaluation)
+        finally:
+            self._evaluator.close()
+        self.evaluation = {k: v for k, v in record.items() if k != "step"}
+        self._record_pipeline_evaluation(record, final=True)
 
     def stop_all(self) -> None:
         """Stops every child still running, workers first: SIGTERM, then SIGKILL after --stop-timeout (by PID)."""
@@ -747,6 +790,8 @@ class Launcher:
         try:
             return self._run()
         finally:
+            if self._evaluator is not None:   # a pipeline job that failed or was stopped while training
+                self._evaluator.close()
             if self.tensorboard is not None:
                 self.tensorboard.close()
             self._scratch.cleanup()   # the bundled model written for the workers

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.launch import run_launch
+from tests.helpers.tensorboard import read_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +66,26 @@ def test_three_stages_from_a_job_file_with_named_cuts(tmp_path: Path) -> None:
     run = json.loads((tmp_path / "job-file" / "run.json").read_text())
     stages = sorted(w["stage"] for w in run["workers"])
     assert stages == [0, 1, 2]
+
+
+def test_the_launcher_evaluates_the_whole_model_every_eval_every_steps_while_the_stages_train(tmp_path: Path) -> None:
+    every, steps = 40, 200
+    summary = launch(tmp_path, "evaluations", "--mode", "sync", "--workers", "1", "--stages", "2", "--model", "mlp",
+                     "--data", "digits", "--steps", str(steps), "--eval-every", str(every),
+                     "--tensorboard", str(tmp_path / "tb"))
+    evaluations = json.loads((tmp_path / "evaluations" / "run.json").read_text())["evaluations"]
+    during = [e for e in evaluations if not e["final"]]
+    final = [e for e in evaluations if e["final"]]
+    # one evaluation per eval_every bucket the shards' step passed (read within a poll of the boundary), none
+    # of them at the last step, which the final evaluation covers
+    buckets = [e["step"] // every for e in during]
+    assert buckets == sorted(set(buckets)) and len(buckets) >= 2, during
+    assert all(b >= 1 and e["step"] < steps for b, e in zip(buckets, during)), during
+    assert [e["step"] for e in final] == [steps]
+    assert final[0]["test_accuracy"] == summary["test_accuracy"]
+    assert during[0]["test_accuracy"] < summary["test_accuracy"] and summary["test_accuracy"] >= 0.93, evaluations
+    scalars = read_scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["test/accuracy"]] == [e["step"] for e in evaluations]
 
 
 def test_each_stage_worker_peaks_below_the_whole_model_worker(tmp_path: Path) -> None:

@@ -188,18 +188,25 @@ class Optimizer(abc.ABC):
         if row_step is None:
             row_step = state["row_step"] = np.full(param.shape[0], int(state.get("step", 0)), np.int64)
         row_step[rows] += 1
-        steps = row_step[rows]
+        unique_steps, which = np.unique(row_step[rows], return_inverse=True)
+        # Rows whose counts give the same coefficients are updated together: one group for
+        # SGD (two: a momentum buffer's first step), Adagrad without lr_decay and RMSprop,
+        # one per count for Adam. Grouping by count alone cost a fancy-indexed pass per
+        # distinct count: 1 ms a push for 300 rows of a 10^4-row table under Adagrad.
+        groups: dict[tuple[float, ...], list[int]] = {}
+        for k, step in enumerate(unique_steps):
+            groups.setdefault(self._coefficients(int(step)), []).append(k)
         names = list(self._slots())
-        for step in np.unique(steps):
-            pick = steps == step
-            sel = rows if pick.all() else rows[pick]
+        for coefficients, members in groups.items():
+            pick = None if len(groups) == 1 else np.isin(which, members)
+            sel = rows if pick is None else rows[pick]
             p = param[sel]
             slots = [state[name][sel] for name in names]
-            g = grad if pick.all() else grad[pick]
+            g = grad if pick is None else grad[pick]
             if g.dtype != param.dtype:
                 g = g.astype(param.dtype)
             scratch = [np.empty(p.shape, dtype=param.dtype) for _ in range(self._SCRATCH)]
-            self._update(p, g, slots, scratch, self._coefficients(int(step)))
+            self._update(p, g, slots, scratch, coefficients)
             param[sel] = p
             for name, array in zip(names, slots):
                 state[name][sel] = array

@@ -599,38 +599,49 @@ class PSClient:
     def push_pull(self, gradients: Mapping[str, np.ndarray], *, read_steps: Sequence[int] | None = None,
                   wait_for_step: bool = False, ssp: bool = False, wait: float = 1.0,
                   row_gradients: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
-                  ) -> tuple[PushReport, dict[str, np.ndarray] | None]:
+                  names: Sequence[str] | None = None) -> tuple[PushReport, dict[str, np.ndarray] | None]:
         """Push, then pull what the next step needs, in one round trip per shard (the PushPull rpc).
 
         The pull after the push waits as the mode needs: `wait_for_step` (sync: the step
         the push belongs to) or `ssp` (the staleness bound at this worker's new clock), at
         most `wait` s. Returns the push's report and the values, or None for the values when
-        a shard's wait ran out (pull again; the push is not undone) or the model does not
-        is too large for PushPull over gRPC without shared memory (then this is a plain push). Bytes travel
-        through shared memory with shards on this host when `shared_memory` is on. With
-        `row_gradients` (sparse tables) it is a plain push, values None: pull and pull_rows next.
+        a shard's wait ran out (pull again; the push is not undone) or the model is too large
+        for PushPull over gRPC without shared memory (then this is a plain push). Bytes travel
+        through shared memory with shards on this host when `shared_memory` is on.
+
+        `names` pulls only those tensors; `row_gradients` (sparse tables, with `names`: the
+        dense tensors, since the tables' rows are pulled by id) ride in the push's header.
+        Either one sends gRPC bytes (shared memory carries every part of a shard), and a
+        plain push when a shard's bytes are too many for one message, or when `names` is
+        empty beside row gradients (PushPull would read "no names" as every tensor).
         """
         shard_map = self._require_map()
         self._check_gradients(shard_map, gradients)
         clock = self.clock
         steps = list(self.steps if read_steps is None else read_steps)
-        if row_gradients:
-            # sparse tables: the values to pull next are rows (pull_rows) and the dense tensors (pull)
-            return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None
-        if self.duplicate_pushes or not all(self._segment(i) or self._small(shard_map, i)
-                                            for i in range(self.num_shards)):
+        rows_by_shard = sparse.row_gradients_by_shard(shard_map, row_gradients or {}, self.wire_dtype)
+        if names is not None or row_gradients:
+            # gRPC bytes: a shard's segment holds every part of it, a sparse table's included
+            if self.duplicate_pushes or (row_gradients and not names) or not all(
+                    self._small(shard_map, i, names, rows_by_shard.get(i, ())) for i in range(self.num_shards)):
+                return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None
+        elif self.duplicate_pushes or not all(self._segment(i) or self._small(shard_map, i)
+                                              for i in range(self.num_shards)):
             return self.push(gradients, read_steps=steps), None
+        wanted = None if names is None else set(names)
         out: dict[str, np.ndarray] = {}
         destination = self._destination(shard_map, out, threading.Lock())
 
         def one(shard: int) -> tuple[pb.PushResponse, bool, int, dict]:
-            segment = self._segment(shard)
+            segment = self._segment(shard) if wanted is None else None
+            rows = rows_by_shard.get(shard, [])
             response, ready, step, raw_chunks = self._push_pull_once(shard, shard_map, gradients, clock, steps[shard],
-                                                                     segment, wait_for_step, ssp, wait)
+                                                                     segment, wait_for_step, ssp, wait, rows, names)
             if response.duplicate and response.clock > clock + 1:
                 # The shard restarted and took this worker back at a later clock (see push).
                 response, ready, step, raw_chunks = self._push_pull_once(
-                    shard, shard_map, gradients, response.clock, steps[shard], segment, wait_for_step, ssp, wait)
+                    shard, shard_map, gradients, response.clock, steps[shard], segment, wait_for_step, ssp, wait,
+                    rows, names)
             if not ready:
                 return response, False, step, {}
             if segment is not None:
@@ -653,10 +664,11 @@ class PSClient:
         responses = [r[0] for r in results]
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         report = PushReport(responses, clock)
-        self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values())
+        self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
+            len(r.data) + 8 * len(r.ids) for rows in rows_by_shard.values() for r in rows)
         if not all(ready for _, ready, _, _ in results):
             return report, None
-        self.bytes_pulled += sum(p.nbytes for p in shard_map.parts)
+        self.bytes_pulled += sum(p.nbytes for p in shard_map.parts if wanted is None or p.name in wanted)
         for shard, (_, _, step, parts) in enumerate(results):
             self.steps[shard] = step
             self._place(shard_map, out, parts)
@@ -664,10 +676,13 @@ class PSClient:
 
     def _push_pull_once(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray], clock: int,
                         read_step: int, segment: tuple[Segment, Layout] | None, wait_for_step: bool, ssp: bool,
-                        wait: float) -> tuple[pb.PushResponse, bool, int, list]:
-        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step).SerializeToString()
-        pull = pb.PullAfterPush(wait_for_step=wait_for_step, ssp=ssp, wait_timeout_ms=max(1, int(wait * 1000)),
-                                shared_memory=segment is not None, wire_dtype=self._wire_value).SerializeToString()
+                        wait: float, rows: Sequence[pb.RowGradient] = (),
+                        names: Sequence[str] | None = None) -> tuple[pb.PushResponse, bool, int, list]:
+        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step,
+                               row_gradients=rows).SerializeToString()
+        pull = pb.PullAfterPush(names=names or [], wait_for_step=wait_for_step, ssp=ssp,
+                                wait_timeout_ms=max(1, int(wait * 1000)), shared_memory=segment is not None,
+                                wire_dtype=self._wire_value).SerializeToString()
         if segment is not None:
             memory, layout = segment
             pieces = []
@@ -690,7 +705,8 @@ class PSClient:
             # The shard dropped the segment (re-initialized, or none there): this call goes over gRPC.
             log.info("shard %d: shared memory unavailable (%s); bytes go over gRPC", shard, exc)
             self._segments[shard] = None
-            return self._push_pull_once(shard, shard_map, gradients, clock, read_step, None, wait_for_step, ssp, wait)
+            return self._push_pull_once(shard, shard_map, gradients, clock, read_step, None, wait_for_step, ssp, wait,
+                                        rows, names)
         except UnknownWorkerError:
             # A restarted shard may not know this worker: register again and send once more (not taken).
             log.info("shard %d forgot worker %s; registering again", shard, self.worker_id)
@@ -745,9 +761,13 @@ class PSClient:
                 full[row_start:row_start + value.shape[0]] = value
 
     @staticmethod
-    def _small(shard_map: ShardMap, shard: int) -> bool:
-        """Whether a shard's parts are few enough bytes for PushPull over gRPC (GRPC_PUSH_PULL_MAX_BYTES)."""
-        return sum(p.nbytes for p in shard_map.parts_on(shard)) <= GRPC_PUSH_PULL_MAX_BYTES
+    def _small(shard_map: ShardMap, shard: int, names: Sequence[str] | None = None,
+               rows: Sequence[pb.RowGradient] = ()) -> bool:
+        """Whether a shard's parts (those in `names`; None: all), with its row gradients, are few enough bytes
+        for PushPull over gRPC (GRPC_PUSH_PULL_MAX_BYTES)."""
+        wanted = None if names is None else set(names)
+        size = sum(p.nbytes for p in shard_map.parts_on(shard) if wanted is None or p.name in wanted)
+        return size + sum(len(r.data) + 8 * len(r.ids) for r in rows) <= GRPC_PUSH_PULL_MAX_BYTES
 
     def _segment(self, shard: int) -> tuple[Segment, Layout] | None:
         """The shared-memory segment with a shard on this host, opened on first use; None: use gRPC bytes."""

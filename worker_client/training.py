@@ -629,10 +629,12 @@ class Trainer:
             # One round trip per shard: the push (gradients, and running statistics that the
             # shards replace: sync takes the mean), and the pull the mode needs next (at most
             # RECHECK_SECONDS of waiting; past that, the waiting loop of _pull takes over).
-            # With sparse tables it is a push; the pull of the dense tensors follows (_pull).
+            # With sparse tables the row gradients ride in the push, the pull reads the dense
+            # tensors, and the next batch's rows come by id (pull_rows above).
             outcome, parameters = client.push_pull({**gradients, **result.state}, read_steps=read_steps,
                                                    wait_for_step=self.mode == "sync", ssp=self.mode == "ssp",
-                                                   wait=RECHECK_SECONDS, row_gradients=row_gradients)
+                                                   wait=RECHECK_SECONDS, row_gradients=row_gradients,
+                                                   names=self.dense_names)
             mins = sync_min_steps(read_steps, outcome) if self.mode == "sync" else None
             tally.count(outcome)
             window.add(tally.loss, plan.batch_size)

@@ -139,3 +139,37 @@ def test_sync_rows_are_summed_over_the_steps_contributors_and_divided_by_n(sync_
     total_a = sum(range(1, n + 1))
     np.testing.assert_allclose(rows_of(after)[0], before[0] - LR * total_a / n, rtol=1e-5)
     np.testing.assert_allclose(rows_of(after)[1], before[1] - LR * 1.0 / n, rtol=1e-5)
+
+
+def test_a_push_pull_carries_row_gradients_as_push_does_and_pulls_only_the_named_tensors(async_ready: Target,
+                                                                                         workers: Workers) -> None:
+    """The fast path of a sparse step: the rows ride in PushPull's header, the pull reads the dense tensors."""
+    worker = workers.new()
+    shard = table_shards(async_ready)[0]
+    a, b = owned_ids(async_ready, shard)
+    before = rows_of(pull_rows(async_ready, shard, [a, b]))
+    # the dense tensors: those of the model that are not the table (a shard may hold none of them: then none
+    # come back, as a Pull of a name the shard holds no part of returns nothing)
+    dense = sorted(n for n in async_ready.shard_map().specs if n != TABLE)
+    clock, step = workers.start_clocks[worker][shard], async_ready.info(shard).step
+    request = pb.PushPullRequest(header=pb.PushHeader(worker_id=worker, clock=clock, read_step=step,
+                                                      row_gradients=[row_gradient([a, a], np.ones((2, 16),
+                                                                                                 np.float32))]),
+                                 pull=pb.PullAfterPush(names=dense, wait_timeout_ms=1000))
+    first = async_ready.stubs[shard].PushPull(request, timeout=RPC_TIMEOUT)
+    assert first.push.outcome == pb.PUSH_ACCEPTED and first.ready and first.step == step + 1
+    held = {p.name for p in async_ready.parts_on(shard) if p.name != TABLE}
+    assert {c.name for c in first.chunks} == held                   # the named tensors this shard holds, no table
+    again = async_ready.stubs[shard].PushPull(request, timeout=RPC_TIMEOUT)
+    assert again.push.duplicate and again.step == step + 1          # acknowledged, not applied twice
+    after = rows_of(pull_rows(async_ready, shard, [a, b]))
+    np.testing.assert_allclose(after[0], before[0] - LR * 2, rtol=1e-6)
+    np.testing.assert_array_equal(after[1], before[1])
+    # a bad row gradient in a PushPull is refused whole, as in a Push
+    bad = pb.PushPullRequest(header=pb.PushHeader(worker_id=worker, clock=clock + 1, read_step=step + 1,
+                                                  row_gradients=[row_gradient([a], np.ones((1, 3), np.float32))]),
+                             pull=pb.PullAfterPush(names=request.pull.names, wait_timeout_ms=1000))
+    snapshot = async_ready.snapshot(shard, [worker])
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT,
+                  lambda: async_ready.stubs[shard].PushPull(bad, timeout=RPC_TIMEOUT), TABLE)
+    assert async_ready.snapshot(shard, [worker]) == snapshot

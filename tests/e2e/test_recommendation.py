@@ -60,8 +60,10 @@ def test_the_fm_trains_sparsely_to_the_stated_auc_with_bytes_that_follow_its_row
     per_table = sparse["unique_rows_per_step"] / 2
     assert 0 < per_table <= 64 * FIELDS
     need = per_table * (DIM * 4 + 8) + per_table * (4 + 8) + 4      # rows, their int64 ids, and the bias
+    # the record rounds unique_rows_per_step and the bytes to 0.1: need is known to within this
+    rounding = 0.05 * ((DIM * 4 + 8) + (4 + 8)) + 0.05
     for key in ("bytes_pulled_per_step", "bytes_pushed_per_step"):
-        assert need <= sparse[key] <= BYTES_FACTOR * need, (key, sparse[key], need)
+        assert need - rounding <= sparse[key] <= BYTES_FACTOR * need, (key, sparse[key], need)
         assert dense[key] >= FIELDS * VOCAB * (DIM + 1) * 4          # dense moves both whole tables every step
 
 
@@ -78,5 +80,6 @@ def test_the_fm_trains_on_hashed_ids_with_dynamic_tables_to_the_stated_auc_with_
     per_table = dynamic["unique_rows_per_step"] / 2
     assert 0 < per_table <= 64 * FIELDS
     need = per_table * (DIM * 4 + 8) + per_table * (4 + 8) + 4      # rows, their int64 ids, and the bias
+    rounding = 0.05 * ((DIM * 4 + 8) + (4 + 8)) + 0.05                # as above
     for key in ("bytes_pulled_per_step", "bytes_pushed_per_step"):
-        assert need <= dynamic[key] <= BYTES_FACTOR * need, (key, dynamic[key], need)
+        assert need - rounding <= dynamic[key] <= BYTES_FACTOR * need, (key, dynamic[key], need)

@@ -57,8 +57,9 @@ def test_hashed_ids_train_as_dynamic_tables_whose_live_rows_the_shards_count(tmp
         assert 0 < sum(d.rows for d in live) <= seen         # only ids a batch or the evaluation used
     rows = result["unique_rows_per_step"] / len(TABLES)      # every id is a row of both tables
     need = rows * (DIM * 4 + 8) + rows * (4 + 8) + 4         # the rows, their int64 ids, and the bias
+    rounding = 0.05 * ((DIM * 4 + 8) + (4 + 8)) + 0.05       # the result rounds rows and bytes to 0.1
     for key in ("bytes_pulled_per_step", "bytes_pushed_per_step"):
-        assert need <= result[key] <= BYTES_FACTOR * need, (key, result[key], need)
+        assert need - rounding <= result[key] <= BYTES_FACTOR * need, (key, result[key], need)
 
 
 def test_rows_untouched_for_evict_after_steps_are_evicted(tmp_path):

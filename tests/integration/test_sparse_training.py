@@ -53,6 +53,7 @@ def test_sparse_and_dense_training_reach_the_same_auc_and_sparse_bytes_follow_th
     rows = sparse["unique_rows_per_step"]
     assert 0 < rows <= BATCH * BAG
     need = rows * (DIM * 4 + 8)                    # the rows' float32 values and their int64 ids
+    rounding = 0.05 * (DIM * 4 + 8) + 0.05         # the result rounds rows and bytes to 0.1
     for key in ("bytes_pulled_per_step", "bytes_pushed_per_step"):
-        assert need <= sparse[key] <= BYTES_FACTOR * need, (key, sparse[key], need)
+        assert need - rounding <= sparse[key] <= BYTES_FACTOR * need, (key, sparse[key], need)
         assert dense[key] >= VOCAB * DIM * 4         # dense moves the whole table every step

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 import ml_dtypes
@@ -325,21 +326,25 @@ def decode_message(raw: bytes) -> tuple[int | memoryview | None, list[ChunkView]
     return first, chunks
 
 
-def decode_with_extras(raw: bytes) -> tuple[int | memoryview | None, list[ChunkView], dict[int, int | memoryview]]:
+def decode_with_extras(raw: bytes, repeated: frozenset[int] = frozenset()
+                       ) -> tuple[int | memoryview | None, list[ChunkView], dict[int, Any]]:
     """decode_message, plus the last value of every other field by number (PushPullRequest, PushPullResponse).
 
     Fields 1 and 2 are read as decode_message reads them; for the others, a varint field
-    gives an int and a length-delimited one a view (a nested message to parse).
+    gives an int and a length-delimited one a view (a nested message to parse). A field
+    number in `repeated` gives the list of all its values, in order ([] when absent).
     """
     buf = memoryview(raw)
     first: int | memoryview | None = None
     chunks: list[ChunkView] = []
-    extras: dict[int, int | memoryview] = {}
+    extras: dict[int, Any] = {number: [] for number in repeated}
     for number, wire_type, value in _fields(buf, 0, len(buf)):
         if number == 1:
             first = _signed(value) if wire_type == 0 else value
         elif number == 2 and wire_type == 2:
             chunks.append(_chunk_view(value))
+        elif number in repeated:
+            extras[number].append(value)
         else:
             extras[number] = value
     return first, chunks, extras

@@ -16,8 +16,9 @@ import grpc
 import numpy as np
 
 from ps_common import codec
-from ps_common.errors import (REASON_KEY, InvalidRequestError, PSError, SharedMemoryUnavailableError,
-                              UnknownTensorError, UnknownWorkerError, WaitTimeoutError, shorten)
+from ps_common.errors import (REASON_KEY, InvalidRequestError, PSError, ResourceExhaustedError,
+                              SharedMemoryUnavailableError, UnknownTensorError, UnknownWorkerError, WaitTimeoutError,
+                              shorten)
 from ps_common.shared_memory import Layout
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -283,11 +284,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             tables = [(t.name, np.array(t.ids, dtype=np.int64)) for t in request.tables]
             step, rows = self.shard.pull_rows(tables, min_step=request.min_step, worker_id=request.worker_id,
                                               clock=request.clock, timeout=timeout)
-        response = pb.PullRowsResponse(step=step)
-        for name, values in rows:
-            dtype, data = codec.rows_to_wire(values)
-            response.tables.add(name=name, dtype=dtype, shape=values.shape, data=data)
-        return response
+        return pb.PullRowsResponse(step=step, tables=[row_values(name, values) for name, values in rows])
 
     @translate_errors
     def Barrier(self, request, context):
@@ -326,6 +323,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 raise InvalidRequestError("PushPull: the request must carry a header (field 1)")
             header = _parse(pb.PushHeader, header_view, "PushPull header")
             pull = _parse(pb.PullAfterPush, extras.get(3, b""), "PushPull pull")
+            # the rows to read after the push are checked before it, so a bad request changes nothing
+            read_rows, rows_bytes = self.shard.rows_reader(
+                [(t.name, np.array(t.ids, dtype=np.int64)) for t in pull.rows],
+                f"PushPull rows by {header.worker_id!r}") if pull.rows else (None, 0)
             segment = None
             if extras.get(4) or pull.shared_memory:
                 segment = self._segment_of(header.worker_id)
@@ -349,17 +350,29 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             wire = wire_dtype(pull.wire_dtype)
             read = (lambda step, parts: self.pull_cache.body(step, parts, wire)) \
                 if segment is None or not pull.shared_memory else _write_values(segment)
+            if read_rows is not None:   # the rows under the same lock, at the values' step
+                read = _and_rows(read, read_rows)
+            rows: list[tuple[str, np.ndarray]] = []
             try:
                 step, body = self.shard.pull(list(pull.names), min_step=min_step,
                                              worker_id=header.worker_id if pull.ssp else "",
                                              clock=result.clock, timeout=self._push_pull_wait(pull, context),
-                                             read=read)
+                                             read=read, nbytes=None if read_rows is None else rows_bytes)
+                if read_rows is not None:
+                    body, rows = body
                 ready = True
             except WaitTimeoutError:
                 step, body, ready = 0, b"", False
+            except ResourceExhaustedError as exc:
+                if read_rows is None:
+                    raise
+                # new dynamic rows would pass max_shard_bytes: the push stands, the rows are not read
+                log.warning("PushPull by %r: its rows were not read: %s", header.worker_id, exc)
+                step, body, ready = 0, b"", False
         return b"".join([codec.scalar_field(1, step), body,
                          codec.message_field(3, push_response(result).SerializeToString()),
-                         codec.scalar_field(4, ready)])
+                         codec.scalar_field(4, ready), *(codec.message_field(5, row_values(name, values).SerializeToString())
+                                                         for name, values in rows)])
 
     def _push_pull_wait(self, pull: pb.PullAfterPush, context) -> float:
         if pull.wait_timeout_ms < 0:
@@ -387,6 +400,22 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                            for key, state in self.shard.store_parts())
         segment, layout = self.segments.open(request.worker_id, layout, known=known)
         return pb.SharedMemoryResponse(name=segment.name, size=layout.size, values_offset=layout.values_offset)
+
+
+def row_values(name: str, values: np.ndarray) -> pb.RowValues:
+    """The rows of one table, as PullRows and PushPull answer them."""
+    dtype, data = codec.rows_to_wire(values)
+    return pb.RowValues(name=name, dtype=dtype, shape=values.shape, data=data)
+
+
+def _and_rows(read: Callable, read_rows: Callable[[int], list]) -> Callable:
+    """A Shard.pull read callback: `read`'s (step, body), with the rows read at the same step: (step, (body, rows))."""
+
+    def both(step: int, parts) -> tuple[int, tuple[bytes, list]]:
+        step, body = read(step, parts)
+        return step, (body, read_rows(step))
+
+    return both
 
 
 def wire_dtype(value: int) -> np.dtype | None:

@@ -404,15 +404,24 @@ class Shard:
         """(step, [(name, rows)]): the rows `ids` of each named tensor (ids this shard owns), after the waits of pull."""
         if min_step < 0:
             raise InvalidRequestError(f"min_step must be >= 0, got {min_step}")
+        read, nbytes = self.rows_reader(tables, f"PullRows by {worker_id or 'a client'!r}")
+        return self.pull([name for name, _ in tables], min_step=min_step, worker_id=worker_id, clock=clock,
+                         timeout=timeout, read=lambda step, parts: (step, read(step)), nbytes=nbytes)
+
+    def rows_reader(self, tables: Sequence[tuple[str, np.ndarray]],
+                    where: str) -> tuple[Callable[[int], list[tuple[str, np.ndarray]]], int]:
+        """Checks a request for rows (tables named once, known, ids this shard owns; InvalidRequestError,
+        UnknownTensorError, NotInitializedError) and returns (read, bytes): `read(step)`, called under the
+        lock (Shard.pull's read), gives [(name, rows)] in request order; it creates missing dynamic rows,
+        or raises ResourceExhaustedError when they would pass max_shard_bytes."""
         if not tables:
-            raise InvalidRequestError("PullRows: no tables named")
+            raise InvalidRequestError(f"{where}: no tables named")
         names = [name for name, _ in tables]
         if len(set(names)) != len(names):
-            raise InvalidRequestError(f"PullRows: a tensor is named twice in {names[:10]}")
+            raise InvalidRequestError(f"{where}: a tensor is named twice in {names[:10]}")
         shard_map = self.store.shard_map
         if shard_map is None:
             raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet: pull before InitParameters")
-        where = f"PullRows by {worker_id or 'a client'!r}"
         plan = []
         for name, ids in tables:
             check_table_name(name, where)
@@ -423,7 +432,7 @@ class Shard:
             else:
                 plan.append((name, ids, owned_parts(shard_map, self.config.shard_index, name, ids, where)))
 
-        def read(step: int, parts: list[PartState]) -> tuple[int, list[tuple[str, np.ndarray]]]:
+        def read(step: int) -> list[tuple[str, np.ndarray]]:
             # under the lock: dynamic rows are created (from the initializer) and touched at this step
             self._check_room([(name, ids) for name, ids, found in plan if found is None])
             out = []
@@ -436,11 +445,9 @@ class Shard:
                 for part, pos in found:
                     rows[pos] = self.store.parts[(part.name, part.row_start)].value[ids[pos] - part.row_start]
                 out.append((name, rows))
-            return step, out
+            return out
 
-        nbytes = sum(len(ids) * shard_map.specs[name].row_bytes for name, ids in tables)
-        return self.pull(names, min_step=min_step, worker_id=worker_id, clock=clock, timeout=timeout, read=read,
-                         nbytes=nbytes)
+        return read, sum(len(ids) * shard_map.specs[name].row_bytes for name, ids in tables)
 
     # ------------------------------------------------------------------ membership
 

@@ -592,7 +592,7 @@ class PSClient:
                for name, ids in rows.items()}
         for shard, answer in zip(targets, answers):
             self.steps[shard] = answer.step
-            sparse.place_rows(out, plan[shard], answer)
+            sparse.place_rows(out, plan[shard], answer.tables)
         self.bytes_pulled += sum(v.nbytes + 8 * len(v) for v in out.values())
         return out
 
@@ -615,35 +615,57 @@ class PSClient:
         plain push when a shard's bytes are too many for one message, or when `names` is
         empty beside row gradients (PushPull would read "no names" as every tensor).
         """
+        report, values, _ = self._push_pull(gradients, read_steps=read_steps, wait_for_step=wait_for_step, ssp=ssp,
+                                            wait=wait, row_gradients=row_gradients, names=names)
+        return report, values
+
+    def push_pull_rows(self, gradients: Mapping[str, np.ndarray], row_gradients: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                       *, names: Sequence[str], rows: Mapping[str, np.ndarray], read_steps: Sequence[int] | None = None,
+                       wait_for_step: bool = False, ssp: bool = False, wait: float = 1.0,
+                       ) -> tuple[PushReport, dict[str, np.ndarray] | None, dict[str, np.ndarray] | None]:
+        """A sparse step's round trip: `push_pull` with row gradients and the dense tensors `names`, whose pull
+        also reads the rows `rows` (table -> ids, as `pull_rows` takes them: the next batch's) at the same
+        step. Returns (report, dense values, rows); both None when push_pull's values would be (pull them),
+        rows alone None when a shard did not read them (pull_rows them)."""
+        return self._push_pull(gradients, read_steps=read_steps, wait_for_step=wait_for_step, ssp=ssp, wait=wait,
+                               row_gradients=row_gradients, names=names, rows=rows)
+
+    def _push_pull(self, gradients: Mapping[str, np.ndarray], *, read_steps: Sequence[int] | None,
+                   wait_for_step: bool, ssp: bool, wait: float,
+                   row_gradients: Mapping[str, tuple[np.ndarray, np.ndarray]] | None, names: Sequence[str] | None,
+                   rows: Mapping[str, np.ndarray] | None = None,
+                   ) -> tuple[PushReport, dict[str, np.ndarray] | None, dict[str, np.ndarray] | None]:
         shard_map = self._require_map()
         self._check_gradients(shard_map, gradients)
         clock = self.clock
         steps = list(self.steps if read_steps is None else read_steps)
         rows_by_shard = sparse.row_gradients_by_shard(shard_map, row_gradients or {}, self.wire_dtype)
-        if names is not None or row_gradients:
+        wanted_rows = sparse.route_rows(shard_map, rows) if rows else {}   # shard -> [(table, positions, ids)]
+        if names is not None or row_gradients or rows:
             # gRPC bytes: a shard's segment holds every part of it, a sparse table's included
-            if self.duplicate_pushes or (row_gradients and not names) or not all(
-                    self._small(shard_map, i, names, rows_by_shard.get(i, ())) for i in range(self.num_shards)):
-                return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None
+            if self.duplicate_pushes or ((row_gradients or rows) and not names) or not all(
+                    self._small(shard_map, i, names, rows_by_shard.get(i, ()), wanted_rows.get(i, ()))
+                    for i in range(self.num_shards)):
+                return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None
         elif self.duplicate_pushes or not all(self._segment(i) or self._small(shard_map, i)
                                               for i in range(self.num_shards)):
-            return self.push(gradients, read_steps=steps), None
+            return self.push(gradients, read_steps=steps), None, None
         wanted = None if names is None else set(names)
         out: dict[str, np.ndarray] = {}
         destination = self._destination(shard_map, out, threading.Lock())
 
-        def one(shard: int) -> tuple[pb.PushResponse, bool, int, dict]:
+        def one(shard: int) -> tuple[pb.PushResponse, bool, int, dict, list]:
             segment = self._segment(shard) if wanted is None else None
-            rows = rows_by_shard.get(shard, [])
-            response, ready, step, raw_chunks = self._push_pull_once(shard, shard_map, gradients, clock, steps[shard],
-                                                                     segment, wait_for_step, ssp, wait, rows, names)
+            grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
+            response, ready, step, raw_chunks, row_values = self._push_pull_once(
+                shard, shard_map, gradients, clock, steps[shard], segment, wait_for_step, ssp, wait, grads, names, asked)
             if response.duplicate and response.clock > clock + 1:
                 # The shard restarted and took this worker back at a later clock (see push).
-                response, ready, step, raw_chunks = self._push_pull_once(
+                response, ready, step, raw_chunks, row_values = self._push_pull_once(
                     shard, shard_map, gradients, response.clock, steps[shard], segment, wait_for_step, ssp, wait,
-                    rows, names)
+                    grads, names, asked)
             if not ready:
-                return response, False, step, {}
+                return response, False, step, {}, []
             if segment is not None:
                 memory, layout = segment
                 values = {}
@@ -654,35 +676,44 @@ class PSClient:
                         values[slot.key] = view.copy()   # the segment is rewritten by the next call
                     else:
                         np.copyto(target, view)
-                return response, True, step, values
+                return response, True, step, values, row_values
             assembler = codec.PartAssembler(destination=destination)
             for chunk in raw_chunks:
                 assembler.add(chunk)
-            return response, True, step, assembler.finish()
+            return response, True, step, assembler.finish(), row_values
 
         results = [one(0)] if self.num_shards == 1 else list(self._pool.map(one, range(self.num_shards)))
         responses = [r[0] for r in results]
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         report = PushReport(responses, clock)
         self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
-            len(r.data) + 8 * len(r.ids) for rows in rows_by_shard.values() for r in rows)
-        if not all(ready for _, ready, _, _ in results):
-            return report, None
+            len(r.data) + 8 * len(r.ids) for grads in rows_by_shard.values() for r in grads)
+        if not all(r[1] for r in results):
+            return report, None, None
         self.bytes_pulled += sum(p.nbytes for p in shard_map.parts if wanted is None or p.name in wanted)
-        for shard, (_, _, step, parts) in enumerate(results):
+        for shard, (_, _, step, parts, _) in enumerate(results):
             self.steps[shard] = step
             self._place(shard_map, out, parts)
-        return report, out
+        if not rows:
+            return report, out, None
+        got = {name: np.empty((len(ids), *shard_map.specs[name].row_shape), dtype=shard_map.specs[name].dtype)
+               for name, ids in rows.items()}
+        for shard, asked in wanted_rows.items():
+            sparse.place_rows(got, asked, results[shard][4])
+        self.bytes_pulled += sum(v.nbytes + 8 * len(v) for v in got.values())
+        return report, out, got
 
     def _push_pull_once(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray], clock: int,
                         read_step: int, segment: tuple[Segment, Layout] | None, wait_for_step: bool, ssp: bool,
-                        wait: float, rows: Sequence[pb.RowGradient] = (),
-                        names: Sequence[str] | None = None) -> tuple[pb.PushResponse, bool, int, list]:
+                        wait: float, rows: Sequence[pb.RowGradient] = (), names: Sequence[str] | None = None,
+                        asked: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+                        ) -> tuple[pb.PushResponse, bool, int, list, list[pb.RowValues]]:
         header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step,
                                row_gradients=rows).SerializeToString()
         pull = pb.PullAfterPush(names=names or [], wait_for_step=wait_for_step, ssp=ssp,
                                 wait_timeout_ms=max(1, int(wait * 1000)), shared_memory=segment is not None,
-                                wire_dtype=self._wire_value).SerializeToString()
+                                wire_dtype=self._wire_value,
+                                rows=[pb.RowIds(name=n, ids=ids) for n, _, ids in asked]).SerializeToString()
         if segment is not None:
             memory, layout = segment
             pieces = []
@@ -706,7 +737,7 @@ class PSClient:
             log.info("shard %d: shared memory unavailable (%s); bytes go over gRPC", shard, exc)
             self._segments[shard] = None
             return self._push_pull_once(shard, shard_map, gradients, clock, read_step, None, wait_for_step, ssp, wait,
-                                        rows, names)
+                                        rows, names, asked)
         except UnknownWorkerError:
             # A restarted shard may not know this worker: register again and send once more (not taken).
             log.info("shard %d forgot worker %s; registering again", shard, self.worker_id)
@@ -714,9 +745,14 @@ class PSClient:
                 pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout, metadata=self.metadata))
             self._segments.pop(shard, None)
             raw = self._call(shard, "PushPull", call)
-        step, chunks, extras = codec.decode_with_extras(raw)
+        step, chunks, extras = codec.decode_with_extras(raw, repeated=frozenset({5}))
         response = pb.PushResponse.FromString(bytes(extras.get(3, b"")))
-        return response, bool(extras.get(4, 0)), int(step or 0), chunks
+        ready = bool(extras.get(4, 0))
+        row_values = [pb.RowValues.FromString(bytes(v)) for v in extras[5]]
+        if ready and asked and len(row_values) != len(asked):
+            raise InvalidTensorError(f"shard {shard} answered {len(row_values)} tables of rows to a PushPull that "
+                                     f"asked for {len(asked)}: a server without PullAfterPush.rows?")
+        return response, ready, int(step or 0), chunks, row_values
 
     @staticmethod
     def _destination(shard_map: ShardMap, out: dict[str, np.ndarray], lock: threading.Lock):
@@ -762,12 +798,14 @@ class PSClient:
 
     @staticmethod
     def _small(shard_map: ShardMap, shard: int, names: Sequence[str] | None = None,
-               rows: Sequence[pb.RowGradient] = ()) -> bool:
-        """Whether a shard's parts (those in `names`; None: all), with its row gradients, are few enough bytes
-        for PushPull over gRPC (GRPC_PUSH_PULL_MAX_BYTES)."""
+               rows: Sequence[pb.RowGradient] = (), asked: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()) -> bool:
+        """Whether a shard's parts (those in `names`; None: all), with its row gradients and the rows asked of
+        it, are few enough bytes for PushPull over gRPC (GRPC_PUSH_PULL_MAX_BYTES)."""
         wanted = None if names is None else set(names)
         size = sum(p.nbytes for p in shard_map.parts_on(shard) if wanted is None or p.name in wanted)
-        return size + sum(len(r.data) + 8 * len(r.ids) for r in rows) <= GRPC_PUSH_PULL_MAX_BYTES
+        size += sum(len(r.data) + 8 * len(r.ids) for r in rows)
+        size += sum(len(ids) * shard_map.specs[name].row_bytes for name, _, ids in asked)
+        return size <= GRPC_PUSH_PULL_MAX_BYTES
 
     def _segment(self, shard: int) -> tuple[Segment, Layout] | None:
         """The shared-memory segment with a shard on this host, opened on first use; None: use gRPC bytes."""

@@ -12,7 +12,7 @@ every shard gets a RowGradient for it, empty when none of the batch's ids hash t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -67,10 +67,11 @@ def route_rows(shard_map: ShardMap, rows: Mapping[str, np.ndarray]) -> dict[int,
     return plan
 
 
-def place_rows(out: dict[str, np.ndarray], tables: list[tuple[str, np.ndarray, np.ndarray]],
-               answer: pb.PullRowsResponse) -> None:
-    """Puts one shard's PullRowsResponse into `out` (rows at the positions they were asked for)."""
-    got = {t.name: t for t in answer.tables}
+def place_rows(out: dict[str, np.ndarray], tables: Sequence[tuple[str, np.ndarray, np.ndarray]],
+               answer: Iterable[pb.RowValues]) -> None:
+    """Puts one shard's answered rows (PullRowsResponse.tables, PushPullResponse.rows) into `out`, at the
+    positions they were asked for."""
+    got = {t.name: t for t in answer}
     for name, pos, ids in tables:
         table = got.get(name)
         if table is None:

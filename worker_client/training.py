@@ -586,6 +586,16 @@ class Trainer:
             return True
         return plan.epochs is not None and tally.start_clock + tally.iterations >= plan.epochs * self.batches_per_epoch
 
+    def _last_iteration(self, tally: _Tally, read_steps: list[int]) -> bool:
+        """Whether the step being pushed is plainly this worker's last (sync: the step it completes is
+        `steps`; epochs: the last batch), so its PushPull need not read the next batch's rows. In async
+        and ssp other workers move the step too: there the last step's rows may be read for nothing
+        (for a dynamic table, that creates them, as an evaluation of unseen ids does)."""
+        plan = self.plan
+        if plan.epochs is not None and tally.start_clock + tally.iterations + 1 >= plan.epochs * self.batches_per_epoch:
+            return True
+        return plan.steps is not None and self.mode == "sync" and min(read_steps) + 1 >= plan.steps
+
     def _first_pull(self, tally: _Tally) -> dict[str, np.ndarray] | None:
         """The loop's first parameters (None when stopped), evaluated at the start; from here the
         byte counters count the loop's own bytes."""
@@ -605,16 +615,21 @@ class Trainer:
             return True
         mins: list[int] | None = None   # sync: the steps the next rows must be read at
         batches = self._batches(tally.start_clock)
+        upcoming = next(batches)
+        prefetched: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None   # (ids, rows) of `upcoming`
         while not self._done(tally):
             if self.stop.is_set():
                 return True
-            tally.epoch, x, y = next(batches)
+            (tally.epoch, x, y), upcoming = upcoming, next(batches)
             batch = {self.input_name: x, "labels": y}
             ids, row_gradients = None, None
-            if self.sparse.tables:   # pull the rows this batch touches (docs/protocol.md, "Sparse rows")
-                ids = self.sparse.unique_ids(batch)
+            if self.sparse.tables:   # the rows this batch touches (docs/protocol.md, "Sparse rows")
+                if prefetched is not None:   # read by the last step's PushPull, at this step's values
+                    ids, rows = prefetched
+                else:
+                    ids = self.sparse.unique_ids(batch)
+                    rows = client.pull_rows(ids, min_steps=mins, timeout=plan.wait_timeout)
                 tally.rows += sum(len(v) for v in ids.values())
-                rows = client.pull_rows(ids, min_steps=mins, timeout=plan.wait_timeout)
                 parameters = {**parameters, **{t.rows_name: self.sparse.rows_parameter(n, rows[n])
                                                for n, t in self.sparse.tables.items()}}
                 batch = self.sparse.feeds(batch, ids)
@@ -622,19 +637,29 @@ class Trainer:
             tally.loss = result.loss
             read_steps = list(client.steps)
             gradients = result.gradients
+            # One round trip per shard: the push (gradients, and running statistics that the
+            # shards replace: sync takes the mean), and the pull the mode needs next (at most
+            # RECHECK_SECONDS of waiting; past that, the waiting loop of _pull takes over).
+            # With sparse tables the row gradients ride in the push, and the pull reads the
+            # dense tensors and the next batch's rows (unless this is plainly the last step).
+            wait = dict(read_steps=read_steps, wait_for_step=self.mode == "sync", ssp=self.mode == "ssp",
+                        wait=RECHECK_SECONDS)
+            prefetched = None
             if ids is not None:
                 row_gradients = self.sparse.row_gradients(gradients, ids)
                 rows_names = {t.rows_name for t in self.sparse.tables.values()}
                 gradients = {k: v for k, v in gradients.items() if k not in rows_names}
-            # One round trip per shard: the push (gradients, and running statistics that the
-            # shards replace: sync takes the mean), and the pull the mode needs next (at most
-            # RECHECK_SECONDS of waiting; past that, the waiting loop of _pull takes over).
-            # With sparse tables the row gradients ride in the push, the pull reads the dense
-            # tensors, and the next batch's rows come by id (pull_rows above).
-            outcome, parameters = client.push_pull({**gradients, **result.state}, read_steps=read_steps,
-                                                   wait_for_step=self.mode == "sync", ssp=self.mode == "ssp",
-                                                   wait=RECHECK_SECONDS, row_gradients=row_gradients,
-                                                   names=self.dense_names)
+                next_ids = None if self._last_iteration(tally, read_steps) else \
+                    self.sparse.unique_ids({self.input_name: upcoming[1], "labels": upcoming[2]})
+                if next_ids is None:
+                    outcome, parameters = client.push_pull({**gradients, **result.state}, **wait,
+                                                           row_gradients=row_gradients, names=self.dense_names)
+                else:
+                    outcome, parameters, next_rows = client.push_pull_rows(
+                        {**gradients, **result.state}, row_gradients, names=self.dense_names, rows=next_ids, **wait)
+                    prefetched = None if next_rows is None else (next_ids, next_rows)
+            else:
+                outcome, parameters = client.push_pull({**gradients, **result.state}, **wait)
             mins = sync_min_steps(read_steps, outcome) if self.mode == "sync" else None
             tally.count(outcome)
             window.add(tally.loss, plan.batch_size)

@@ -173,3 +173,48 @@ def test_a_push_pull_carries_row_gradients_as_push_does_and_pulls_only_the_named
     expect_status(grpc.StatusCode.INVALID_ARGUMENT,
                   lambda: async_ready.stubs[shard].PushPull(bad, timeout=RPC_TIMEOUT), TABLE)
     assert async_ready.snapshot(shard, [worker]) == snapshot
+
+
+def test_a_push_pull_reads_the_rows_asked_in_its_pull_at_the_step_of_its_values(async_ready: Target,
+                                                                                workers: Workers) -> None:
+    """PullAfterPush.rows: a sparse step's next rows come back with the values, after the push."""
+    worker = workers.new()
+    shard = table_shards(async_ready)[0]
+    a, b = owned_ids(async_ready, shard)
+    before = rows_of(pull_rows(async_ready, shard, [a, b]))
+    clock, step = workers.start_clocks[worker][shard], async_ready.info(shard).step
+    request = pb.PushPullRequest(
+        header=pb.PushHeader(worker_id=worker, clock=clock, read_step=step,
+                             row_gradients=[row_gradient([a], np.ones((1, 16), np.float32))]),
+        pull=pb.PullAfterPush(names=sorted(n for n in async_ready.shard_map().specs if n != TABLE),
+                              wait_timeout_ms=1000, rows=[pb.RowIds(name=TABLE, ids=[b, a, b])]))
+    response = async_ready.stubs[shard].PushPull(request, timeout=RPC_TIMEOUT)
+    assert response.ready and response.step == step + 1 and [t.name for t in response.rows] == [TABLE]
+    (table,) = response.rows
+    got = codec.rows_from_wire(table.name, table.dtype, table.data, table.shape[0], table.shape[1:])
+    np.testing.assert_allclose(got[1], before[0] - LR, rtol=1e-6)          # read after the push: a updated
+    np.testing.assert_array_equal(got[[0, 2]], before[[1, 1]])              # in request order, repeats kept
+    np.testing.assert_array_equal(got, rows_of(pull_rows(async_ready, shard, [b, a, b])))
+
+
+@pytest.mark.parametrize("what", ["an id of another shard", "an unknown tensor", "a tensor named twice"])
+def test_a_push_pull_asking_bad_rows_is_refused_before_its_push_and_changes_nothing(ready: Target,
+                                                                                   workers: Workers, what) -> None:
+    worker = workers.new()
+    shards = table_shards(ready)
+    shard = shards[0]
+    mine, theirs = owned_ids(ready, shard), owned_ids(ready, shards[1])
+    asked = {"an id of another shard": [pb.RowIds(name=TABLE, ids=[int(theirs[0])])],
+             "an unknown tensor": [pb.RowIds(name="contract.no-such-table", ids=[0])],
+             "a tensor named twice": [pb.RowIds(name=TABLE, ids=[int(mine[0])]),
+                                      pb.RowIds(name=TABLE, ids=[int(mine[1])])]}[what]
+    chunks = ready.chunks_for(shard, ready.grads(1.0), skip=[TABLE])
+    request = pb.PushPullRequest(
+        header=pb.PushHeader(worker_id=worker, clock=workers.start_clocks[worker][shard],
+                             read_step=ready.info(shard).step,
+                             row_gradients=[row_gradient(mine[:1], np.ones((1, 16), np.float32))]),
+        chunks=list(chunks), pull=pb.PullAfterPush(names=["contract.scale"], wait_timeout_ms=1000, rows=asked))
+    before = ready.snapshot(shard, [worker])
+    code = grpc.StatusCode.NOT_FOUND if what == "an unknown tensor" else grpc.StatusCode.INVALID_ARGUMENT
+    expect_status(code, lambda: ready.stubs[shard].PushPull(request, timeout=RPC_TIMEOUT), asked[0].name)
+    assert ready.snapshot(shard, [worker]) == before

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import numpy as np
+import pytest
 
+from ps_common.errors import ServerError
 from worker_client.client import PSClient, RetryPolicy
 
 LR = 0.5
@@ -54,3 +57,40 @@ def test_rows_of_both_shards_are_pulled_in_order_and_a_sync_step_averages_their_
         np.testing.assert_allclose(after[1], values["emb"][last] - LR * 1 / 2, atol=1e-6)
         np.testing.assert_array_equal(after[2], values["emb"][0])   # untouched
         assert w0.steps == [1, 1]
+
+
+def test_push_pull_rows_reads_the_next_rows_of_both_shards_after_the_push_as_pull_rows_would(start_cluster) -> None:
+    cluster = start_cluster(2, mode="async", flags=FLAGS)
+    values = model()
+    first, last = 3, ROWS - 2          # one row on each shard
+    with client(cluster, "w0") as w0:
+        w0.initialize(values)
+        w0.register(heartbeat=False)
+        asked = np.array([last, first, last, 7], np.int64)
+        report, dense, rows = w0.push_pull_rows(
+            {"bias": np.ones(4, np.float32)}, {"emb": (np.array([first, last], np.int64), np.ones((2, DIM), np.float32))},
+            names=["bias"], rows={"emb": asked})
+        assert report.accepted and sorted(dense) == ["bias"]
+        np.testing.assert_allclose(dense["bias"], -LR * np.ones(4), atol=1e-6)
+        want = values["emb"][asked].copy()
+        want[[0, 1, 2]] -= LR                                   # rows first and last were pushed before the read
+        np.testing.assert_allclose(rows["emb"], want, atol=1e-6)
+        np.testing.assert_array_equal(rows["emb"], w0.pull_rows({"emb": asked})["emb"])
+
+
+def test_push_pull_rows_whose_new_dynamic_rows_would_pass_the_shard_limit_keeps_the_push_and_reads_nothing(
+        start_cluster) -> None:
+    from worker_client.sparse import dynamic_table
+
+    cluster = start_cluster(1, mode="async", flags=[*FLAGS, "--max-shard-bytes", str(16 + 2000)])
+    with client(cluster, "w0") as w0:
+        w0.initialize({"bias": np.zeros(4, np.float32)}, dynamic=[dynamic_table("emb", (DIM,))])
+        w0.register(heartbeat=False)
+        report, dense, rows = w0.push_pull_rows(
+            {"bias": np.ones(4, np.float32)}, {"emb": (np.array([5], np.int64), np.ones((1, DIM), np.float32))},
+            names=["bias"], rows={"emb": np.arange(1000, dtype=np.int64)})   # 1000 new rows: far past the limit
+        assert report.accepted and dense is None and rows is None           # the push stands; nothing was read
+        assert w0.cluster_info(0).step == 1
+        with pytest.raises(ServerError, match="max_shard_bytes") as err:
+            w0.pull_rows({"emb": np.arange(1000, dtype=np.int64)})          # ... and PullRows says why
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -30,7 +30,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        dim=DIM, bag_size=BAG, seed=0)
 
 
-def train(model: Path, tmp_path: Path, **sparse: Any) -> dict[str, Any]:
+def train(model: Path, tmp_path: Path, calls: dict[str, float] | None = None, **sparse: Any) -> dict[str, Any]:
+    """The run's result; `calls` gets the rpcs the shards answered OK, summed over both, by rpc."""
     servers = [create_server(ServerConfig(mode="sync", shard_index=i, num_shards=2, partition_min_bytes=4096,
                                           optimizer="sgd", optimizer_params={"lr": 0.5}))[0] for i in range(2)]
     client = PSClient([s.address for s in servers], worker_id="w0", wait_timeout=30)
@@ -42,6 +43,10 @@ def train(model: Path, tmp_path: Path, **sparse: Any) -> dict[str, Any]:
     finally:
         client.close()
         for s in servers:
+            if calls is not None:
+                for rpc in ("Push", "Pull", "PullRows", "PushPull"):
+                    calls[rpc] = calls.get(rpc, 0.0) + (s.metrics.registry.get_sample_value(
+                        "ps_rpcs_total", {"shard": str(s.config.shard_index), "rpc": rpc, "code": "OK"}) or 0.0)
             s.stop()
 
 
@@ -57,3 +62,15 @@ def test_sparse_and_dense_training_reach_the_same_auc_and_sparse_bytes_follow_th
     for key in ("bytes_pulled_per_step", "bytes_pushed_per_step"):
         assert need - rounding <= sparse[key] <= BYTES_FACTOR * need, (key, sparse[key], need)
         assert dense[key] >= VOCAB * DIM * 4         # dense moves the whole table every step
+
+
+def test_a_sparse_step_is_one_push_pull_per_shard_whose_pull_also_reads_the_next_batchs_rows(model, tmp_path):
+    calls: dict[str, float] = {}
+    result = train(model, tmp_path, calls, sparse_tables=["embedding.weight"])
+    assert result["steps"] == STEPS and result["iterations"] == STEPS
+    # every step one PushPull on each shard (the row gradients in its header, the next batch's rows in its
+    # pull); PullRows only for the first batch and the final evaluation's chunks; no Push, no Pull of its own
+    assert calls["PushPull"] == 2 * STEPS, calls
+    assert calls["Push"] == 0 and calls["Pull"] <= 2 * 2, calls
+    test_chunks = -(-load_dataset(DATA, seed=0, model="embedding").num_test // BATCH)
+    assert calls["PullRows"] <= 2 * (1 + test_chunks), calls

@@ -240,20 +240,22 @@ class PullRowsResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[RowValues, _Mapping]]] = ...) -> None: ...
 
 class PullAfterPush(_message.Message):
-    __slots__ = ("names", "wait_for_step", "ssp", "wait_timeout_ms", "shared_memory", "wire_dtype")
+    __slots__ = ("names", "wait_for_step", "ssp", "wait_timeout_ms", "shared_memory", "wire_dtype", "rows")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_STEP_FIELD_NUMBER: _ClassVar[int]
     SSP_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     wait_for_step: bool
     ssp: bool
     wait_timeout_ms: int
     shared_memory: bool
     wire_dtype: DType
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., wait_for_step: _Optional[bool] = ..., ssp: _Optional[bool] = ..., wait_timeout_ms: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[RowIds]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., wait_for_step: _Optional[bool] = ..., ssp: _Optional[bool] = ..., wait_timeout_ms: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., rows: _Optional[_Iterable[_Union[RowIds, _Mapping]]] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
     __slots__ = ("header", "chunks", "pull", "gradients_in_shared_memory")
@@ -268,16 +270,18 @@ class PushPullRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., pull: _Optional[_Union[PullAfterPush, _Mapping]] = ..., gradients_in_shared_memory: _Optional[bool] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
-    __slots__ = ("step", "chunks", "push", "ready")
+    __slots__ = ("step", "chunks", "push", "ready", "rows")
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     step: int
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
     push: PushResponse
     ready: bool
-    def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[RowValues]
+    def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., ready: _Optional[bool] = ..., rows: _Optional[_Iterable[_Union[RowValues, _Mapping]]] = ...) -> None: ...
 
 class SharedMemoryRequest(_message.Message):
     __slots__ = ("worker_id",)

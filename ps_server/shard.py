@@ -29,6 +29,7 @@ from ps_common.errors import (
     WaitTimeoutError,
     shorten,
 )
+from ps_common.codec import CHUNK_BYTES
 from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 from ps_server.barrier import Barriers
 from ps_server.checkpoints.state import (OutcomeSnapshot, PartSnapshot, ShardState, WorkerSnapshot,
@@ -48,6 +49,9 @@ T = TypeVar("T")
 
 #: The optimizer slot of per-row update counts (lazy sparse updates, ps_server/optimizers.py apply_rows).
 ROW_STEP = "row_step"
+#: The most row bytes one PullRows or PushPull answers: a chunk's worth, so the answer fits gRPC's
+#: message limit with room for the rest; checked before the rows are allocated.
+ROWS_ANSWER_BYTES = CHUNK_BYTES
 
 #: Longest single sleep of a wait: waiters re-check stop, resets and their deadline at least this often (s).
 WAIT_SLICE_SECONDS = 1.0
@@ -447,7 +451,12 @@ class Shard:
                 out.append((name, rows))
             return out
 
-        return read, sum(len(ids) * shard_map.specs[name].row_bytes for name, ids in tables)
+        nbytes = sum(len(ids) * shard_map.specs[name].row_bytes for name, ids in tables)
+        if nbytes > ROWS_ANSWER_BYTES:   # before anything is allocated: one answer carries them all
+            raise ResourceExhaustedError(
+                f"{where}: {sum(len(ids) for _, ids in tables)} rows of {names[:5]} are {nbytes} bytes, more than "
+                f"one answer carries ({ROWS_ANSWER_BYTES} bytes): ask for fewer rows per call")
+        return read, nbytes
 
     # ------------------------------------------------------------------ membership
 

@@ -170,3 +170,16 @@ def test_per_row_adam_counts_and_a_sync_row_accumulator_survive_a_checkpoint(tmp
     assert fresh.step == shard.step == 2
     np.testing.assert_array_equal(rows_of(fresh, "emb", ids(2, 5)), rows_of(shard, "emb", ids(2, 5)))
     assert not np.array_equal(rows_of(fresh, "emb", ids(2))[0], TABLE[2])
+
+
+def test_rows_of_more_bytes_than_one_answer_carries_are_refused_before_they_are_read():
+    from ps_common.errors import ResourceExhaustedError
+    from ps_server.shard import ROWS_ANSWER_BYTES
+
+    shard = make_shard("async")
+    wide = np.zeros((4, ROWS_ANSWER_BYTES // 4 // 2), np.float32)      # two rows are exactly one answer
+    init_shard(shard, {"wide": wide})
+    assert rows_of(shard, "wide", ids(0, 3)).shape == (2, wide.shape[1])
+    with pytest.raises(ResourceExhaustedError, match=rf"3 rows of \['wide'\] are {3 * wide[0].nbytes} bytes.*"
+                                                     rf"\({ROWS_ANSWER_BYTES} bytes\)"):
+        rows_of(shard, "wide", ids(0, 1, 0))

@@ -49,6 +49,21 @@ def push_rows(target: Target, shard: int, worker_id: str, clock: int, read_step:
     return target.push_raw(shard, messages)
 
 
+def new_worker_on_the_table(target: Target, workers: Workers) -> tuple[str, int, np.ndarray, np.ndarray, int, int]:
+    """(a new worker, the first shard holding the table, two ids it owns, their rows now, the worker's clock
+    there, the shard's step)."""
+    worker = workers.new()
+    shard = table_shards(target)[0]
+    ids = owned_ids(target, shard)
+    return (worker, shard, ids, rows_of(pull_rows(target, shard, ids)), workers.start_clocks[worker][shard],
+            target.info(shard).step)
+
+
+def dense_names(target: Target) -> list[str]:
+    """The model's tensors other than the table (the ones a sparse step's PushPull pulls)."""
+    return sorted(n for n in target.shard_map().specs if n != TABLE)
+
+
 def test_pull_rows_returns_the_rows_in_request_order_and_refuses_ids_of_another_shard(ready: Target) -> None:
     shards = table_shards(ready)
     assert len(shards) == 2, "the contract table must be split over both shards"
@@ -93,11 +108,7 @@ def test_a_bad_row_gradient_is_invalid_argument_and_changes_nothing(ready: Targe
 
 def test_async_rows_apply_on_arrival_summing_repeated_ids_and_a_retry_is_a_duplicate(async_ready: Target,
                                                                                     workers: Workers) -> None:
-    worker = workers.new()
-    shard = table_shards(async_ready)[0]
-    a, b = owned_ids(async_ready, shard)
-    before = rows_of(pull_rows(async_ready, shard, [a, b]))
-    clock, step = workers.start_clocks[worker][shard], async_ready.info(shard).step
+    worker, shard, (a, b), before, clock, step = new_worker_on_the_table(async_ready, workers)
     grad = row_gradient([a, a], np.ones((2, 16), np.float32))
     first = push_rows(async_ready, shard, worker, clock, step, [grad])
     assert first.outcome == pb.PUSH_ACCEPTED and first.step == step + 1
@@ -144,18 +155,13 @@ def test_sync_rows_are_summed_over_the_steps_contributors_and_divided_by_n(sync_
 def test_a_push_pull_carries_row_gradients_as_push_does_and_pulls_only_the_named_tensors(async_ready: Target,
                                                                                          workers: Workers) -> None:
     """The fast path of a sparse step: the rows ride in PushPull's header, the pull reads the dense tensors."""
-    worker = workers.new()
-    shard = table_shards(async_ready)[0]
-    a, b = owned_ids(async_ready, shard)
-    before = rows_of(pull_rows(async_ready, shard, [a, b]))
-    # the dense tensors: those of the model that are not the table (a shard may hold none of them: then none
-    # come back, as a Pull of a name the shard holds no part of returns nothing)
-    dense = sorted(n for n in async_ready.shard_map().specs if n != TABLE)
-    clock, step = workers.start_clocks[worker][shard], async_ready.info(shard).step
+    worker, shard, (a, b), before, clock, step = new_worker_on_the_table(async_ready, workers)
+    # a shard may hold none of the dense tensors: then none come back, as a Pull of a name the shard holds no
+    # part of returns nothing
     request = pb.PushPullRequest(header=pb.PushHeader(worker_id=worker, clock=clock, read_step=step,
                                                       row_gradients=[row_gradient([a, a], np.ones((2, 16),
                                                                                                  np.float32))]),
-                                 pull=pb.PullAfterPush(names=dense, wait_timeout_ms=1000))
+                                 pull=pb.PullAfterPush(names=dense_names(async_ready), wait_timeout_ms=1000))
     first = async_ready.stubs[shard].PushPull(request, timeout=RPC_TIMEOUT)
     assert first.push.outcome == pb.PUSH_ACCEPTED and first.ready and first.step == step + 1
     held = {p.name for p in async_ready.parts_on(shard) if p.name != TABLE}
@@ -178,16 +184,12 @@ def test_a_push_pull_carries_row_gradients_as_push_does_and_pulls_only_the_named
 def test_a_push_pull_reads_the_rows_asked_in_its_pull_at_the_step_of_its_values(async_ready: Target,
                                                                                 workers: Workers) -> None:
     """PullAfterPush.rows: a sparse step's next rows come back with the values, after the push."""
-    worker = workers.new()
-    shard = table_shards(async_ready)[0]
-    a, b = owned_ids(async_ready, shard)
-    before = rows_of(pull_rows(async_ready, shard, [a, b]))
-    clock, step = workers.start_clocks[worker][shard], async_ready.info(shard).step
+    worker, shard, (a, b), before, clock, step = new_worker_on_the_table(async_ready, workers)
     request = pb.PushPullRequest(
         header=pb.PushHeader(worker_id=worker, clock=clock, read_step=step,
                              row_gradients=[row_gradient([a], np.ones((1, 16), np.float32))]),
-        pull=pb.PullAfterPush(names=sorted(n for n in async_ready.shard_map().specs if n != TABLE),
-                              wait_timeout_ms=1000, rows=[pb.RowIds(name=TABLE, ids=[b, a, b])]))
+        pull=pb.PullAfterPush(names=dense_names(async_ready), wait_timeout_ms=1000,
+                              rows=[pb.RowIds(name=TABLE, ids=[b, a, b])]))
     response = async_ready.stubs[shard].PushPull(request, timeout=RPC_TIMEOUT)
     assert response.ready and response.step == step + 1 and [t.name for t in response.rows] == [TABLE]
     (table,) = response.rows

@@ -613,7 +613,7 @@ class PSClient:
         dense tensors, since the tables' rows are pulled by id) ride in the push's header.
         Either one sends gRPC bytes (shared memory carries every part of a shard), and a
         plain push when a shard's bytes are too many for one message, or when `names` is
-        empty beside row gradients (PushPull would read "no names" as every tensor).
+        empty or missing beside row gradients (PushPull would read "no names" as every tensor).
         """
         report, values, _ = self._push_pull(gradients, read_steps=read_steps, wait_for_step=wait_for_step, ssp=ssp,
                                             wait=wait, row_gradients=row_gradients, names=names)
@@ -643,7 +643,7 @@ class PSClient:
         wanted_rows = sparse.route_rows(shard_map, rows) if rows else {}   # shard -> [(table, positions, ids)]
         if names is not None or row_gradients or rows:
             # gRPC bytes: a shard's segment holds every part of it, a sparse table's included
-            if self.duplicate_pushes or ((row_gradients or rows) and not names) or not all(
+            if self.duplicate_pushes or not names or not all(
                     self._small(shard_map, i, names, rows_by_shard.get(i, ()), wanted_rows.get(i, ()))
                     for i in range(self.num_shards)):
                 return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None

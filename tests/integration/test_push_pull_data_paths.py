@@ -142,3 +142,20 @@ def test_a_half_size_wire_keeps_float32_on_the_shard_and_rounds_only_what_travel
         np.testing.assert_allclose(master, expected, rtol=1e-6)
         if after is not None and not shm:
             np.testing.assert_array_equal(after["w"], master.astype(narrow).astype(np.float32))
+
+
+def test_push_pull_of_named_tensors_pulls_only_those_and_an_empty_list_is_a_plain_push(start_cluster) -> None:
+    values = model()
+    cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "256"])
+    with client(cluster, shm=True) as worker:
+        worker.initialize(values)
+        worker.register(heartbeat=False)
+        worker.pull()
+        report, pulled = worker.push_pull(grads(values), names=["b"])
+        assert report.accepted and sorted(pulled) == ["b"]                 # not w, not ids
+        np.testing.assert_allclose(pulled["b"], values["b"] - LR * 0.25, rtol=1e-6)
+        assert all(worker._segments.get(i) is None for i in range(2))     # named pulls go over gRPC bytes
+        # an empty list must not reach a shard as PushPull's "no names", which means every tensor
+        report, pulled = worker.push_pull(grads(values), names=[])
+        assert report.accepted and pulled is None
+        np.testing.assert_allclose(worker.pull(["w"])["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)

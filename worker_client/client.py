@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -563,7 +563,7 @@ class PSClient:
         responses = self._on_all("Push", send)
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
-            len(r.data) + 8 * len(r.ids) for rows in rows_by_shard.values() for r in rows)
+            sparse.wire_bytes(grads) for grads in rows_by_shard.values())
         return PushReport(responses, clock)
 
     def pull_rows(self, rows: Mapping[str, np.ndarray], *, min_steps: Sequence[int] | int | None = None,
@@ -588,11 +588,19 @@ class PSClient:
 
         targets = sorted(plan)
         answers = [fetch(targets[0])] if len(targets) == 1 else list(self._pool.map(fetch, targets))
-        out = {name: np.empty((len(ids), *shard_map.specs[name].row_shape), dtype=shard_map.specs[name].dtype)
-               for name, ids in rows.items()}
         for shard, answer in zip(targets, answers):
             self.steps[shard] = answer.step
-            sparse.place_rows(out, plan[shard], answer.tables)
+        return self._received_rows(shard_map, rows, plan, {s: a.tables for s, a in zip(targets, answers)})
+
+    def _received_rows(self, shard_map: ShardMap, rows: Mapping[str, np.ndarray],
+                       plan: Mapping[int, Sequence[tuple[str, np.ndarray, np.ndarray]]],
+                       answers: Mapping[int, Iterable[pb.RowValues]]) -> dict[str, np.ndarray]:
+        """The rows `rows` asked for, {name: (len(ids), *row shape)}, put together from each shard's answer to
+        its part of `plan` (sparse.route_rows), and counted in bytes_pulled with their int64 ids."""
+        out = {name: np.empty((len(ids), *shard_map.specs[name].row_shape), dtype=shard_map.specs[name].dtype)
+               for name, ids in rows.items()}
+        for shard, asked in plan.items():
+            sparse.place_rows(out, asked, answers[shard])
         self.bytes_pulled += sum(v.nbytes + 8 * len(v) for v in out.values())
         return out
 
@@ -687,7 +695,7 @@ class PSClient:
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         report = PushReport(responses, clock)
         self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
-            len(r.data) + 8 * len(r.ids) for grads in rows_by_shard.values() for r in grads)
+            sparse.wire_bytes(grads) for grads in rows_by_shard.values())
         if not all(r[1] for r in results):
             return report, None, None
         self.bytes_pulled += sum(p.nbytes for p in shard_map.parts if wanted is None or p.name in wanted)
@@ -696,12 +704,8 @@ class PSClient:
             self._place(shard_map, out, parts)
         if not rows:
             return report, out, None
-        got = {name: np.empty((len(ids), *shard_map.specs[name].row_shape), dtype=shard_map.specs[name].dtype)
-               for name, ids in rows.items()}
-        for shard, asked in wanted_rows.items():
-            sparse.place_rows(got, asked, results[shard][4])
-        self.bytes_pulled += sum(v.nbytes + 8 * len(v) for v in got.values())
-        return report, out, got
+        return report, out, self._received_rows(shard_map, rows, wanted_rows,
+                                                {shard: results[shard][4] for shard in wanted_rows})
 
     def _push_pull_once(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray], clock: int,
                         read_step: int, segment: tuple[Segment, Layout] | None, wait_for_step: bool, ssp: bool,
@@ -803,7 +807,7 @@ class PSClient:
         it, are few enough bytes for PushPull over gRPC (GRPC_PUSH_PULL_MAX_BYTES)."""
         wanted = None if names is None else set(names)
         size = sum(p.nbytes for p in shard_map.parts_on(shard) if wanted is None or p.name in wanted)
-        size += sum(len(r.data) + 8 * len(r.ids) for r in rows)
+        size += sparse.wire_bytes(rows)
         size += sum(len(ids) * shard_map.specs[name].row_bytes for name, _, ids in asked)
         return size <= GRPC_PUSH_PULL_MAX_BYTES
 

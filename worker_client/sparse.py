@@ -84,6 +84,11 @@ def place_rows(out: dict[str, np.ndarray], tables: Sequence[tuple[str, np.ndarra
                                               want=out[name].dtype)
 
 
+def wire_bytes(gradients: Iterable[pb.RowGradient]) -> int:
+    """The bytes row gradients carry: their rows and their int64 ids."""
+    return sum(len(g.data) + 8 * len(g.ids) for g in gradients)
+
+
 def row_gradients_by_shard(shard_map: ShardMap, row_gradients: Mapping[str, tuple[np.ndarray, np.ndarray]],
                            wire_dtype: np.dtype) -> dict[int, list[pb.RowGradient]]:
     """shard -> the RowGradients it gets: for each table, one per shard holding a part of it (maybe empty).

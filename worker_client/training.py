@@ -616,7 +616,8 @@ class Trainer:
         mins: list[int] | None = None   # sync: the steps the next rows must be read at
         batches = self._batches(tally.start_clock)
         upcoming = next(batches)
-        prefetched: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None   # (ids, rows) of `upcoming`
+        # sparse tables: (ids, rows) of `upcoming`, rows None when the last PushPull did not read them
+        prefetched: tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None] | None = None
         while not self._done(tally):
             if self.stop.is_set():
                 return True
@@ -624,10 +625,9 @@ class Trainer:
             batch = {self.input_name: x, "labels": y}
             ids, row_gradients = None, None
             if self.sparse.tables:   # the rows this batch touches (docs/protocol.md, "Sparse rows")
-                if prefetched is not None:   # read by the last step's PushPull, at this step's values
-                    ids, rows = prefetched
-                else:
-                    ids = self.sparse.unique_ids(batch)
+                # the rows the last step's PushPull read, at this step's values; else pulled now
+                ids, rows = prefetched if prefetched is not None else (self.sparse.unique_ids(batch), None)
+                if rows is None:
                     rows = client.pull_rows(ids, min_steps=mins, timeout=plan.wait_timeout)
                 tally.rows += sum(len(v) for v in ids.values())
                 parameters = {**parameters, **{t.rows_name: self.sparse.rows_parameter(n, rows[n])
@@ -657,7 +657,7 @@ class Trainer:
                 else:
                     outcome, parameters, next_rows = client.push_pull_rows(
                         {**gradients, **result.state}, row_gradients, names=self.dense_names, rows=next_ids, **wait)
-                    prefetched = None if next_rows is None else (next_ids, next_rows)
+                    prefetched = (next_ids, next_rows)
             else:
                 outcome, parameters = client.push_pull({**gradients, **result.state}, **wait)
             mins = sync_min_steps(read_steps, outcome) if self.mode == "sync" else None

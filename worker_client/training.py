@@ -672,14 +672,22 @@ class Trainer:
             self._maybe_evaluate(parameters, min(client.steps), now - started)
             if now - last_progress >= plan.progress_every:
                 last_progress = now
-                mean_loss, rate = window.take()
-                self.report("progress", {
-                    "worker": plan.worker_index, "step": min(client.steps), "iteration": tally.iterations,
-                    "clock": client.clock, "epoch": tally.epoch, "loss": mean_loss,
-                    "samples_per_second": round(rate, 1), "samples": tally.iterations * plan.batch_size,
-                    "accepted": tally.accepted, "dropped": tally.dropped, "stale_drops": tally.stale,
-                    "elapsed": round(now - started, 3)})
+                self._report_progress(tally, window, now - started)
         return False
+
+    def _report_progress(self, tally: _Tally, window: _Window, elapsed: float) -> None:
+        """A "progress" event: the loss and rate since the last one (`window`), the counts so far."""
+        mean_loss, rate = window.take()
+        fields = {"worker": self.plan.worker_index, "step": min(self.client.steps), "iteration": tally.iterations,
+                  "clock": self.client.clock, "epoch": tally.epoch, "loss": mean_loss,
+                  "samples_per_second": round(rate, 1), "samples": tally.iterations * self.plan.batch_size,
+                  "accepted": tally.accepted, "dropped": tally.dropped, "stale_drops": tally.stale,
+                  "elapsed": round(elapsed, 3)}
+        self.report("progress", {**fields, **self._progress_extras(fields)})
+
+    def _progress_extras(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """Fields a subclass adds to (or overrides in) a progress event (the stage worker's)."""
+        return {}
 
     def _wait_for_the_others(self) -> None:
         """Worker 0, done: waits until no other worker is live on shard 0, so its evaluation sees every update.

@@ -129,6 +129,14 @@ class StageTrainer(Trainer):
                         *, final: bool = False) -> dict[str, Any] | None:
         return None
 
+    def _progress_extras(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        extras: dict[str, Any] = {"stage": self.stage, "abandoned_steps": self.abandoned}
+        if not self.runner.last:   # the loss is the last stage's to report
+            extras["loss"] = None
+        if self.stage > 0:   # a batch is counted once: by stage 0
+            extras.update(samples_per_second=0.0, samples=0)
+        return extras
+
     def _result_extras(self, result: Mapping[str, Any]) -> dict[str, Any]:
         extras = {"stage": self.stage, "stages": self.stages, "micro_batches": self.micro_batches,
                   "abandoned_steps": self.abandoned, "parameters": len(self.runner.trainable_names),
@@ -191,15 +199,7 @@ class StageTrainer(Trainer):
             now = time.monotonic()
             if now - last_progress >= plan.progress_every:
                 last_progress = now
-                mean_loss, rate = window.take()
-                self.report("progress", {
-                    "worker": plan.worker_index, "stage": self.stage, "step": min(client.steps),
-                    "iteration": tally.iterations, "clock": client.clock, "epoch": tally.epoch,
-                    "loss": mean_loss if self.runner.last else None,
-                    "samples_per_second": round(rate, 1) if self.stage == 0 else 0.0,
-                    "samples": tally.iterations * plan.batch_size if self.stage == 0 else 0,
-                    "accepted": tally.accepted, "dropped": tally.dropped, "stale_drops": tally.stale,
-                    "abandoned_steps": self.abandoned, "elapsed": round(now - started, 3)})
+                self._report_progress(tally, window, now - started)
 
     def _new_step(self) -> int:
         """Stage 0's id for the next step: milliseconds since the epoch, above the last id."""

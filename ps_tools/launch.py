@@ -863,7 +863,10 @@ class Launcher:
 
 
 def write_record(directory: Path, *, summary: dict[str, Any], launcher: Launcher) -> None:
-    """DIR/run.json (summary, settings, processes, worker results, evaluations, progress) and DIR/plot.png."""
+    """DIR/run.json (summary, settings, processes, worker results, evaluations, progress) and DIR/plot.png.
+
+    Without matplotlib (the ``demo`` extra) there is no plot: one line says so and how to get it.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     record = {
         "summary": summary,
@@ -879,8 +882,9 @@ def write_record(directory: Path, *, summary: dict[str, Any], launcher: Launcher
     tmp.replace(directory / "run.json")
     try:
         plot_run(record, directory / "plot.png")
-    except ImportError as exc:
-        launcher.status.log(f"[launch] no plot ({exc}); install matplotlib (pip install 'onnx-ps[demo]')")
+    except ImportError as exc:   # matplotlib is an extra: without it the record lacks only its plot
+        launcher._say(f"no plot in {directory} ({exc}): install matplotlib (pip install 'onnx-ps[demo]')",
+                      "WARNING", always=True)
 
 
 def short_name(spec: str | None) -> str:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from onnx.external_data_helper import load_external_data_for_model
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.batch import fix_batch
@@ -29,6 +28,7 @@ from worker_client.engine.feeds import (
     shown,
 )
 from worker_client.engine.lift import lift_parameters
+from worker_client.engine.external_data import load_external_data
 from worker_client.engine.load import clamp_ir_version, load_model, read_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
@@ -144,7 +144,7 @@ class GradientEngine:
                 model, self.sparse = rewrite_sparse(model, tables, self.batch_size,
                                                     base_dir=self.model_path.parent,
                                                     dynamic=self._dynamic_request)
-            load_external_data_for_model(model, str(self.model_path.parent))
+            load_external_data(model, self.model_path.parent, where=f"model {self.model_path}")
             clamp_ir_version(model)
         else:
             model = load_model(self.model_path)

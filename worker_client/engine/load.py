@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper
 
 from ps_common.errors import ModelLoadError
+from worker_client.engine.external_data import check_model_tensors, load_external_data
 
 __all__ = ["clamp_ir_version", "load_model", "max_ir_version", "read_model"]
 
@@ -37,11 +38,14 @@ def read_model(path: str | os.PathLike[str], *, external_data: bool = True) -> o
     Raises ModelLoadError naming the file and the problem when the file is missing or
     unreadable, does not parse as ONNX, or parses to no model: protobuf reads an empty or
     cut-short file without complaint, so a model without a graph or an opset is refused
-    here rather than in some later stage.
+    here rather than in some later stage. Every tensor's data is checked against its dims,
+    and external data is opened by the project's own rules (engine/external_data.py: inside
+    the model's folder, no symbolic link, the bytes within the file), read when
+    `external_data`, else only checked.
     """
     path = Path(path)
     try:
-        model = onnx.load(path, load_external_data=external_data)
+        model = onnx.load(path, load_external_data=False)   # external data: ours, by our rules (below)
     except OSError as exc:
         raise ModelLoadError(f"cannot read the model file {path}: "
                              f"{exc.strerror or exc}") from exc
@@ -57,6 +61,9 @@ def read_model(path: str | os.PathLike[str], *, external_data: bool = True) -> o
     if not model.opset_import:
         raise ModelLoadError(f"the model file {path} ({_size(path)}) declares no opset "
                              f"(opset_import is empty): {_DAMAGED}")
+    if external_data:
+        load_external_data(model, path.parent, where=f"model {path}")
+    check_model_tensors(model, path.parent, where=f"model {path}")
     return model
 
 

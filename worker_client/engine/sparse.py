@@ -26,12 +26,12 @@ import math
 import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from worker_client.engine.external_data import map_external
 from worker_client.engine.feeds import declared_dims
 
 __all__ = ["ROWS_SUFFIX", "SparsePlan", "SparseTable", "find_sparse_tables", "rewrite_sparse"]
@@ -149,23 +149,14 @@ def find_sparse_tables(model: onnx.ModelProto, *, min_rows: int | None = None,
 
 
 def table_value(tensor: onnx.TensorProto, base_dir: str | os.PathLike[str] | None) -> np.ndarray:
-    """A table's value: mapped read-only from its external data file (never read whole), or from the model."""
+    """A table's value: mapped read-only from its external data file (never read whole), or from the model.
+
+    The file is opened by the rules of engine/external_data.py (inside the model's folder,
+    no symbolic link, the bytes within the file)."""
     if tensor.data_location != onnx.TensorProto.EXTERNAL:
         return numpy_helper.to_array(tensor)
-    info = {e.key: e.value for e in tensor.external_data}
-    if base_dir is None:
-        raise ValueError(f"table {tensor.name!r} is in external data, but the model's folder is unknown")
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
-    shape = tuple(int(d) for d in tensor.dims)
-    path = Path(base_dir) / info["location"]
-    if Path(info["location"]).is_absolute() or ".." in Path(info["location"]).parts:
-        raise ValueError(f"table {tensor.name!r}: external data location {info['location']!r} is outside the "
-                         "model's folder")
-    need = math.prod(shape) * dtype.itemsize
-    if int(info.get("length", need)) != need:
-        raise ValueError(f"table {tensor.name!r}: external data length {info.get('length')} for shape {list(shape)} "
-                         f"of {dtype.name} ({need} bytes)")
-    return np.memmap(path, dtype=dtype, mode="r", offset=int(info.get("offset", 0)), shape=shape)
+    where = "model" if base_dir is None else f"model in {base_dir}"
+    return map_external(tensor, base_dir, where=where)
 
 
 def rewrite_sparse(model: onnx.ModelProto, tables: Sequence[str], batch_size: int, *,

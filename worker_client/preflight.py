@@ -69,6 +69,12 @@ def check_fit(engine: GradientEngine, dataset: Dataset, *, model: str, data: str
         raise DatasetError(f"data {data} feeds the model input {dataset.input_name!r}, but model {model} takes "
                            f"{', '.join(repr(n) for n in inputs)}: store input_name in the .npz (docs/data-format.md) "
                            f"or rename the model's input")
+    unfed = [n for n in inputs if n != name and n != "labels"]
+    if unfed:
+        raise DatasetError(f"model {model} takes {len(unfed) + 1} data inputs ({', '.join(repr(n) for n in inputs if n != 'labels')}), "
+                           f"but data {data} provides only {name!r} (its features): input(s) "
+                           f"{', '.join(repr(n) for n in unfed)} would be missing; give the model one data input, or "
+                           f"data with an array for each input")
     expected = dims.get(name)
     features = dataset.feature_shape
     if expected is not None and not _fits(expected[1:], features):

@@ -184,3 +184,111 @@ def test_ps_worker_with_a_wrong_servers_address_says_what_it_tried_and_what_to_c
     assert f"shard 0 at 127.0.0.1:{port} not reachable after 2.0 s" in last, last
     assert f"Tried --servers 127.0.0.1:{port} (shard order)" in last
     assert "READY line" in last and "ps-ctl status HOST:PORT" in last
+
+
+# ---------------------------------------------------------------------- model files crafted by someone else
+
+
+@pytest.fixture(scope="module")
+def crafted(tmp_path_factory) -> dict[str, Path]:
+    """An embedding model whose table file links to a file outside its folder, and one with a 2^40 x 2^40 tensor
+    that holds no data."""
+    from onnx import TensorProto, helper
+    import onnx
+
+    from ps_models.large_table import write_large_embedding
+
+    root = tmp_path_factory.mktemp("crafted")
+    secret = root / "secret.bin"
+    secret.write_bytes(np.full(64 * 4, 7.0, dtype="<f4").tobytes())
+    linked = write_large_embedding(root / "m" / "linked.onnx", rows=64, dim=4, bag=2)
+    data = linked.with_name(linked.name + ".data")
+    data.unlink()
+    data.symlink_to(secret)
+    model = onnx.load(write_model("mlp", root / "huge.onnx"))
+    model.graph.initializer.append(TensorProto(name="w.huge", data_type=TensorProto.FLOAT, dims=[1 << 40, 1 << 40]))
+    model.graph.node.append(helper.make_node("Identity", ["w.huge"], ["huge.out"]))
+    onnx.save_model(model, str(root / "huge.onnx"))
+    return {"linked": linked, "huge": root / "huge.onnx"}
+
+
+CRAFTED = {
+    # id: (model, extra flags, what the one line must say)
+    "table-linked-outside": ("linked", ["--data", "synthetic:ids?vocab=64&bag=2&n=400", "--sparse-tables",
+                                        "embedding.weight"],
+                             ["tensor 'embedding.weight'", "symbolic link"]),
+    "huge-tensor-without-data": ("huge", [], ["tensor 'w.huge'", "declares shape [1099511627776, 1099511627776]"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_ps_launch_refuses_a_crafted_model_file_naming_it_and_the_tensor_and_starts_nothing(case, crafted,
+                                                                                             monkeypatch, capsys):
+    from ps_tools import launch
+
+    monkeypatch.setattr(launch, "ChildProcess", lambda *a, **k: pytest.fail("a process was started"))
+    model, flags, expected = CRAFTED[case]
+    status = launch.main(["--shards", "2", "--workers", "2", "--steps", "5", "--batch-size", "8",
+                          "--model", str(crafted[model]), *flags])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ps-launch: "), err
+    for text in [str(crafted[model]), *expected]:
+        assert text in lines[0], f"{text!r} not in {lines[0]!r}"
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_ps_worker_refuses_a_crafted_model_file_before_it_calls_a_shard(case, crafted):
+    model, flags, expected = CRAFTED[case]
+    done = run("worker_client", "--servers", "127.0.0.1:9", "--model", str(crafted[model]), "--batch-size", "8",
+               *flags)
+    assert done.returncode == 2, done.stderr
+    last = last_lines(done.stderr, 1)
+    for text in ["ps-worker: ", str(crafted[model]), *expected]:
+        assert text in last, f"{text!r} not in {last!r}"
+    assert "waiting for shard" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_ps_check_names_the_file_and_the_tensor_of_a_crafted_model(case, crafted):
+    model, _, expected = CRAFTED[case]
+    done = run("worker_client.check", str(crafted[model]))
+    assert done.returncode == 1, done.stdout + done.stderr
+    for text in [str(crafted[model]), *expected]:
+        assert text in done.stdout, f"{text!r} not in {done.stdout!r}"
+    assert "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def two_inputs(tmp_path_factory) -> Path:
+    """A classifier of digits that takes two data inputs, x and x2 (their sum goes through one layer)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(0, 0.1, (64, 10)).astype(np.float32), "fc.weight")
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x2"], ["sum"]), helper.make_node("MatMul", ["sum", "fc.weight"], ["logits"])],
+        "two_inputs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64]),
+                       helper.make_tensor_value_info("x2", TensorProto.FLOAT, ["n", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 10])], [weight])
+    path = tmp_path_factory.mktemp("two") / "two_inputs.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_a_model_with_an_input_the_data_does_not_feed_is_refused_before_anything_starts(two_inputs, monkeypatch,
+                                                                                         capsys):
+    from ps_tools import launch
+
+    monkeypatch.setattr(launch, "ChildProcess", lambda *a, **k: pytest.fail("a process was started"))
+    status = launch.main(["--shards", "1", "--workers", "1", "--steps", "5", "--model", str(two_inputs)])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    line = err.strip()
+    assert "\n" not in line and line.startswith("ps-launch: "), err
+    for text in [str(two_inputs), "takes 2 data inputs ('x', 'x2')", "provides only 'x'", "'x2' would be missing"]:
+        assert text in line, f"{text!r} not in {line!r}"
+    done = run("worker_client", "--servers", "127.0.0.1:9", "--model", str(two_inputs))
+    assert done.returncode == 2 and "'x2' would be missing" in last_lines(done.stderr, 1), done.stderr
+    assert "waiting for shard" not in done.stderr

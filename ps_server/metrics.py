@@ -21,11 +21,18 @@ Metric names (all prefixed `ps_`):
   dynamic_table_rows{table}             live rows of each dynamic table on this shard (read at scrape time)
   dynamic_table_created_rows_total{table}, dynamic_table_evictions_total{table}
                                         rows created / evicted since the shard started (read at scrape time)
+  process_resident_memory_bytes, process_peak_resident_memory_bytes
+                                        resident and peak resident memory of the shard's process, read at scrape
+                                        time (Linux: /proc/self/status VmRSS, VmHWM; elsewhere only the peak,
+                                        from getrusage); shards sharing one process report the same figures.
+                                        The standard process_* metrics carry no `shard` label: a dashboard
+                                        filtered by shard reads these.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -109,6 +116,7 @@ class ShardMetrics:
             if reason != DropReason.NONE:
                 self.pushes.labels(self.label, "dropped", label)
         r.register(_ShardStateCollector(shard, self.label))
+        r.register(_MemoryCollector(self.label))
         if process:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
@@ -242,6 +250,72 @@ class _ShardStateCollector(Collector):
                 created.add_metric([self.label, d.name], d.created)
                 evicted.add_metric([self.label, d.name], d.evicted)
             yield from (rows, created, evicted)
+
+
+# ---------------------------------------------------------------------- the process's memory, by shard
+
+#: Where Linux tells a process its memory (VmRSS: resident now; VmHWM: the peak resident).
+PROC_STATUS = "/proc/self/status"
+
+
+def process_memory(status_path: str = PROC_STATUS) -> tuple[int | None, int | None]:
+    """(resident, peak resident) bytes of this process; None for a figure this platform does not give.
+
+    Linux: VmRSS and VmHWM of `status_path`. Elsewhere (no such file): no resident figure,
+    and the peak from getrusage (ru_maxrss: bytes on macOS, KiB on the other Unixes); on a
+    platform without the resource module, neither.
+    """
+    try:
+        with open(status_path, "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f if b":" in line)
+    except OSError:
+        fields = {}
+    rss, peak = _kib_field(fields.get(b"VmRSS")), _kib_field(fields.get(b"VmHWM"))
+    if rss is not None or peak is not None:
+        return rss, peak if peak is not None else rss
+    try:
+        import resource
+    except ImportError:   # Windows
+        return None, None
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return None, int(maxrss if sys.platform == "darwin" else maxrss * 1024) or None
+
+
+def _kib_field(raw: bytes | None) -> int | None:
+    """Bytes of a /proc/self/status field such as b"   123456 kB"; None when absent or malformed."""
+    parts = raw.split() if raw else []
+    if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
+        return None
+    return int(parts[0]) * 1024
+
+
+class _MemoryCollector(Collector):
+    """The process's resident and peak resident memory, with the shard's label, read at each scrape."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily("ps_process_resident_memory_bytes", "Resident memory of the shard's process "
+                              "(Linux VmRSS)", labels=["shard"]),
+            GaugeMetricFamily("ps_process_peak_resident_memory_bytes", "Peak resident memory of the shard's "
+                              "process since it started (Linux VmHWM; elsewhere getrusage's ru_maxrss)",
+                              labels=["shard"]),
+        )
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        resident, peak = self._families()
+        rss, hwm = process_memory()
+        if rss is not None:
+            resident.add_metric([self.label], rss)
+            yield resident
+        if hwm is not None:
+            peak.add_metric([self.label], hwm)
+            yield peak
 
 
 # ---------------------------------------------------------------------- rpc latency

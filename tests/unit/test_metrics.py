@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import resource
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from ps_common import cluster_info, codec
 from ps_common.logs import configure_logging
 from ps_common.shard_map import ParamSpec
 from ps_server.config import ServerConfig
+from ps_server import metrics as shard_metrics
 from ps_server.metrics import ShardMetrics
 from ps_server.shard import Shard
 from tests.helpers.domain import decode, initialize, pull_values
@@ -155,6 +159,33 @@ def test_closed_metrics_stop_listening_to_the_shard():
     push(shard, "w0", 0, 0)
     assert value(m, "ps_pushes_total", outcome="accepted", reason="none") == 0
     assert m.on_event not in shard.events._listeners
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="resident memory is read from Linux's /proc")
+def test_the_shard_exports_its_process_resident_and_peak_memory_with_its_shard_label():
+    m = ShardMetrics(Shard(ServerConfig(shard_index=3, num_shards=4)), process=False)
+    resident = value(m, "ps_process_resident_memory_bytes")
+    peak = value(m, "ps_process_peak_resident_memory_bytes")
+    assert resident is not None and peak is not None, "no memory figures with shard=3"
+    assert 1 << 20 < resident <= peak   # a Python process holds more than 1 MiB
+    # the same figure getrusage gives (ru_maxrss, KiB on Linux), read around it as it may grow
+    assert peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 1.1
+
+
+def test_process_memory_reads_vmrss_and_vmhwm_in_bytes_from_the_proc_status_file(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmPeak:\t  999999 kB\nVmHWM:\t    4096 kB\nVmRSS:\t    2048 kB\n"
+                      "Threads:\t4\n", encoding="ascii")
+    assert shard_metrics.process_memory(str(status)) == (2048 * 1024, 4096 * 1024)
+
+
+def test_without_a_proc_status_file_process_memory_gives_only_the_peak_from_getrusage(tmp_path):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    resident, peak = shard_metrics.process_memory(str(tmp_path / "no-such-status"))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024   # ru_maxrss: bytes on macOS, KiB elsewhere
+    assert resident is None
+    assert before * scale <= peak <= after * scale
 
 
 # ---------------------------------------------------------------------- logs

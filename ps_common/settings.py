@@ -288,8 +288,10 @@ class WorkerSettings:
                                              "with backoff, before the worker fails naming it; 0: 6 attempts")
     shared_memory: bool = _setting(True, "--shared-memory", scopes=_WORKER,
                                    help="move gradients and parameters through a shared-memory segment with each "
-                                        "shard on the same host (negotiated over gRPC; falls back to gRPC bytes "
-                                        "where it cannot be opened); --no-shared-memory: gRPC bytes only")
+                                        "shard on the same host (anonymous memory handed over a Unix socket for a "
+                                        "one-time ticket from the authenticated gRPC call; falls back to gRPC bytes "
+                                        "where it cannot be had, and opens a new one after a shard restarts); "
+                                        "--no-shared-memory: gRPC bytes only")
     duplicate_pushes: bool = _setting(False, "--duplicate-pushes", scopes=_WORKER,
                                       help="testing: send every push twice at the same clock, as a retry after a "
                                            "lost answer; the shards must acknowledge the second, not apply it")

@@ -1,47 +1,73 @@
 """Shared-memory segments for the bulk bytes of PushPull between a worker and a shard on one host.
 
-The shard creates a segment per worker (`Segment.create`: a file under /dev/shm, mode 0600,
-a random name), answers its name over the authenticated OpenSharedMemory rpc, and the
-worker maps it (`Segment.attach`). A worker that cannot map it (another host, another user
-or container without the same /dev/shm) keeps sending bytes over gRPC: the side channel is
-an optimization, never a requirement.
+A segment is anonymous memory (`memfd_create`): it has no name anywhere, so nothing is left
+behind when a process is killed (the kernel frees it with the last mapping) and nothing can
+be planted for a process to open. It travels as a file descriptor:
+
+1. the worker asks for one over the authenticated `OpenSharedMemory` rpc; the shard answers
+   the address of its fd door (an abstract Unix socket: no file either) and a one-time
+   ticket (32 random bytes, valid for TICKET_SECONDS), so only the caller of the
+   authenticated rpc can collect it (`FdDoor`);
+2. the worker connects to the door, sends the ticket, and receives the segment's fd
+   (SCM_RIGHTS) with its size in bytes (`collect`), then maps it;
+3. the shard seals the segment's size (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) before it
+   hands it out, and the worker checks the seals: neither side can truncate the memory
+   under the other's mapping (which would end the other process with SIGBUS).
+
+A worker that cannot connect (another host, or another network namespace: abstract sockets
+belong to one) keeps sending bytes over gRPC: the side channel is an optimization, never a
+requirement.
 
 Both sides compute the same `Layout` from the shard map: the gradient region holds the
 shard's trainable parts, then the values region every part, each in shard-map order and
 aligned to ALIGN bytes. A worker has at most one call in flight per shard, so each region
 has one writer at a time: the worker writes gradients before its call; the shard reads
 them, then writes the values before it answers.
-
-Why /dev/shm and mmap rather than multiprocessing.shared_memory: before Python 3.13 every
-process that merely attaches a SharedMemory registers it with its resource tracker, which
-unlinks the segment when that process exits (CPython issue 82300), so a worker's exit
-would delete the shard's segment. A named file and mmap have no tracker.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hmac
+import logging
 import mmap
 import os
 import secrets
-from collections.abc import Iterable, Sequence
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-#: Where POSIX shared memory lives on Linux; without it there is no shared-memory path.
-SHM_DIR = Path("/dev/shm")
+log = logging.getLogger(__name__)
+
 #: Every region starts at a multiple of this (bytes): whole cache lines for memcpy.
 ALIGN = 64
-#: Name prefix of the segments, so an operator can tell them in /dev/shm.
-PREFIX = "onnx-ps-"
+#: Name of the segments as /proc/PID/fd shows them ("memfd:onnx-ps-segment"), for an operator.
+MEMFD_NAME = "onnx-ps-segment"
+#: Prefix of the doors' abstract socket names (shown by `ss -x`).
+DOOR_PREFIX = "onnx-ps-door-"
+#: Bytes of a ticket.
+TICKET_BYTES = 32
+#: A ticket not collected within this long is void (seconds).
+TICKET_SECONDS = 30.0
+#: Longest wait of either side of the door for the other (seconds).
+DOOR_TIMEOUT_SECONDS = 5.0
+#: Tickets a door holds at once (one per worker is the need; more are refused).
+MAX_TICKETS = 4096
+#: The seals every segment carries before it is handed out.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
 PartKey = tuple[str, int]
 
 
 def available() -> bool:
-    """Whether this host has a POSIX shared-memory directory this process can write."""
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK | os.X_OK)
+    """Whether this host can make anonymous segments and pass them between processes (Linux)."""
+    return (sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+            and bool(SEALS))
 
 
 def _aligned(n: int) -> int:
@@ -88,46 +114,52 @@ class Layout:
 
 
 class Segment:
-    """One mapped shared-memory segment. Not thread-safe: one call in flight per worker and shard."""
+    """One mapped anonymous segment. Not thread-safe: one call in flight per worker and shard.
 
-    def __init__(self, path: Path, size: int, *, owner: bool) -> None:
-        self.path = path
+    The shard's holds its file descriptor (to hand it out, `fd`) until `close`; a worker's
+    keeps only the mapping (`fd` is -1).
+    """
+
+    def __init__(self, fd: int, size: int, *, keep_fd: bool = True) -> None:
         self.size = size
-        self.owner = owner
-        fd = os.open(path, os.O_RDWR)
-        try:
-            if os.fstat(fd).st_size < size:
-                raise ValueError(f"shared-memory segment {path} holds {os.fstat(fd).st_size} bytes, "
-                                 f"{size} expected")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = mmap.mmap(fd, size)   # holds a descriptor of its own
         self.buffer = memoryview(self._map)
-
-    @property
-    def name(self) -> str:
-        return self.path.name
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
+        self.fd = fd
+        self.closed = False
 
     @classmethod
     def create(cls, size: int) -> "Segment":
-        """A new segment of `size` bytes under a random name, readable and writable by this user only."""
-        path = SHM_DIR / f"{PREFIX}{secrets.token_hex(16)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        """A new sealed segment of `size` bytes (zeros); OSError when the host cannot make one."""
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            return cls(fd, size)
         except BaseException:
             os.close(fd)
-            path.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        return cls(path, size, owner=True)
 
     @classmethod
-    def attach(cls, name: str, size: int) -> "Segment":
-        """Maps the segment a shard created; OSError (or ValueError) when it is not there or not ours."""
-        if not name.startswith(PREFIX) or "/" in name or name in (".", ".."):
-            raise ValueError(f"{name!r} is not a shared-memory segment name of this project")
-        return cls(SHM_DIR / name, size, owner=False)
+    def adopt(cls, fd: int, size: int) -> "Segment":
+        """Maps a segment received from a shard (takes the fd); ValueError when it is not a sealed segment of
+        `size` bytes (the fd is closed then)."""
+        try:
+            found = os.fstat(fd).st_size
+            if found != size:
+                raise ValueError(f"the received segment holds {found} bytes, {size} were announced")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError as exc:
+                raise ValueError(f"the received descriptor is not a sealable segment ({exc.strerror})") from exc
+            if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+                raise ValueError(f"the received segment's size is not sealed (seals {seals:#x})")
+            return cls(fd, size, keep_fd=False)   # a worker hands nothing on: the mapping is enough
+        except BaseException:
+            os.close(fd)
+            raise
 
     def view(self, slot: Slot) -> np.ndarray:
         """The part's bytes in the segment as an array (a view: valid until the segment is closed)."""
@@ -140,11 +172,125 @@ class Segment:
             np.copyto(self.view(slot), array, casting="no")
 
     def close(self) -> None:
-        """Unmaps; the creator also removes the file."""
+        """Unmaps and closes the fd; the memory goes when no process maps it any more."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.buffer.release()
             self._map.close()
         except (BufferError, ValueError):   # a view still exported: the mapping goes with the last one
             pass
-        if self.owner:
-            self.path.unlink(missing_ok=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# ---------------------------------------------------------------------- the door: fds for tickets
+
+
+def _abstract(name: str) -> str:
+    return "\0" + name
+
+
+class FdDoor:
+    """The shard's side of fd passing: an abstract Unix socket that hands a segment to whoever shows a ticket.
+
+    `issue(make)` returns a one-time ticket; the first connection that sends it gets the
+    segment `make()` returns (made then, so a ticket never collected costs nothing), with its
+    size. A ticket is good once, for TICKET_SECONDS. Thread-safe; one daemon thread accepts.
+    """
+
+    def __init__(self) -> None:
+        self.name = DOOR_PREFIX + secrets.token_hex(12)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._sock.bind(_abstract(self.name))
+        self._sock.listen(64)
+        self._sock.settimeout(0.5)
+        self._lock = threading.Lock()
+        self._tickets: dict[bytes, tuple[float, Callable[[], Segment]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="fd-door", daemon=True)
+        self._thread.start()
+
+    def issue(self, make: Callable[[], Segment]) -> bytes:
+        """A fresh ticket for the segment `make()` will return when it is collected."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            for old in [t for t, (expiry, _) in self._tickets.items() if expiry < now]:
+                del self._tickets[old]
+            if len(self._tickets) >= MAX_TICKETS:
+                raise OSError(f"fd door {self.name}: {len(self._tickets)} tickets outstanding")
+            self._tickets[ticket] = (now + TICKET_SECONDS, make)
+        return ticket
+
+    def _take(self, ticket: bytes) -> Callable[[], Segment] | None:
+        now = time.monotonic()
+        with self._lock:
+            for known in list(self._tickets):
+                if hmac.compare_digest(known, ticket):
+                    expiry, make = self._tickets.pop(known)
+                    return make if expiry >= now else None
+        return None
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            with conn:
+                try:
+                    self._answer(conn)
+                except Exception as exc:  # noqa: BLE001 -- one bad caller must not end the door
+                    log.info("fd door %s: a caller got nothing: %s", self.name, exc)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(DOOR_TIMEOUT_SECONDS)
+        ticket = b""
+        while len(ticket) < TICKET_BYTES:
+            piece = conn.recv(TICKET_BYTES - len(ticket))
+            if not piece:
+                return
+            ticket += piece
+        make = self._take(ticket)
+        if make is None:
+            conn.sendall(b"\0" * 8)   # size 0: no segment for that ticket
+            return
+        segment = make()
+        socket.send_fds(conn, [segment.size.to_bytes(8, "little")], [segment.fd])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(timeout=2)
+        with self._lock:
+            self._tickets.clear()
+
+
+def collect(door: str, ticket: bytes, *, timeout: float = DOOR_TIMEOUT_SECONDS) -> Segment:
+    """The worker's side: shows `ticket` at the shard's `door` and maps the segment it gets.
+
+    OSError when the door cannot be reached (another host or network namespace) or hangs
+    up; ValueError when the answer is not a sealed segment or the ticket was refused.
+    """
+    if not door.startswith(DOOR_PREFIX) or len(door) > 100 or "\0" in door:
+        raise ValueError(f"{door!r} is not a shared-memory door name of this project")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout)
+        sock.connect(_abstract(door))
+        sock.sendall(ticket)
+        data, fds, _, _ = socket.recv_fds(sock, 8, 1)
+    if len(data) < 8 or not fds:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"door {door} refused the ticket (it was used, expired, or never issued)")
+    size = int.from_bytes(data[:8], "little")
+    for extra in fds[1:]:
+        os.close(extra)
+    return Segment.adopt(fds[0], size)

@@ -398,8 +398,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                      "call RegisterWorker")
         layout = Layout.of((key, state.value.dtype, state.value.shape)
                            for key, state in self.shard.store_parts())
-        segment, layout = self.segments.open(request.worker_id, layout, known=known)
-        return pb.SharedMemoryResponse(name=segment.name, size=layout.size, values_offset=layout.values_offset)
+        door, ticket = self.segments.offer(request.worker_id, layout, known=known)
+        return pb.SharedMemoryResponse(size=layout.size, values_offset=layout.values_offset, door=door,
+                                       ticket=ticket)
 
 
 def row_values(name: str, values: np.ndarray) -> pb.RowValues:

@@ -1,9 +1,12 @@
 """The boundary's shared-memory segments: one per worker that asked (OpenSharedMemory), for PushPull's bytes.
 
-The segment's layout follows the shard's parts (ps_common.shared_memory.Layout); a
-segment whose layout no longer fits (after a reset and a new parameter list) is replaced
-when the worker opens it again. Segments are removed when their worker deregisters, when
-the worker is no longer known to the shard, and when the shard stops.
+A segment is anonymous memory handed to the worker as a file descriptor through the
+shard's fd door (ps_common/shared_memory.py): `offer` answers the door's name and a
+one-time ticket, and the segment is made when the worker collects it. Its layout follows
+the shard's parts (ps_common.shared_memory.Layout); a segment whose layout no longer fits
+(after a reset and a new parameter list) is replaced when the worker opens it again.
+Segments are closed when their worker deregisters, when the worker is no longer known to
+the shard, and when the shard stops; being nameless, a killed shard leaves none behind.
 """
 
 from __future__ import annotations
@@ -13,41 +16,62 @@ import threading
 
 from ps_common import shared_memory
 from ps_common.errors import ResourceExhaustedError, SharedMemoryUnavailableError
-from ps_common.shared_memory import Layout, Segment
+from ps_common.shared_memory import FdDoor, Layout, Segment
 
 log = logging.getLogger(__name__)
 
 
 class Segments:
-    """worker id -> (segment, layout). Thread-safe."""
+    """worker id -> (segment, layout), and the door they are collected at. Thread-safe."""
 
     def __init__(self, *, limit: int, shard_index: int) -> None:
         self.limit = limit
         self.shard_index = shard_index
         self._lock = threading.Lock()
         self._by_worker: dict[str, tuple[Segment, Layout]] = {}
+        self._door: FdDoor | None = None
+        self._closed = False
 
-    def open(self, worker_id: str, layout: Layout, *, known: set[str]) -> tuple[Segment, Layout]:
-        """The worker's segment for `layout` (created or replaced as needed); forgets those of unknown workers."""
+    def offer(self, worker_id: str, layout: Layout, *, known: set[str]) -> tuple[str, bytes]:
+        """(door name, one-time ticket) for a segment of `layout` for this worker; forgets unknown workers'."""
         if not shared_memory.available():
-            raise SharedMemoryUnavailableError(f"shard {self.shard_index}: no shared memory on this host "
-                                          f"({shared_memory.SHM_DIR} is missing or not writable); use gRPC bytes")
+            raise SharedMemoryUnavailableError(f"shard {self.shard_index}: this host cannot pass anonymous memory "
+                                               "between processes (Linux memfd and SCM_RIGHTS); use gRPC bytes")
         with self._lock:
+            if self._closed:
+                raise SharedMemoryUnavailableError(f"shard {self.shard_index} is stopping")
             for gone in [w for w in self._by_worker if w not in known]:
                 self._close_locked(gone)
-            found = self._by_worker.get(worker_id)
-            if found is not None and found[1] == layout:
-                return found
-            if found is not None:
-                self._close_locked(worker_id)
-            if len(self._by_worker) >= self.limit:
-                raise ResourceExhaustedError(f"shard {self.shard_index} holds {len(self._by_worker)} shared-memory "
-                                             f"segments (max_registered_workers={self.limit})")
+            self._check_room(worker_id)
+            if self._door is None:
+                try:
+                    self._door = FdDoor()
+                except OSError as exc:
+                    raise SharedMemoryUnavailableError(f"shard {self.shard_index}: cannot open its fd door "
+                                                       f"({exc}); use gRPC bytes") from exc
+            door = self._door
+        try:
+            return door.name, door.issue(lambda: self._install(worker_id, layout))
+        except OSError as exc:
+            raise ResourceExhaustedError(f"shard {self.shard_index}: {exc}") from exc
+
+    def _check_room(self, worker_id: str) -> None:
+        if worker_id not in self._by_worker and len(self._by_worker) >= self.limit:
+            raise ResourceExhaustedError(f"shard {self.shard_index} holds {len(self._by_worker)} shared-memory "
+                                         f"segments (max_registered_workers={self.limit})")
+
+    def _install(self, worker_id: str, layout: Layout) -> Segment:
+        """The worker's new segment (called by the door when the ticket is collected); replaces its old one."""
+        with self._lock:
+            if self._closed:
+                raise OSError(f"shard {self.shard_index} is stopping")
+            self._check_room(worker_id)
+            self._close_locked(worker_id)
             segment = Segment.create(layout.size)
             self._by_worker[worker_id] = (segment, layout)
-            log.info("shard %d: shared memory %s (%d bytes) for worker %r", self.shard_index, segment.name,
-                     layout.size, worker_id)
-            return segment, layout
+        log.info("shard %d: shared memory (%d bytes, anonymous) for worker %r", self.shard_index, layout.size,
+                 worker_id)
+        return segment
 
     def get(self, worker_id: str) -> tuple[Segment, Layout] | None:
         with self._lock:
@@ -59,8 +83,16 @@ class Segments:
 
     def close_all(self) -> None:
         with self._lock:
+            self._closed = True
             for worker_id in list(self._by_worker):
                 self._close_locked(worker_id)
+            door, self._door = self._door, None
+        if door is not None:
+            door.close()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_worker)
 
     def _close_locked(self, worker_id: str) -> None:
         found = self._by_worker.pop(worker_id, None)

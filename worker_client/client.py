@@ -47,6 +47,9 @@ RECONNECT_BACKOFF_MS = (200, 2000)
 #: for Push + Pull, gRPC Python being slow with large single messages; on a 45 KB model it
 #: took 1.2 ms against 2.4 ms.
 GRPC_PUSH_PULL_MAX_BYTES = 256 << 10
+#: A shard that gave no shared-memory segment is asked again after this long (seconds): it may have
+#: been restarting; one on another host costs one OpenSharedMemory this often.
+SEGMENT_RETRY_SECONDS = 30.0
 #: Longest single wait of a blocking call: between two, the client checks `stop` (seconds).
 STOP_POLL_SECONDS = 0.25
 #: While waiting for a shard to accept connections, say why at least this often (seconds).
@@ -203,7 +206,8 @@ class PSClient:
         self._raw_push_pulls = [c.unary_unary("/ps.v1.ParameterServer/PushPull", request_serializer=None,
                                               response_deserializer=None) for c in self._channels]
         self.shared_memory = shared_memory
-        self._segments: dict[int, tuple[Segment, Layout] | None] = {}   # shard -> segment, or None: use gRPC
+        self._segments: dict[int, tuple[Segment, Layout]] = {}   # shard -> its open segment
+        self._no_segment_until: dict[int, float] = {}             # shard -> when to ask it for one again
         self._raw_inits = [c.stream_unary("/ps.v1.ParameterServer/InitParameters", request_serializer=None,
                                           response_deserializer=pb.InitResponse.FromString) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="ps-client")
@@ -667,11 +671,15 @@ class PSClient:
             grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
             response, ready, step, raw_chunks, row_values = self._push_pull_once(
                 shard, shard_map, gradients, clock, steps[shard], segment, wait_for_step, ssp, wait, grads, names, asked)
+            if self._segments.get(shard) is not segment:
+                segment = None   # dropped during the call (the shard lost it): the values came as gRPC bytes
             if response.duplicate and response.clock > clock + 1:
                 # The shard restarted and took this worker back at a later clock (see push).
                 response, ready, step, raw_chunks, row_values = self._push_pull_once(
                     shard, shard_map, gradients, response.clock, steps[shard], segment, wait_for_step, ssp, wait,
                     grads, names, asked)
+                if self._segments.get(shard) is not segment:
+                    segment = None
             if not ready:
                 return response, False, step, {}, []
             if segment is not None:
@@ -737,9 +745,11 @@ class PSClient:
         try:
             raw = self._call(shard, "PushPull", call)
         except SharedMemoryUnavailableError as exc:
-            # The shard dropped the segment (re-initialized, or none there): this call goes over gRPC.
-            log.info("shard %d: shared memory unavailable (%s); bytes go over gRPC", shard, exc)
-            self._segments[shard] = None
+            # The shard has no segment for this worker (it restarted, or was reset): this call goes over gRPC,
+            # and the next one opens a new segment.
+            log.info("shard %d: shared memory unavailable (%s); this call goes over gRPC, the next opens a new "
+                     "segment", shard, exc)
+            self._drop_segment(shard)
             return self._push_pull_once(shard, shard_map, gradients, clock, read_step, None, wait_for_step, ssp, wait,
                                         rows, names, asked)
         except UnknownWorkerError:
@@ -747,7 +757,7 @@ class PSClient:
             log.info("shard %d forgot worker %s; registering again", shard, self.worker_id)
             self._call(shard, "RegisterWorker", lambda s: s.RegisterWorker(
                 pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout, metadata=self.metadata))
-            self._segments.pop(shard, None)
+            self._drop_segment(shard)
             raw = self._call(shard, "PushPull", call)
         step, chunks, extras = codec.decode_with_extras(raw, repeated=frozenset({5}))
         response = pb.PushResponse.FromString(bytes(extras.get(3, b"")))
@@ -812,12 +822,17 @@ class PSClient:
         return size <= GRPC_PUSH_PULL_MAX_BYTES
 
     def _segment(self, shard: int) -> tuple[Segment, Layout] | None:
-        """The shared-memory segment with a shard on this host, opened on first use; None: use gRPC bytes."""
+        """The shared-memory segment with a shard on this host, opened on first use; None: use gRPC bytes.
+
+        A shard that could not give one is asked again after SEGMENT_RETRY_SECONDS (it may
+        have been restarting); one that dropped this worker's segment (`_drop_segment`) is
+        asked at once.
+        """
         if not self.shared_memory:
             return None
-        if shard in self._segments:
-            return self._segments[shard]
-        found = None
+        found = self._segments.get(shard)
+        if found is not None or time.monotonic() < self._no_segment_until.get(shard, 0.0):
+            return found
         if shared_memory.available():
             shard_map = self._require_map()
             layout = Layout.of(((p.name, p.row_start), p.dtype, p.shape) for p in shard_map.parts_on(shard))
@@ -827,12 +842,26 @@ class PSClient:
                 if (answer.size, answer.values_offset) != (layout.size, layout.values_offset):
                     raise ValueError(f"layout differs: shard says {answer.size} bytes, values at "
                                      f"{answer.values_offset}; computed {layout.size}, {layout.values_offset}")
-                found = (Segment.attach(answer.name, answer.size), layout)
-                log.info("shard %d: bytes through shared memory %s", shard, answer.name)
+                if not answer.door:
+                    raise ValueError("the shard offers no fd door (a shard of an older version)")
+                found = (shared_memory.collect(answer.door, answer.ticket), layout)
+                log.info("shard %d: bytes through shared memory (%d bytes, anonymous)", shard, layout.size)
             except (ServerError, OSError, ValueError) as exc:
-                log.info("shard %d: no shared memory (%s); bytes go over gRPC", shard, exc)
-        self._segments[shard] = found
+                log.info("shard %d: no shared memory (%s); bytes go over gRPC, asking again in %g s", shard, exc,
+                         SEGMENT_RETRY_SECONDS)
+        if found is None:
+            self._no_segment_until[shard] = time.monotonic() + SEGMENT_RETRY_SECONDS
+        else:
+            self._segments[shard] = found
+            self._no_segment_until.pop(shard, None)
         return found
+
+    def _drop_segment(self, shard: int) -> None:
+        """Unmaps a segment the shard no longer has; the next call asks for a new one at once."""
+        found = self._segments.pop(shard, None)
+        if found is not None:
+            found[0].close()
+        self._no_segment_until.pop(shard, None)
 
     def _check_gradients(self, shard_map: ShardMap, gradients: Mapping[str, np.ndarray]) -> None:
         for name, grad in gradients.items():
@@ -872,10 +901,8 @@ class PSClient:
         """Stops heartbeats, unmaps shared memory and closes the channels (does not deregister)."""
         self._membership.stop.set()
         self._pool.shutdown(wait=False)
-        for found in self._segments.values():
-            if found is not None:
-                found[0].close()
-        self._segments.clear()
+        for shard in list(self._segments):
+            self._drop_segment(shard)
         for channel in self._channels:
             channel.close()
 

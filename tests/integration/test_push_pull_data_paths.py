@@ -4,19 +4,18 @@ results as Push then Pull, a clean fallback, and segments only this user can ope
 from __future__ import annotations
 
 import os
-import stat
+import time
 
 import numpy as np
 import pytest
 
 from ps_common import shared_memory
-from ps_common.shared_memory import Segment
 from worker_client.client import GRPC_PUSH_PULL_MAX_BYTES, PSClient, RetryPolicy
 
 LR = 0.5
 FLAGS = ["--optimizer", "sgd", "--lr", str(LR), "--workers", "1"]
 QUICK = RetryPolicy(attempts=3, initial_backoff=0.05, max_backoff=0.2)
-needs_shm = pytest.mark.skipif(not shared_memory.available(), reason="no writable /dev/shm on this host")
+needs_shm = pytest.mark.skipif(not shared_memory.available(), reason="no memfd and SCM_RIGHTS on this host")
 
 
 def model(rows: int = 16) -> dict[str, np.ndarray]:
@@ -55,25 +54,33 @@ def test_push_pull_gives_what_push_then_pull_gives_on_either_data_path(start_clu
             np.testing.assert_allclose(worker.pull()[name], expected, rtol=1e-6)
 
 
+def memfds(pid: int) -> int:
+    """How many of the project's anonymous segments process `pid` holds open (each may have several fds)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:" + shared_memory.MEMFD_NAME):
+                inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    return len(inodes)
+
+
 @needs_shm
-def test_a_segment_is_the_users_alone_and_goes_away_when_the_worker_leaves(start_cluster) -> None:
+def test_a_segment_is_anonymous_and_the_shard_closes_it_when_the_worker_leaves(start_cluster) -> None:
+    before = set(os.listdir("/dev/shm"))
     cluster = start_cluster(1, mode="async", flags=FLAGS)
+    pid = cluster.shards[0].pid
     with client(cluster, shm=True) as worker:
         worker.initialize(model())
         worker.register(heartbeat=False)
         worker.pull()
         worker.push_pull(grads(model()))
-        segment, _ = worker._segments[0]
-        mode = os.stat(segment.path).st_mode
-        assert stat.S_IMODE(mode) == 0o600
+        assert worker._segments.get(0) is not None
+        assert set(os.listdir("/dev/shm")) == before    # nothing named anywhere
+        assert memfds(pid) == 1
         worker.deregister()
-        assert not segment.path.exists()
-
-
-@pytest.mark.parametrize("name", ["../etc/passwd", "onnx-ps-../../x", "other-segment"])
-def test_attaching_a_name_that_is_not_a_segment_of_ours_is_refused(name: str) -> None:
-    with pytest.raises(ValueError, match="is not a shared-memory segment name"):
-        Segment.attach(name, 64)
+        assert memfds(pid) == 0
 
 
 @needs_shm
@@ -159,3 +166,30 @@ def test_push_pull_of_named_tensors_pulls_only_those_and_an_empty_list_is_a_plai
         report, pulled = worker.push_pull(grads(values), names=[])
         assert report.accepted and pulled is None
         np.testing.assert_allclose(worker.pull(["w"])["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
+
+
+@needs_shm
+def test_after_a_shard_restarts_the_worker_opens_shared_memory_again(start_cluster, tmp_path) -> None:
+    cluster = start_cluster(1, mode="async", flags=[*FLAGS, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                                    "--checkpoint-every-steps", "1"])
+    values = model()
+    with client(cluster, shm=True) as worker:
+        worker.initialize(values)
+        worker.register(heartbeat=False)
+        worker.pull()
+        for _ in range(3):
+            report, pulled = worker.push_pull(grads(values))
+            assert report.accepted and pulled is not None
+        first = worker._segments[0][0]
+        time.sleep(0.5)   # the checkpoint of step 3
+        cluster.kill(0)
+        cluster.restart(0)
+        steps = []
+        for _ in range(3):
+            report, pulled = worker.push_pull(grads(values))
+            steps.append(report.steps[0])
+        assert worker._segments.get(0) is not None and worker._segments[0][0] is not first, \
+            "the worker did not open a segment with the restarted shard"
+        assert first.closed                                # the old one was unmapped
+        assert memfds(cluster.shards[0].pid) == 1
+        assert pulled is not None and steps == sorted(steps)

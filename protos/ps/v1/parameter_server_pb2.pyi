@@ -290,14 +290,18 @@ class SharedMemoryRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryResponse(_message.Message):
-    __slots__ = ("name", "size", "values_offset")
+    __slots__ = ("name", "size", "values_offset", "door", "ticket")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     VALUES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DOOR_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     values_offset: int
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., values_offset: _Optional[int] = ...) -> None: ...
+    door: str
+    ticket: bytes
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., values_offset: _Optional[int] = ..., door: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
     __slots__ = ("name", "participant_id", "participants", "timeout_ms")

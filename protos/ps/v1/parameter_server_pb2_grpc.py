@@ -194,9 +194,11 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenSharedMemory(self, request, context):
-        """Opens (or reopens) the caller's shared-memory segment for PushPull; FAILED_PRECONDITION
-        before InitParameters, NOT_FOUND for an unregistered worker, RESOURCE_EXHAUSTED past
-        the shard's limits.
+        """Opens (or reopens) the caller's shared-memory segment for PushPull: a ticket to collect
+        it at the shard's fd door (see SharedMemoryResponse). FAILED_PRECONDITION before
+        InitParameters or on a host without anonymous shared memory (reason
+        SHARED_MEMORY_UNAVAILABLE), NOT_FOUND for an unregistered worker, RESOURCE_EXHAUSTED
+        past the shard's limits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

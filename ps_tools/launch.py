@@ -55,7 +55,6 @@ import queue
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +66,7 @@ from ps_common.errors import LaunchError, ProcessStartError, PSError
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.process import ChildProcess, Output
 from ps_server.cli import READY_PREFIX, server_config
+from ps_common.scratch import ScratchDir
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from ps_models.datasets import Dataset
 from worker_client.cli import prepare_worker
@@ -344,7 +344,7 @@ class Launcher:
         self.started = time.monotonic()
         self.training_started: float | None = None
         self.deadline = self.started + config.launch.timeout
-        self._scratch = tempfile.TemporaryDirectory(prefix="ps-launch-")
+        self._scratch = ScratchDir("ps-launch")
         self.model_path: Path | None = None
         self.dataset: Dataset | None = None
         self.stage_plan: Path | None = None      # pipeline jobs: the stage models and stages.json

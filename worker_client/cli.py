@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from types import FrameType
@@ -20,6 +19,7 @@ from ps_common import jobconfig
 from ps_common.errors import PSError
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.logs import configure_logging
+from ps_common.scratch import ScratchDir
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from worker_client.client import PSClient, RetryPolicy
 from worker_client.engine import GradientEngine
@@ -64,7 +64,7 @@ def prepare_worker(job: JobConfig, workdir: Path, *, device: str | None = None) 
 def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threading.Event | None = None,
                workdir: Path | None = None, prepared: Prepared | None = None) -> dict[str, Any]:
     """Prepares (unless given `prepared`) and runs one worker's training; returns its result."""
-    with tempfile.TemporaryDirectory(prefix="ps-worker-") as scratch:
+    with ScratchDir("ps-worker") as scratch:
         if prepared is None:
             prepared = prepare_worker(job, workdir or Path(scratch))
         return train_worker(job, prepared, report=report, stop=stop)
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ps-worker: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         return 128 + received[0] if received else 0
-    with tempfile.TemporaryDirectory(prefix="ps-worker-") as scratch:
+    with ScratchDir("ps-worker") as scratch:
         try:   # the model, the data and the settings checked against each other before any shard is called
             prepared = prepare_worker(job, Path(scratch))
             sink = tensorboard_sink(job, sink)

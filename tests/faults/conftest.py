@@ -47,13 +47,15 @@ class Job:
 
     def __init__(self, tmp_path: Path, model: Path, *, mode: str, shards: int, workers: int, steps: int,
                  replicas: int | None = None, staleness: int = 2, checkpoint_every: int = 0,
-                 shard_flags: Sequence[str] = (), worker_flags: Sequence[str] = ()) -> None:
+                 shard_flags: Sequence[str] = (), worker_flags: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.tmp_path = tmp_path
         self.model = model
         self.mode = mode
         self.num_workers = workers
         self.steps = steps
         self.worker_flags = [str(f) for f in worker_flags]
+        self.env = env   # extra environment of every process (e.g. TMPDIR)
         flags = ["--optimizer", "momentum", "--lr", str(LR), "--lease-seconds", str(LEASE),
                  "--wait-timeout", str(WAIT_TIMEOUT), "--workers", str(workers), "--metrics-port", "0",
                  "--log-level", "INFO", *shard_flags]
@@ -65,7 +67,7 @@ class Job:
         if checkpoint_every:
             flags += ["--checkpoint-every-steps", str(checkpoint_every)]
             per_shard = {i: ["--checkpoint-dir", str(self.checkpoint_dir(i))] for i in range(shards)}
-        self.cluster = ShardCluster(shards, mode=mode, flags=flags, shard_flags=per_shard)
+        self.cluster = ShardCluster(shards, mode=mode, flags=flags, shard_flags=per_shard, env=env)
         self.workers: list[WorkerProcess] = []
         self.retired: list[WorkerProcess] = []   # killed or replaced workers, stopped at teardown too
 
@@ -84,7 +86,7 @@ class Job:
                 "--batch-size", "32", "--steps", str(self.steps), "--eval-every", "0", "--progress-every", "0.1",
                 "--intra-op-threads", "1", "--wait-timeout", str(WAIT_TIMEOUT), "--start-timeout", "60",
                 "--reconnect-timeout", str(RECONNECT_TIMEOUT), "--log-level", "INFO", *self.worker_flags, *extra]
-        return WorkerProcess(args, name=f"worker{index}")
+        return WorkerProcess(args, name=f"worker{index}", env=self.env)
 
     def restart_worker(self, index: int, *extra: str) -> WorkerProcess:
         """Starts worker `index` again with the same id (the old process must be gone)."""

@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import onnx
 import onnx_ad
 
+from ps_common.scratch import sweep_temporaries, temporary_name
 from worker_client.engine.differentiate import GradientGraph
 from worker_client.engine.load import max_ir_version
 from worker_client.engine.loss import LossSpec
@@ -80,14 +80,16 @@ def _content_key(lifted: onnx.ModelProto, options: Mapping[str, object]) -> str:
 
 def _atomic_save(model: onnx.ModelProto, path: Path) -> None:
     """Write `model` to a temporary file beside `path`, then rename it into place, so a
-    reader never sees a partial file and concurrent writers race harmlessly."""
+    reader never sees a partial file and concurrent writers race harmlessly. The temporary
+    file is named after this process, so one left by a killed writer is removed by the
+    next writer (ps_common/scratch.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.stem,
-                                         suffix=".tmp")
+    sweep_temporaries(path.parent)
+    temporary = temporary_name(path)
     try:
-        with os.fdopen(handle, "wb") as stream:
+        with open(temporary, "xb") as stream:
             stream.write(model.SerializeToString())
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise

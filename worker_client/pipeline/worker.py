@@ -32,7 +32,6 @@ which no stage worker holds: the launcher evaluates the final parameters (evalua
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -45,6 +44,7 @@ import onnx
 
 from ps_common.errors import PSError, StageTimeoutError, StoppedError, TrainingError
 from ps_common.jobconfig import JobConfig
+from ps_common.scratch import ScratchDir
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from ps_models.datasets import Dataset, load_dataset
 from worker_client.client import PSClient, RetryPolicy, ServerError
@@ -425,7 +425,7 @@ def run_stage_worker(job: JobConfig, *, report: EventSink | None = None,
                      stop: threading.Event | None = None) -> dict[str, Any]:
     """Prepares this stage (its model only), connects to its shards and neighbours, trains."""
     w = job.worker
-    with tempfile.TemporaryDirectory(prefix="ps-stage-") as scratch:
+    with ScratchDir("ps-stage") as scratch:
         plan, path = stage_files(job, Path(scratch))
         micro_batches = job.job.micro_batches   # resolved and checked against the batch size by the settings
         runner = StageRunner(plan, w.stage, path, micro_batch_size=w.batch_size // micro_batches,

@@ -51,6 +51,10 @@ OPEN_SERVICES: frozenset[str] = frozenset({
 ADMIN_SERVICE = "ps.v1.Admin"
 #: Under mutual TLS, a client certificate whose subject has this organizational unit is an admin.
 ADMIN_OU = "ps-admin"
+#: The metadata key naming the calling worker, sent with every PSClient call. It proves nothing (the
+#: token or certificate does): a shard uses it to give a registered worker's calls slots of their own
+#: (ps_server/admission.py), so anonymous callers cannot take them.
+WORKER_ID_KEY = "ps-worker-id-bin"   # binary metadata: any UTF-8 id travels as it is
 
 
 class Role(enum.IntEnum):

@@ -147,8 +147,11 @@ class ServerSettings:
                                 help="size of the chunks tensors are streamed in, in bytes")
     lease_seconds: float = _setting(10.0, "--lease-seconds", scopes=_SERVER, positive=True,
                                     help="a worker not heard from for this many seconds leaves the quorum")
-    rpc_threads: int = _setting(64, "--rpc-threads", scopes=_SERVER, minimum=4,
-                                help="server threads: bounds concurrent rpcs, blocked waits included")
+    rpc_threads: int = _setting(512, "--rpc-threads", scopes=_SERVER, minimum=4,
+                                help="threads of the data-plane rpcs (Push, Pull, PushPull, PullRows, "
+                                     "InitParameters, Barrier), made as needed: bounds the calls held at once, "
+                                     "waits and stalled callers included; control rpcs (health, cluster info, "
+                                     "membership, Admin) have 16 threads of their own")
     checkpoint_dir: str | None = _setting(None, "--checkpoint-dir", scopes=_SERVER, metavar="DIR",
                                           help="where the shard writes its checkpoints and restores from on start "
                                                "(ps-launch: DIR/shard<i> for shard i); unset: no checkpoints")
@@ -180,14 +183,15 @@ class ServerSettings:
                                               minimum=MAX_MESSAGE_BYTES,
                                               help="larger requests get RESOURCE_EXHAUSTED")
     max_concurrent_rpcs: int | None = _setting(None, "--max-concurrent-rpcs", scopes=_SERVER, minimum=1,
-                                               default_doc="4 x rpc_threads",
+                                               default_doc="4 x rpc_threads + 64",
                                                help="more rpcs at once get RESOURCE_EXHAUSTED")
     data_plane_calls: int | None = _setting(None, "--data-plane-calls", scopes=_SERVER, minimum=1,
-                                            default_doc="3/4 of rpc_threads",
-                                            help="Push, Pull, InitParameters and Barrier calls served at once; one "
+                                            default_doc="rpc_threads / 4, at most 64",
+                                            help="data-plane calls served at once for callers that are not "
+                                                 "registered live workers (anonymous, or naming no worker); one "
                                                  "more gets RESOURCE_EXHAUSTED (reason OVERLOADED, retried by "
-                                                 "clients); the other threads keep health checks and cluster info "
-                                                 "answered under load")
+                                                 "clients). A registered worker's calls have 8 slots of their "
+                                                 "own, so stalled or waiting anonymous calls never starve it")
     stream_idle_seconds: float = _setting(30.0, "--stream-idle-seconds", scopes=_SERVER, positive=True,
                                           help="a client stream (Push, InitParameters) whose next message takes "
                                                "longer than this is cut (CANCELLED)")

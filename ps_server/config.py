@@ -48,7 +48,7 @@ class ServerConfig:
     chunk_bytes: int = CHUNK_BYTES
     lease_seconds: float = 10.0         # a worker not heard from for this long is not live
     wait_timeout_seconds: float = 300.0  # default and largest wait of a pull or barrier
-    max_workers: int = 64               # server threads: bounds concurrent rpcs, incl. blocked waits
+    max_workers: int = 512              # data-plane threads (made as needed): bounds data-plane calls held at once
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 0     # 0: not by step count
     checkpoint_every_seconds: float = 0  # 0: not by time
@@ -64,9 +64,9 @@ class ServerConfig:
     admin_token: str | None = field(default=None, repr=False)  # admin token: ps.v1.Admin needs it
     insecure: bool = False              # allow plaintext on a non-loopback host (logged as a warning)
     max_receive_message_bytes: int = MAX_MESSAGE_BYTES  # larger requests get RESOURCE_EXHAUSTED
-    max_concurrent_rpcs: int | None = None  # more at once get RESOURCE_EXHAUSTED; None: 4 x max_workers
+    max_concurrent_rpcs: int | None = None  # more at once get RESOURCE_EXHAUSTED; None: 4 x max_workers + control
     # Load and input limits (docs/protocol.md, "Limits").
-    data_plane_calls: int | None = None  # Push/Pull/Init/Barrier at once; None: 3/4 of max_workers
+    data_plane_calls: int | None = None  # anonymous data-plane calls at once; None: min(64, max_workers / 4)
     stream_idle_seconds: float = DEFAULT_STREAM_IDLE_SECONDS
     max_shard_bytes: int | None = None   # parameter bytes this shard may hold; None: the machine's memory
     max_name_bytes: int = DEFAULT_MAX_NAME_BYTES
@@ -124,8 +124,15 @@ class ServerConfig:
 
     @property
     def data_plane_limit(self) -> int:
-        """Data-plane calls at once: data_plane_calls, or 3/4 of the server threads (the rest serve control rpcs)."""
-        return self.data_plane_calls or max(1, self.max_workers * 3 // 4)
+        """Data-plane calls of callers that are not registered workers at once: data_plane_calls, or a quarter
+        of the data-plane threads (at most 64), so such calls never hold the threads registered workers need."""
+        return self.data_plane_calls or max(1, min(64, self.max_workers // 4))
+
+    @property
+    def concurrent_rpcs_limit(self) -> int:
+        """Rpcs gRPC takes at once before RESOURCE_EXHAUSTED: max_concurrent_rpcs, or room for every data-plane
+        thread four times over and the control rpcs."""
+        return self.max_concurrent_rpcs or self.max_workers * 4 + 64
 
     @property
     def shard_bytes_limit(self) -> int:

@@ -18,7 +18,7 @@ from ps_common.codec import MAX_MESSAGE_BYTES
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_server import security, service
 from ps_server.admin import AdminServicer
-from ps_server.admission import Admission, StreamWatchdog
+from ps_server.admission import CONTROL_THREADS, Admission, DataPlanePool, StreamWatchdog
 from ps_server.checkpoints import Checkpointer
 from ps_server.config import ServerConfig
 from ps_server.consistency import ConsistencyPolicy
@@ -46,18 +46,24 @@ class ShardServer:
         self.checkpointer = Checkpointer(self.shard, config) if config.checkpoint_dir else None
         if self.checkpointer is not None:
             self.checkpointer.restore()
+        # Two pools (ps_server/admission.py): the data plane's, as large as rpc_threads (threads made as
+        # needed), and the control rpcs', which no stalled or waiting data-plane call can take.
+        self._data_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                     thread_name_prefix=f"shard{config.shard_index}-data")
+        data_plane = frozenset(f"/{SERVICE_NAME}/{rpc}" for rpc in service.DATA_PLANE_RPCS)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"shard{config.shard_index}"),
+            futures.ThreadPoolExecutor(max_workers=CONTROL_THREADS, thread_name_prefix=f"shard{config.shard_index}"),
             options=[
                 ("grpc.max_receive_message_length", config.max_receive_message_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs or config.max_workers * 4,
-            interceptors=[self.metrics.interceptor, *security.interceptors(config)],
+            maximum_concurrent_rpcs=config.concurrent_rpcs_limit,
+            interceptors=[DataPlanePool(self._data_pool, data_plane), self.metrics.interceptor,
+                          *security.interceptors(config)],
         )
         self.watchdog = StreamWatchdog(config.stream_idle_seconds)
-        admission = Admission(config.data_plane_limit, shard_index=config.shard_index)
+        admission = Admission(config.data_plane_limit, shard_index=config.shard_index, is_live=self.shard.holds_lease)
         self.segments = Segments(limit=config.max_registered_workers, shard_index=config.shard_index)
         service.add_to_server(ParameterServerServicer(self.shard, admission=admission, watchdog=self.watchdog,
                                                       segments=self.segments), self.server)
@@ -106,6 +112,7 @@ class ShardServer:
         if self.checkpointer is not None:
             self.checkpointer.stop()   # the final checkpoint: no push is taken after shard.stop()
         self.server.stop(grace).wait(grace + 1)
+        self._data_pool.shutdown(wait=False, cancel_futures=True)
         self.segments.close_all()
         self.metrics.close()
 

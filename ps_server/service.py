@@ -22,7 +22,7 @@ from ps_common.errors import (REASON_KEY, InvalidRequestError, PSError, Resource
 from ps_common.shared_memory import Layout
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from ps_server.admission import Admission, StreamWatchdog
+from ps_server.admission import Admission, StreamWatchdog, caller_of
 from ps_server.consistency import Mode, step_after_push
 from ps_server.membership import PushResult
 from ps_server.pull_cache import PullCache
@@ -170,6 +170,9 @@ def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
     return info
 
 
+#: The ParameterServer rpcs of the data plane: they run on the data-plane pool and take an admission slot
+#: (ps_server/admission.py); the others are control rpcs.
+DATA_PLANE_RPCS = frozenset({"InitParameters", "Push", "Pull", "PullRows", "PushPull", "Barrier"})
 #: The ParameterServer rpcs whose requests are taken as raw bytes and walked by the codec.
 RAW_REQUESTS = frozenset({"Push", "InitParameters", "PushPull"})
 #: The ParameterServer rpcs whose responses may be bytes serialized ahead (ps_server/pull_cache.py).
@@ -219,7 +222,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                  watchdog: StreamWatchdog | None = None, segments: Segments | None = None) -> None:
         self.shard = shard
         self.pull_cache = PullCache(shard.config.chunk_bytes)
-        self.admission = admission or Admission(shard.config.data_plane_limit, shard_index=shard.config.shard_index)
+        self.admission = admission or Admission(shard.config.data_plane_limit, shard_index=shard.config.shard_index,
+                                                is_live=shard.holds_lease)
         self.watchdog = watchdog
         self.segments = segments or Segments(limit=shard.config.max_registered_workers,
                                              shard_index=shard.config.shard_index)
@@ -229,7 +233,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @translate_errors
     def InitParameters(self, request_iterator, context):
-        with self.admission.enter("InitParameters"):
+        with self.admission.enter("InitParameters", caller_of(context)):
             header, chunks = _header_and_chunks(self._stream(request_iterator, context, "InitParameters"),
                                                 "InitParameters", pb.InitHeader)
             specs = [codec.spec_from_wire(s) for s in header.parameters]
@@ -239,7 +243,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @translate_errors
     def Push(self, request_iterator, context):
-        with self.admission.enter("Push"):
+        with self.admission.enter("Push", caller_of(context)):
             header, chunks = _header_and_chunks(self._stream(request_iterator, context, "Push"), "Push",
                                                 pb.PushHeader)
             grads = _assemble(chunks, self.shard.push_layout(), widen=True)   # half-size wire: widened
@@ -253,7 +257,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @translate_errors
     def _pull(self, request, context) -> list[pb.PullResponse | bytes]:
-        with self.admission.enter("Pull"):
+        with self.admission.enter("Pull", caller_of(context)):
             timeout = self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())
             wire = wire_dtype(request.wire_dtype)
             return self.shard.pull(list(request.names), min_step=request.min_step, worker_id=request.worker_id,
@@ -279,7 +283,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @translate_errors
     def PullRows(self, request, context):
-        with self.admission.enter("PullRows"):
+        with self.admission.enter("PullRows", caller_of(context)):
             timeout = self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())
             tables = [(t.name, np.array(t.ids, dtype=np.int64)) for t in request.tables]
             step, rows = self.shard.pull_rows(tables, min_step=request.min_step, worker_id=request.worker_id,
@@ -288,7 +292,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @translate_errors
     def Barrier(self, request, context):
-        with self.admission.enter("Barrier"):
+        with self.admission.enter("Barrier", caller_of(context)):
             timeout = self.shard.wait_timeout(request.timeout_ms, context.time_remaining())
             generation, arrived = self.shard.barrier(request.name, request.participant_id, request.participants,
                                                      timeout)
@@ -317,7 +321,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @translate_errors
     def PushPull(self, request: bytes, context):
         """Push, then the pull the worker needs next, in one message each way (docs/protocol.md, "PushPull")."""
-        with self.admission.enter("PushPull"):
+        with self.admission.enter("PushPull", caller_of(context)):
             header_view, chunks, extras = codec.decode_with_extras(request)
             if not isinstance(header_view, memoryview):
                 raise InvalidRequestError("PushPull: the request must carry a header (field 1)")

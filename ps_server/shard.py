@@ -163,6 +163,15 @@ class Shard:
             raise InvalidRequestError(f"{what} is {size} bytes long, over max_id_bytes={self.config.max_id_bytes}: "
                                       f"{shorten(value, 64)!r}")
 
+    def holds_lease(self, worker_id: str) -> bool:
+        """Whether `worker_id` is registered and its lease runs (admission tells such callers apart).
+
+        Read without the lock: one dict lookup and one float compare, atomic under the GIL; a
+        lease that ends during the call changes nothing the answer is used for.
+        """
+        record = self.membership.workers.get(worker_id)
+        return record is not None and self.membership.is_live(record)
+
     def _check_running(self) -> None:
         if self._stopping:
             raise ShuttingDownError(f"shard {self.config.shard_index} is shutting down")

@@ -28,6 +28,7 @@ import numpy as np
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common import codec
+from ps_common.access import WORKER_ID_KEY
 from ps_common.errors import (REASON_KEY, InvalidTensorError, NotInitializedError, OverloadedError, ServerError,
                               SharedMemoryUnavailableError,
                               StoppedError, UnknownWorkerError, WaitTimeoutError, error_for_reason)
@@ -182,7 +183,8 @@ class PSClient:
         self.wait_timeout = wait_timeout
         self.retry = retry
         self.chunk_bytes = chunk_bytes
-        self.metadata = tuple(call_metadata)
+        # the worker's id rides with every call, so a shard gives its calls slots of their own (admission)
+        self.metadata = (*call_metadata, (WORKER_ID_KEY, self.worker_id.encode("utf-8", "surrogatepass")))
         self.duplicate_pushes = duplicate_pushes   # testing: resend every push at its clock (see push)
         options = [("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),

@@ -270,6 +270,75 @@ def test_health_and_cluster_info_answer_within_a_second_while_200_push_streams_s
     assert cluster.shards[0].alive()
 
 
+STALLERS = 200
+
+
+def _stallers(channel: grpc.Channel, kind: str, release: threading.Event) -> list:
+    """STALLERS calls of one hostile kind, each holding a call open on the shard until `release` (at most 30 s)."""
+    push = channel.stream_unary(f"/{PS.full_name}/Push", request_serializer=None, response_deserializer=None)
+    # a unary rpc called as a client stream: the request message never arrives (half-sent unary call)
+    push_pull = channel.stream_unary(f"/{PS.full_name}/PushPull", request_serializer=None,
+                                     response_deserializer=None)
+    pull = channel.unary_stream(f"/{PS.full_name}/Pull", request_serializer=None, response_deserializer=None)
+    header = codec.encode_message(pb.PushHeader(worker_id="staller", clock=0, read_step=0).SerializeToString(), [])
+
+    def messages(*first: bytes):
+        yield from first
+        release.wait(30)
+
+    if kind == "half-sent push streams":
+        return [push.future(messages(header), timeout=30) for _ in range(STALLERS)]
+    if kind == "anonymous push streams":
+        return [push.future(messages(), timeout=30) for _ in range(STALLERS)]
+    if kind == "half-sent unary calls":
+        return [push_pull.future(messages(), timeout=30) for _ in range(STALLERS)]
+    if kind == "anonymous pulls waiting for a step":
+        request = pb.PullRequest(min_step=10**9, wait_timeout_ms=30_000).SerializeToString()
+        return [pull(request, timeout=30) for _ in range(STALLERS)]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["half-sent push streams", "anonymous push streams", "half-sent unary calls",
+                                  "anonymous pulls waiting for a step"])
+def test_a_registered_workers_pull_and_push_pull_are_served_within_a_second_while_200_calls_stall(
+        start_cluster, kind: str) -> None:
+    cluster = start_cluster(1, mode="async", flags=["--stream-idle-seconds", "30", "--wait-timeout", "30"])
+    address = cluster.addresses[0]
+    channel = grpc.insecure_channel(address)
+    release = threading.Event()
+    with PSClient([address], worker_id="w0", rpc_timeout=10, retry=QUICK, shared_memory=False) as worker:
+        worker.wait_ready(20)
+        worker.initialize(MODEL)
+        worker.register()
+        worker.pull()
+        calls = _stallers(channel, kind, release)
+        try:
+            time.sleep(1.5)   # every staller has reached the shard
+            latencies = {"Pull": [], "PushPull": []}
+            for _ in range(10):
+                started = time.monotonic()
+                worker.pull()
+                latencies["Pull"].append(time.monotonic() - started)
+                started = time.monotonic()
+                report, values = worker.push_pull({"w": np.full((4, 3), 0.01, np.float32),
+                                                   "b": np.zeros(3, np.float32)})
+                latencies["PushPull"].append(time.monotonic() - started)
+                assert report.accepted and values is not None
+            print(f"{kind}: latencies (s)", {k: [round(x, 3) for x in v] for k, v in latencies.items()})
+            assert max(latencies["Pull"]) < 1.0 and max(latencies["PushPull"]) < 1.0, latencies
+            health = health_pb2_grpc.HealthStub(channel)
+            started = time.monotonic()
+            assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            assert time.monotonic() - started < 1.0
+        finally:
+            release.set()
+            for call in calls:
+                call.cancel()
+            channel.close()
+    assert cluster.shards[0].alive()
+
+
 # ---------------------------------------------------------------------- stop during every wait
 
 def _wait_then_sigterm(cluster: ShardCluster, start_wait) -> float:

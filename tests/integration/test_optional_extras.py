@@ -102,6 +102,7 @@ def test_device_cuda_without_the_cuda_provider_is_refused_in_one_line_naming_the
     import onnxruntime
 
     from ps_tools import launch as launch_module
+    from ps_tools.launch import supervise   # where the launcher starts its processes
 
     offered = [p for p in onnxruntime.get_available_providers() if p != "CUDAExecutionProvider"]
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: list(offered))
@@ -109,7 +110,7 @@ def test_device_cuda_without_the_cuda_provider_is_refused_in_one_line_naming_the
     def no_process(*args, **kwargs):
         raise AssertionError(f"ps-launch started a process for a job that cannot run: {args[:1]}")
 
-    monkeypatch.setattr(launch_module, "ChildProcess", no_process)
+    monkeypatch.setattr(supervise, "ChildProcess", no_process)
     status = launch_module.main([*TINY_JOB, "--device", "cuda"])
     err = capsys.readouterr().err
     assert status == 2, err

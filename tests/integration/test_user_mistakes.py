@@ -121,11 +121,12 @@ def _fill(items: list[str], files: dict[str, Path]) -> list[str]:
 def test_ps_launch_names_the_mistake_in_one_line_exits_2_and_starts_no_process(mistake, files, monkeypatch,
                                                                                capsys) -> None:
     from ps_tools import launch
+    from ps_tools.launch import supervise   # where the launcher starts its processes
 
     def no_process(*args, **kwargs):
         raise AssertionError(f"ps-launch started a process for a job that cannot run: {args[:1]}")
 
-    monkeypatch.setattr(launch, "ChildProcess", no_process)
+    monkeypatch.setattr(supervise, "ChildProcess", no_process)
     flags, expected = LAUNCH_MISTAKES[mistake]
     status = launch.main(["--shards", "2", "--workers", "2", "--steps", "20", *_fill(flags, files)])
     err = capsys.readouterr().err
@@ -147,8 +148,9 @@ def test_ps_launch_from_the_command_line_prints_no_traceback_for_a_corrupt_model
 def test_ps_launch_refuses_a_metrics_port_in_use_before_starting_a_shard(taken_port: int, files, monkeypatch,
                                                                           capsys) -> None:
     from ps_tools import launch
+    from ps_tools.launch import supervise   # where the launcher starts its processes
 
-    monkeypatch.setattr(launch, "ChildProcess", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setattr(supervise, "ChildProcess", lambda *a, **k: pytest.fail("a process was started"))
     status = launch.main(["--shards", "2", "--model", str(files["model"]), "--metrics-port", str(taken_port - 1)])
     err = capsys.readouterr().err
     assert status == 2, err
@@ -225,8 +227,9 @@ CRAFTED = {
 def test_ps_launch_refuses_a_crafted_model_file_naming_it_and_the_tensor_and_starts_nothing(case, crafted,
                                                                                              monkeypatch, capsys):
     from ps_tools import launch
+    from ps_tools.launch import supervise   # where the launcher starts its processes
 
-    monkeypatch.setattr(launch, "ChildProcess", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setattr(supervise, "ChildProcess", lambda *a, **k: pytest.fail("a process was started"))
     model, flags, expected = CRAFTED[case]
     status = launch.main(["--shards", "2", "--workers", "2", "--steps", "5", "--batch-size", "8",
                           "--model", str(crafted[model]), *flags])
@@ -280,8 +283,9 @@ def two_inputs(tmp_path_factory) -> Path:
 def test_a_model_with_an_input_the_data_does_not_feed_is_refused_before_anything_starts(two_inputs, monkeypatch,
                                                                                          capsys):
     from ps_tools import launch
+    from ps_tools.launch import supervise   # where the launcher starts its processes
 
-    monkeypatch.setattr(launch, "ChildProcess", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setattr(supervise, "ChildProcess", lambda *a, **k: pytest.fail("a process was started"))
     status = launch.main(["--shards", "1", "--workers", "1", "--steps", "5", "--model", str(two_inputs)])
     err = capsys.readouterr().err
     assert status == 2, err

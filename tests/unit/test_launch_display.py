@@ -13,7 +13,7 @@ from ps_common import jobconfig
 from ps_tools import launch
 from ps_tools.launch import Display, Progress
 from tests.helpers.tensorboard import read_scalars
-from worker_client.tensorboard import TensorBoardSink
+from worker_client.training.tensorboard import TensorBoardSink
 
 
 def progress(**overrides) -> Progress:
@@ -118,3 +118,18 @@ def test_a_worker_tensorboard_sink_writes_what_its_events_carry_and_passes_them_
     scalars = read_scalars(tmp_path)
     assert scalars == {"train/loss": [(10, 0.5)], "train/samples_per_second": [(10, 100.0)],
                        "train/stale_drops": [(10, 1.0)], "test/accuracy": [(10, 0.75)]}
+
+
+def test_the_launcher_starts_every_process_through_the_name_the_refusal_tests_replace(monkeypatch) -> None:
+    # tests/integration/test_user_mistakes.py proves a refused job starts nothing by replacing
+    # supervise.ChildProcess: that must be the name the launcher calls.
+    from ps_tools.launch import supervise
+
+    started = []
+    monkeypatch.setattr(supervise, "ChildProcess", lambda name, argv, **kwargs: started.append(name) or "fake")
+    launcher = launch.Launcher(config())
+    try:
+        child = launcher._start("shard0", "shard", 0, ["true"])
+    finally:
+        launcher.close()
+    assert started == ["shard0"] and child.process == "fake" and launcher.children == [child]

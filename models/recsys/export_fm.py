@@ -24,7 +24,7 @@ It exports with the legacy exporter (``dynamo=False``) in training mode without 
 folding at opset 18, with a dynamic batch axis, checks that every torch parameter is the
 initializer of the same name and value, and writes beside the .onnx a .npz: ``input:ids``
 and ``labels`` (a batch of 16 with repeated ids), ``loss`` and ``grad:<parameter>``, torch
-autograd in float64 on the float32 parameters (tests/unit/test_recsys_export.py compares
+autograd in float64 on the float32 parameters (tests/unit/test_recsys_fm.py compares
 the engine with them, densely and sparsely). The export is deterministic (``--seed``).
 """
 

@@ -62,11 +62,6 @@ def server_config(job: JobConfig, *, env: Mapping[str, str] | None = None) -> Se
         barrier_retention_seconds=s.barrier_retention_seconds)
 
 
-def config_from_args(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> ServerConfig:
-    """The ServerConfig for parsed flags, the job file they name and TF_CONFIG from env (default os.environ)."""
-    return server_config(jobconfig.load_config(args, scope="server", env=env), env=env)
-
-
 def main(argv: list[str] | None = None) -> int:
     parent = os.getppid()   # read first: --stop-with-parent watches for it to change
     args = build_parser().parse_args(argv)

@@ -14,7 +14,6 @@ from typing import Any
 
 import onnxruntime as ort
 
-from ps_models.datasets import Dataset, load_dataset
 from ps_common import jobconfig
 from ps_common.errors import PSError
 from ps_common.jobconfig import JobConfig, JobConfigError
@@ -39,11 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_data(spec: str, *, seed: int, kind: str | None) -> Dataset:
-    """The dataset, laid out for the bundled model kind when there is one."""
-    return load_dataset(spec, seed=seed, model=kind)
-
-
 def prepare_worker(job: JobConfig, workdir: Path, *, device: str | None = None) -> Prepared:
     """The model file, engine and data from the settings, checked against each other (worker_client.preflight).
 
@@ -59,15 +53,6 @@ def prepare_worker(job: JobConfig, workdir: Path, *, device: str | None = None) 
                    exclude=w.exclude, expect_parameters=w.expect_parameters, worker_index=w.index,
                    intra_op_threads=w.intra_op_threads, sparse_tables=w.sparse_tables,
                    sparse_min_rows=w.sparse_min_rows, dynamic_tables=w.dynamic_tables)
-
-
-def run_worker(job: JobConfig, *, report: EventSink | None = None, stop: threading.Event | None = None,
-               workdir: Path | None = None, prepared: Prepared | None = None) -> dict[str, Any]:
-    """Prepares (unless given `prepared`) and runs one worker's training; returns its result."""
-    with ScratchDir("ps-worker") as scratch:
-        if prepared is None:
-            prepared = prepare_worker(job, workdir or Path(scratch))
-        return train_worker(job, prepared, report=report, stop=stop)
 
 
 def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None = None,

@@ -10,11 +10,11 @@ wrapping (in this process only) the functions a push and a pull go through
 | server.receive  | waiting for the request stream's messages (the handler starts with the call)     |
 | server.decode   | `service._header_and_chunks` + `service._assemble`: walking and assembling the   |
 |                 | request's chunks (server.receive is inside it)                                   |
-| server.domain   | `Shard.push`: finiteness check, the lock, the policy, the update                 |
+| server.domain   | `Shard.push` / `Shard.push_pull`: checks, the lock, the policy, the update, read |
 | server.apply    | `ParameterStore.apply`: the optimizer's update                                            |
 | server.pull     | the Pull handler up to the list of messages (waiting, the lock, encoding)        |
 | server.wait     | `Shard._wait`: a pull held for min_step or the SSP bound                         |
-| server.encode   | `PullCache.messages`: the pull's messages (encoded once per version)             |
+| server.encode   | `codec.encode_pull_messages` / `service.push_pull_response`: the answer's bytes  |
 | server.serialize| the Pull response serializer (small chunks' messages; cached ones pass as bytes) |
 
 Each call is kept as (start on the monotonic clock, seconds); at exit the calls are
@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 from ps_bench import harness
 from ps_server import cli, service
-from ps_server.pull_cache import PullCache
+from ps_common import codec
 from ps_server.shard import Shard
 from ps_server.store import ParameterStore
 
@@ -61,11 +61,12 @@ def install() -> None:
     Shard.push = timed("server.domain", Shard.push)
     Shard._wait = timed("server.wait", Shard._wait)
     ParameterStore.apply = timed("server.apply", ParameterStore.apply)
-    PullCache.messages = timed("server.encode", PullCache.messages)
-    # The training loop's round trip: PushPull (its values encoded by PullCache.body, or
-    # copied into shared memory by Segment.view + copyto inside the handler).
+    codec.encode_pull_messages = timed("server.encode", codec.encode_pull_messages)
+    # The training loop's round trip: PushPull (its values copied under the shard's lock, into the
+    # worker's shared memory or for push_pull_response to encode).
     servicer.PushPull = timed("server.push_pull", servicer.PushPull)
-    PullCache.body = timed("server.encode", PullCache.body)
+    Shard.push_pull = timed("server.domain", Shard.push_pull)
+    service.push_pull_response = timed("server.encode", service.push_pull_response)
     pass_bytes = service._pass_bytes
     service._pass_bytes = lambda serialize: timed("server.serialize", pass_bytes(serialize))
 

@@ -10,7 +10,7 @@ once into a fresh array.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ import numpy as np
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common.dynamic_ids import DynamicTable
 from ps_common.errors import InvalidRequestError, InvalidTensorError
+from ps_common.modes import Mode
 from ps_common.shard_map import ParamSpec
 
 #: Largest ``data`` field in one chunk, and the most bytes of chunks packed in one message.
@@ -429,6 +430,46 @@ def pack_encoded(chunks: Iterable[dict], header: bytes, *, chunk_bytes: int = CH
         size += n
     if batch or first:
         yield encode_message(header if first else None, batch)
+
+
+def encode_pull_messages(step: int, chunks: Iterable[dict], *, chunk_bytes: int = CHUNK_BYTES) -> list[bytes]:
+    """A Pull's response stream: serialized PullResponse messages of at most about chunk_bytes of data each,
+    every one carrying `step` (the step of the values). Small parts share a message; there is always one."""
+    step_field = _scalar_field(1, step)
+    messages, batch, size = [], [], 0
+    for fields in chunks:
+        n = len(fields["data"])
+        if batch and size + n > chunk_bytes:
+            messages.append(step_field + encode_message(None, batch))
+            batch, size = [], 0
+        batch.append(fields)
+        size += n
+    if batch or not messages:
+        messages.append(step_field + encode_message(None, batch))
+    return messages
+
+
+def values_chunks(values: Mapping[tuple[str, int], np.ndarray], *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[dict]:
+    """The chunk fields of parts {(name, row_start): value}, their data views into the arrays (copied once by
+    the encoder)."""
+    for (name, row_start), value in values.items():
+        yield from chunk_fields(name, value, row_start=row_start, chunk_bytes=chunk_bytes, copy=False)
+
+
+#: The consistency modes on the wire (ps.v1.ConsistencyMode).
+_WIRE_MODES = {Mode.SYNC: pb.MODE_SYNC, Mode.SSP: pb.MODE_SSP, Mode.ASYNC: pb.MODE_ASYNC}
+
+
+def mode_to_wire(mode: Mode) -> int:
+    return _WIRE_MODES[mode]
+
+
+def mode_from_wire(value: int) -> Mode:
+    """The mode a ClusterInfo names; InvalidRequestError for a value this version does not know."""
+    for mode, wire in _WIRE_MODES.items():
+        if wire == value:
+            return mode
+    raise InvalidRequestError(f"unknown consistency mode {value} on the wire (a shard of a newer version?)")
 
 
 def _chunk_view(msg: memoryview) -> ChunkView:

@@ -200,6 +200,12 @@ class ServerError(PSError):
         self.code = code
         self.address = address
 
+    @property
+    def transient(self) -> bool:
+        """Whether the server did not answer in time or at all (UNAVAILABLE, DEADLINE_EXCEEDED): worth waiting
+        for, where a typed error from the server is final."""
+        return getattr(self.code, "name", "") in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
     @classmethod
     def remote(cls, error: type[PSError] | None) -> type["ServerError"]:
         """The class a client raises for a server error of catalog class `error` (ServerError itself for None)."""

@@ -95,6 +95,10 @@ class ParamSpec:
         return math.prod(self.row_shape) * _itemsize(self.dtype)
 
 
+#: A part's key everywhere (shard map, store, policies, shared-memory layout, client): (tensor name, first row).
+PartKey = tuple[str, int]
+
+
 @dataclass(frozen=True)
 class Part:
     """A row range [row_start, row_end) of one tensor, held by one shard."""
@@ -112,7 +116,13 @@ class Part:
         return math.prod(self.shape) * _itemsize(self.dtype)
 
     @property
-    def key(self) -> str:
+    def key(self) -> PartKey:
+        """The part's key on both sides: (tensor name, first row it holds)."""
+        return (self.name, self.row_start)
+
+    @property
+    def label(self) -> str:
+        """The part for people: the tensor's name, with its row range when it is split."""
         if self.whole:
             return self.name
         return f"{self.name}[{self.row_start}:{self.row_end}]"
@@ -136,14 +146,14 @@ class ShardMap:
         self.num_shards = num_shards
         self.partition_min_bytes = partition_min_bytes
         self.specs = dict(specs)
-        self.parts = tuple(sorted(parts, key=lambda p: (p.name, p.row_start)))
+        self.parts = tuple(sorted(parts, key=lambda p: p.key))
         self._by_name: dict[str, list[Part]] = {name: [] for name in self.specs}
         self._by_shard: list[list[Part]] = [[] for _ in range(num_shards)]
         self._by_key: dict[tuple[str, int], Part] = {}
         for p in self.parts:
             self._by_name[p.name].append(p)
             self._by_shard[p.shard].append(p)
-            self._by_key[(p.name, p.row_start)] = p
+            self._by_key[p.key] = p
 
     def parts_on(self, shard: int) -> list[Part]:
         """The parts shard holds, sorted by (name, row_start); ValueError for a shard out of range."""

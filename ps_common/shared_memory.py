@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ps_common.shard_map import PartKey
+
 log = logging.getLogger(__name__)
 
 #: Every region starts at a multiple of this (bytes): whole cache lines for memcpy.
@@ -61,7 +63,6 @@ MAX_TICKETS = 4096
 #: The seals every segment carries before it is handed out.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
-PartKey = tuple[str, int]
 
 
 def available() -> bool:

@@ -15,7 +15,7 @@ from ps_common.errors import CheckpointUnavailableError, CheckpointWriteError
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.checkpoints import Checkpointer, checkpoint_step
-from ps_server.service import translate_errors
+from ps_common.boundary import translate_errors
 from ps_server.shard import Shard
 
 log = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ps_common.codec import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from ps_common.modes import MODES
 from ps_common.shard_map import DEFAULT_PARTITION_MIN_BYTES
 
-MODES = ("sync", "ssp", "async")
 
 #: Limits on what a request may declare, checked before anything is allocated or applied
 #: (docs/settings.md; docs/protocol.md, "Limits"). Each is a setting; these are the defaults.

@@ -27,7 +27,6 @@ state (sync: the accumulator and the contributors) and its part of a checkpoint
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -38,29 +37,13 @@ from typing import Protocol
 import numpy as np
 
 from ps_common.errors import InvalidTensorError
+from ps_common.modes import DropReason, Mode
+from ps_common.shard_map import PartKey
 from ps_server import rows
 from ps_server.rows import RowGrad
 
 log = logging.getLogger(__name__)
 
-PartKey = tuple[str, int]   # (tensor name, row_start)
-
-
-class DropReason(enum.IntEnum):
-    """Why a push was not applied; the values and names are those of ps.v1.DropReason."""
-
-    NONE = 0
-    STALE = 1
-    ALREADY_CONTRIBUTED = 2
-    STEP_AHEAD = 3
-
-
-class Mode(enum.Enum):
-    """The consistency modes, by their job-config names."""
-
-    SYNC = "sync"
-    SSP = "ssp"
-    ASYNC = "async"
 
 
 @dataclass(frozen=True)
@@ -340,27 +323,12 @@ class AsyncPolicy(ConsistencyPolicy):
         return f"async (max_staleness={self.max_staleness or 'none'})"
 
 
-def step_after_push(accepted: bool, drop_reason: DropReason, read_step: int, step: int) -> int:
-    """The step a sync worker's next pull waits for after its push (0: no wait).
-
-    Accepted: the step after the one it read (its gradient is in that step). Already
-    contributed: the step after the shard's current one. Dropped as stale or step-ahead
-    (the shard rolled back): nothing to wait for; pull the state as it is and compute again.
-    """
-    if accepted:
-        return read_step + 1
-    if drop_reason == DropReason.ALREADY_CONTRIBUTED:
-        return step + 1
-    return 0
-
-
 def make_policy(mode: str, *, replicas_to_aggregate: int = 1, total_replicas: int = 1,
                 staleness: float = 0, max_staleness: int = 0) -> ConsistencyPolicy:
     """The default policy for a job's mode."""
-    if mode == Mode.SYNC.value:
+    chosen = Mode.named(mode)
+    if chosen is Mode.SYNC:
         return SyncPolicy(replicas_to_aggregate, total_replicas)
-    if mode == Mode.SSP.value:
+    if chosen is Mode.SSP:
         return SSPPolicy(staleness)
-    if mode == Mode.ASYNC.value:
-        return AsyncPolicy(max_staleness)
-    raise ValueError(f"Invalid mode: {mode!r} (choose one of {', '.join(m.value for m in Mode)})")
+    return AsyncPolicy(max_staleness)

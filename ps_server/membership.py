@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ps_common.errors import UnknownWorkerError
-from ps_server.consistency import DropReason
+from ps_common.modes import DropReason
 
 #: How many recent push outcomes per worker are kept to answer retries.
 DEDUP_WINDOW = 8
@@ -26,6 +26,8 @@ class PushResult:
     clock: int
     duplicate: bool = False
     aggregated: int = 0
+    # the shard's step minus the push's read step, on arrival: for metrics, not part of the outcome a retry gets
+    staleness: int = field(default=0, compare=False, repr=False)
 
 
 @dataclass

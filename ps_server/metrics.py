@@ -53,7 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ps_proto.v1 import parameter_server_pb2 as pb
-from ps_server.consistency import DropReason, Mode
+from ps_common.modes import DropReason, Mode
 
 if TYPE_CHECKING:
     from ps_server.shard import Shard

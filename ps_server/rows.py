@@ -127,7 +127,7 @@ def split_gradient(shard_map: ShardMap, shard_index: int, name: str, ids: np.nda
                                  f"expected {spec.dtype}{list(want)}")
     if values.size and not (np.isfinite(values.min()) and np.isfinite(values.max())):
         raise InvalidTensorError(f"{where}: row gradient of {name!r} holds NaN or inf")
-    return {(part.name, part.row_start): RowGrad.summed(ids[pos] - part.row_start, values[pos], part.row_end - part.row_start)
+    return {part.key: RowGrad.summed(ids[pos] - part.row_start, values[pos], part.row_end - part.row_start)
             for part, pos in found}
 
 

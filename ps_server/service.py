@@ -1,103 +1,44 @@
 """The gRPC boundary of ps.v1.ParameterServer: thin handlers over the Shard.
 
-Each handler reads the same four things in order: check the request (decode it with the
-codec), call the domain, translate a typed error into a status, fill the response. Only
-this module (with ps_server/admin.py and ps_server/pull_cache.py) knows the wire types.
+Every data-plane handler reads the same way (etcd's kvServer.Range): check the request
+(decode it with the codec, into the domain's values of ps_server/operations.py), call one
+Shard method, and fill the response; typed errors become statuses in one place
+(ps_common/boundary.py, `translate_errors`). Only this module (with ps_server/admin.py)
+knows the wire types. A push goes: here -> shard.py -> membership.py, consistency.py ->
+store.py -> optimizers.py, each returning to its caller; a pull: here -> shard.py ->
+consistency.py (the hold) -> store.py (the values) -> back here to encode them.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 
 import grpc
 import numpy as np
 
-from ps_common import codec
-from ps_common.errors import (REASON_KEY, InvalidRequestError, PSError, ResourceExhaustedError,
-                              SharedMemoryUnavailableError, UnknownTensorError, UnknownWorkerError, WaitTimeoutError,
-                              shorten)
-from ps_common.shared_memory import Layout
+from ps_common import codec, frames
+from ps_common.boundary import safe_deserializer, translate_errors
+from ps_common.errors import InvalidRequestError, UnknownWorkerError
+from ps_common.shard_map import PartKey
+from ps_common.shared_memory import Layout, Segment
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.admission import Admission, StreamWatchdog, caller_of
-from ps_server.consistency import Mode, step_after_push
 from ps_server.membership import PushResult
-from ps_server.pull_cache import PullCache
-from ps_server.rows import check_table_name
+from ps_server.operations import Push, PushPullResult, Read
 from ps_server.shared_memory import Segments
 from ps_server.shard import Shard, ShardView
 
 log = logging.getLogger(__name__)
 
-#: The domain's modes on the wire.
-WIRE_MODE = {Mode.SYNC: pb.MODE_SYNC, Mode.SSP: pb.MODE_SSP, Mode.ASYNC: pb.MODE_ASYNC}
-
-
-def status_of(exc: PSError) -> grpc.StatusCode:
-    """The status code the catalog gives an error (INTERNAL for one that never should cross the wire)."""
-    return getattr(grpc.StatusCode, exc.status or "INTERNAL", grpc.StatusCode.INTERNAL)
-
-
-def abort_with(context: grpc.ServicerContext, exc: PSError) -> None:
-    """Ends the rpc with the error's status, its message, and its reason in the trailing metadata."""
-    context.set_trailing_metadata(((REASON_KEY, exc.reason),))
-    context.abort(status_of(exc), shorten(str(exc)))
-
-
-@dataclass(frozen=True)
-class Malformed:
-    """What a request deserializer hands the handler for bytes that do not parse (never raises)."""
-
-    rpc: str
-    nbytes: int
-    error: str
-
-
-def safe_deserializer(message_type, rpc: str) -> Callable[[bytes], object]:
-    """`message_type.FromString` that returns Malformed instead of raising.
-
-    gRPC answers a deserializer's exception with INTERNAL ("Exception deserializing
-    request!"), but bytes that do not parse are the caller's error: translate_errors turns
-    Malformed into INVALID_ARGUMENT naming the rpc and the parser's complaint.
-    """
-
-    def deserialize(raw: bytes) -> object:
-        try:
-            return message_type.FromString(raw)
-        except Exception as exc:  # protobuf's DecodeError, or anything the parser raises on garbage
-            return Malformed(rpc, len(raw), f"{type(exc).__name__}: {exc}")
-
-    return deserialize
-
-
-def translate_errors(method: Callable) -> Callable:
-    """Turns typed domain errors into their status (abort_with); anything else is a bug: INTERNAL.
-
-    A request that did not parse (Malformed) is INVALID_ARGUMENT. A client stream that ends
-    under the handler (the client cancelled, or the watchdog cut it) is CANCELLED, logged
-    at debug level: it is the client's doing, not the shard's.
-    """
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            if isinstance(request, Malformed):
-                raise InvalidRequestError(f"{request.rpc}: the request's {request.nbytes} bytes do not parse as "
-                                          f"its message ({request.error})")
-            return method(self, request, context)
-        except PSError as exc:
-            abort_with(context, exc)
-        except grpc.RpcError as exc:   # raised by a client stream's request iterator when the call ends
-            log.debug("%s: the client stream ended under the handler: %s", method.__name__, exc)
-            context.abort(grpc.StatusCode.CANCELLED, f"{method.__name__}: the request stream was cancelled")
-        except Exception as exc:  # a bug: log it, keep serving
-            log.exception("internal error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}: {exc}")
-
-    return wrapper
+#: The ParameterServer rpcs of the data plane: they run on the data-plane pool and take an admission slot
+#: (ps_server/admission.py); the others are control rpcs.
+DATA_PLANE_RPCS = frozenset({"InitParameters", "Push", "Pull", "PullRows", "PushPull", "Barrier"})
+#: The ParameterServer rpcs whose requests are taken as raw bytes and walked by the codec.
+RAW_REQUESTS = frozenset({"Push", "InitParameters", "PushPull"})
+#: The ParameterServer rpcs whose responses are bytes serialized by the codec.
+RAW_RESPONSES = frozenset({"Pull", "PushPull"})
 
 
 def _header_and_chunks(requests: Iterator[bytes], rpc: str, header_type):
@@ -150,7 +91,7 @@ def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
     """ClusterInfo from the shard's configuration and a view of its state."""
     c = shard.config
     info = pb.ClusterInfo(
-        shard_index=c.shard_index, num_shards=c.num_shards, mode=WIRE_MODE[view.policy.mode],
+        shard_index=c.shard_index, num_shards=c.num_shards, mode=codec.mode_to_wire(view.policy.mode),
         replicas_to_aggregate=c.replicas_to_aggregate, total_replicas=c.total_replicas,
         staleness=-1 if c.staleness == float("inf") else int(c.staleness), max_staleness=c.max_staleness,
         step=view.step, initialized=view.initialized, optimizer=view.optimizer,
@@ -170,13 +111,6 @@ def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
     return info
 
 
-#: The ParameterServer rpcs of the data plane: they run on the data-plane pool and take an admission slot
-#: (ps_server/admission.py); the others are control rpcs.
-DATA_PLANE_RPCS = frozenset({"InitParameters", "Push", "Pull", "PullRows", "PushPull", "Barrier"})
-#: The ParameterServer rpcs whose requests are taken as raw bytes and walked by the codec.
-RAW_REQUESTS = frozenset({"Push", "InitParameters", "PushPull"})
-#: The ParameterServer rpcs whose responses may be bytes serialized ahead (ps_server/pull_cache.py).
-RAW_RESPONSES = frozenset({"Pull", "PushPull"})
 
 
 def add_to_server(servicer: object, server: grpc.Server, service_name: str = "ParameterServer") -> None:
@@ -185,7 +119,7 @@ def add_to_server(servicer: object, server: grpc.Server, service_name: str = "Pa
     - unary requests are parsed by safe_deserializer (bytes that do not parse get
       INVALID_ARGUMENT, not INTERNAL);
     - Push and InitParameters take raw bytes, walked by the codec without copying tensor data;
-    - Pull may yield pre-serialized bytes (ps_server/pull_cache.py).
+    - Pull and PushPull answer serialized messages (the codec's, ps_common/frames.py for PushPull).
     """
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
@@ -212,16 +146,16 @@ def add_to_server(servicer: object, server: grpc.Server, service_name: str = "Pa
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """ps.v1.ParameterServer over one Shard.
 
-    Data-plane rpcs (InitParameters, Push, Pull, Barrier) take a slot of `admission` first
-    (RESOURCE_EXHAUSTED when none is free); client streams are watched by `watchdog`, which
-    cuts a stream that stalls. Control rpcs (registration, heartbeats, cluster info) take no
-    slot, so they are answered while the data plane is full.
+    Data-plane rpcs take a slot of `admission` first (RESOURCE_EXHAUSTED when none is free;
+    a registered worker's calls have slots of their own); client streams are watched by
+    `watchdog`, which cuts a stream that stalls. Control rpcs (registration, heartbeats,
+    cluster info) take no slot, so they are answered while the data plane is full.
     """
 
     def __init__(self, shard: Shard, *, admission: Admission | None = None,
                  watchdog: StreamWatchdog | None = None, segments: Segments | None = None) -> None:
         self.shard = shard
-        self.pull_cache = PullCache(shard.config.chunk_bytes)
+        self.chunk_bytes = shard.config.chunk_bytes
         self.admission = admission or Admission(shard.config.data_plane_limit, shard_index=shard.config.shard_index,
                                                 is_live=shard.holds_lease)
         self.watchdog = watchdog
@@ -230,6 +164,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def _stream(self, requests: Iterator[bytes], context, rpc: str) -> Iterator[bytes]:
         return requests if self.watchdog is None else self.watchdog.watch(requests, context, rpc)
+
+    # ------------------------------------------------------------------ data plane
 
     @translate_errors
     def InitParameters(self, request_iterator, context):
@@ -247,8 +183,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             header, chunks = _header_and_chunks(self._stream(request_iterator, context, "Push"), "Push",
                                                 pb.PushHeader)
             grads = _assemble(chunks, self.shard.push_layout(), widen=True)   # half-size wire: widened
-            result = self.shard.push(header.worker_id, header.clock, header.read_step, grads,
-                                     self._row_grads(header))
+            result = self.shard.push(self._push(header, grads))
         return push_response(result)
 
     def Pull(self, request, context):
@@ -256,39 +191,34 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         yield from self._pull(request, context)
 
     @translate_errors
-    def _pull(self, request, context) -> list[pb.PullResponse | bytes]:
+    def _pull(self, request: pb.PullRequest, context) -> list[bytes]:
         with self.admission.enter("Pull", caller_of(context)):
-            timeout = self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())
-            wire = wire_dtype(request.wire_dtype)
-            return self.shard.pull(list(request.names), min_step=request.min_step, worker_id=request.worker_id,
-                                   clock=request.clock, timeout=timeout,
-                                   read=lambda step, parts: self.pull_cache.messages(step, parts, wire))
-
-    def _row_grads(self, header: pb.PushHeader) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """The header's RowGradients as (name, ids, rows) arrays (widened from a half-size wire)."""
-        if not header.row_gradients:
-            return []
-        self.shard.push_layout()   # FAILED_PRECONDITION before InitParameters
-        specs = self.shard.store.shard_map.specs
-        out = []
-        for rg in header.row_gradients:
-            check_table_name(rg.name, "row gradient")
-            spec = specs.get(rg.name)
-            if spec is None:
-                raise UnknownTensorError(f"row gradient: tensor {rg.name!r} is not a parameter of this model")
-            ids = np.array(rg.ids, dtype=np.int64)
-            out.append((rg.name, ids, codec.rows_from_wire(rg.name, rg.dtype, rg.data, len(ids), spec.row_shape,
-                                                           want=np.dtype(spec.dtype))))
-        return out
+            values = self.shard.pull(Read(
+                names=list(request.names) or None, min_step=request.min_step, ssp=bool(request.worker_id),
+                worker_id=request.worker_id, clock=request.clock, narrow=wire_dtype(request.wire_dtype),
+                timeout=self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())))
+        return codec.encode_pull_messages(values.step, codec.values_chunks(values.parts, chunk_bytes=self.chunk_bytes),
+                                          chunk_bytes=self.chunk_bytes)
 
     @translate_errors
     def PullRows(self, request, context):
         with self.admission.enter("PullRows", caller_of(context)):
-            timeout = self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())
-            tables = [(t.name, np.array(t.ids, dtype=np.int64)) for t in request.tables]
-            step, rows = self.shard.pull_rows(tables, min_step=request.min_step, worker_id=request.worker_id,
-                                              clock=request.clock, timeout=timeout)
-        return pb.PullRowsResponse(step=step, tables=[row_values(name, values) for name, values in rows])
+            values = self.shard.pull(Read(
+                names=(), rows=_row_ids(request.tables), min_step=request.min_step, ssp=bool(request.worker_id),
+                worker_id=request.worker_id, clock=request.clock,
+                timeout=self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())))
+        return pb.PullRowsResponse(step=values.step, tables=[row_values(name, rows) for name, rows in values.rows])
+
+    @translate_errors
+    def PushPull(self, request: bytes, context):
+        """Push, then the pull the worker needs next, in one message each way (docs/protocol.md, "PushPull")."""
+        with self.admission.enter("PushPull", caller_of(context)):
+            frame = frames.decode_request(request)
+            segment = self._segment(frame)
+            push = self._push(frame.header, _gradients_in(segment) if frame.gradients_in_shared_memory else
+                              _assemble(frame.chunks, self.shard.push_layout(), widen=True))
+            result = self.shard.push_pull(push, self._read_after(frame.pull, segment, context))
+        return push_pull_response(result, self.chunk_bytes)
 
     @translate_errors
     def Barrier(self, request, context):
@@ -297,6 +227,42 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             generation, arrived = self.shard.barrier(request.name, request.participant_id, request.participants,
                                                      timeout)
         return pb.BarrierResponse(generation=generation, arrived=arrived)
+
+    # ------------------------------------------------------------------ checks: requests to domain values
+
+    def _push(self, header: pb.PushHeader, grads: Mapping[PartKey, np.ndarray]) -> Push:
+        """The domain's Push of a header and its decoded dense gradients; row gradients decoded (widened from a
+        half-size wire) against their tables' specs."""
+        row_grads = []
+        for rg in header.row_gradients:
+            spec = self.shard.table_spec(rg.name, "row gradient")
+            ids = np.array(rg.ids, dtype=np.int64)
+            row_grads.append((rg.name, ids, codec.rows_from_wire(rg.name, rg.dtype, rg.data, len(ids), spec.row_shape,
+                                                                 want=np.dtype(spec.dtype))))
+        return Push(header.worker_id, header.clock, header.read_step, grads, row_grads)
+
+    def _read_after(self, pull: pb.PullAfterPush, segment: tuple[Segment, Layout] | None, context) -> Read:
+        """The domain's Read of a PushPull's pull: into the worker's segment when it asks for shared memory."""
+        if pull.wait_timeout_ms < 0:
+            raise InvalidRequestError(f"PushPull: wait_timeout_ms must be >= 0, got {pull.wait_timeout_ms}")
+        timeout = 0.0 if pull.wait_timeout_ms == 0 else \
+            self.shard.wait_timeout(pull.wait_timeout_ms, context.time_remaining())
+        into = None
+        if pull.shared_memory:
+            memory, layout = segment
+            into = {slot.key: memory.view(slot) for slot in layout.values}
+        return Read(names=list(pull.names) or None, rows=_row_ids(pull.rows), wait_for_step=pull.wait_for_step,
+                    ssp=pull.ssp, timeout=timeout, narrow=wire_dtype(pull.wire_dtype), into=into)
+
+    def _segment(self, frame: frames.PushPullRequest) -> tuple[Segment, Layout] | None:
+        """The worker's shared-memory segment when the frame uses it (SharedMemoryUnavailableError when it has none
+        for the shard's current parts)."""
+        if not (frame.gradients_in_shared_memory or frame.pull.shared_memory):
+            return None
+        self.shard.push_layout()   # FAILED_PRECONDITION before init
+        return self.segments.get(frame.header.worker_id, self.shard.generation)
+
+    # ------------------------------------------------------------------ control
 
     @translate_errors
     def RegisterWorker(self, request, context):
@@ -319,108 +285,36 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return cluster_info(self.shard, self.shard.view())
 
     @translate_errors
-    def PushPull(self, request: bytes, context):
-        """Push, then the pull the worker needs next, in one message each way (docs/protocol.md, "PushPull")."""
-        with self.admission.enter("PushPull", caller_of(context)):
-            header_view, chunks, extras = codec.decode_with_extras(request)
-            if not isinstance(header_view, memoryview):
-                raise InvalidRequestError("PushPull: the request must carry a header (field 1)")
-            header = _parse(pb.PushHeader, header_view, "PushPull header")
-            pull = _parse(pb.PullAfterPush, extras.get(3, b""), "PushPull pull")
-            # the rows to read after the push are checked before it, so a bad request changes nothing
-            read_rows, rows_bytes = self.shard.rows_reader(
-                [(t.name, np.array(t.ids, dtype=np.int64)) for t in pull.rows],
-                f"PushPull rows by {header.worker_id!r}") if pull.rows else (None, 0)
-            segment = None
-            if extras.get(4) or pull.shared_memory:
-                segment = self._segment_of(header.worker_id)
-            if extras.get(4):
-                if chunks:
-                    raise InvalidRequestError("PushPull: gradients in shared memory and in chunks at once")
-                self.shard.push_layout()   # FAILED_PRECONDITION before init
-                current = Layout.of((key, state.value.dtype, state.value.shape) for key, state in self.shard.store_parts())
-                if segment[1] != current:
-                    self.segments.close(header.worker_id)
-                    raise SharedMemoryUnavailableError(
-                        f"worker {header.worker_id!r}: the shared-memory layout no longer fits shard "
-                        f"{self.shard.config.shard_index}'s parts (re-initialized?): open it again")
-                grads = {slot.key: segment[0].view(slot) for slot in segment[1].gradients}
-            else:
-                grads = _assemble(chunks, self.shard.push_layout(), widen=True)
-            result = self.shard.push(header.worker_id, header.clock, header.read_step, grads,
-                                     self._row_grads(header))
-            min_step = step_after_push(result.accepted, result.drop_reason, header.read_step, result.step) \
-                if pull.wait_for_step else 0
-            wire = wire_dtype(pull.wire_dtype)
-            read = (lambda step, parts: self.pull_cache.body(step, parts, wire)) \
-                if segment is None or not pull.shared_memory else _write_values(segment)
-            if read_rows is not None:   # the rows under the same lock, at the values' step
-                read = _and_rows(read, read_rows)
-            rows: list[tuple[str, np.ndarray]] = []
-            try:
-                step, body = self.shard.pull(list(pull.names), min_step=min_step,
-                                             worker_id=header.worker_id if pull.ssp else "",
-                                             clock=result.clock, timeout=self._push_pull_wait(pull, context),
-                                             read=read, nbytes=None if read_rows is None else rows_bytes)
-                if read_rows is not None:
-                    body, rows = body
-                ready = True
-            except WaitTimeoutError:
-                step, body, ready = 0, b"", False
-            except ResourceExhaustedError as exc:
-                if read_rows is None:
-                    raise
-                # new dynamic rows would pass max_shard_bytes: the push stands, the rows are not read
-                log.warning("PushPull by %r: its rows were not read: %s", header.worker_id, exc)
-                step, body, ready = 0, b"", False
-        return b"".join([codec.scalar_field(1, step), body,
-                         codec.message_field(3, push_response(result).SerializeToString()),
-                         codec.scalar_field(4, ready), *(codec.message_field(5, row_values(name, values).SerializeToString())
-                                                         for name, values in rows)])
-
-    def _push_pull_wait(self, pull: pb.PullAfterPush, context) -> float:
-        if pull.wait_timeout_ms < 0:
-            raise InvalidRequestError(f"PushPull: wait_timeout_ms must be >= 0, got {pull.wait_timeout_ms}")
-        if pull.wait_timeout_ms == 0:
-            return 0.0
-        return self.shard.wait_timeout(pull.wait_timeout_ms, context.time_remaining())
-
-    def _segment_of(self, worker_id: str):
-        found = self.segments.get(worker_id)
-        if found is None:
-            raise SharedMemoryUnavailableError(f"worker {worker_id!r} has no shared-memory segment on shard "
-                                               f"{self.shard.config.shard_index}: call OpenSharedMemory first")
-        return found
-
-    @translate_errors
     def OpenSharedMemory(self, request, context):
         self.shard.check_id("OpenSharedMemory: worker_id", request.worker_id)
-        view = self.shard.view()
-        known = {w.worker_id for w in view.workers}
+        generation, parts = self.shard.part_layout()
+        known = {w.worker_id for w in self.shard.view().workers}
         if request.worker_id not in known:
             raise UnknownWorkerError(f"worker {request.worker_id!r} is not registered on this shard; "
                                      "call RegisterWorker")
-        layout = Layout.of((key, state.value.dtype, state.value.shape)
-                           for key, state in self.shard.store_parts())
-        door, ticket = self.segments.offer(request.worker_id, layout, known=known)
+        layout = Layout.of(parts)
+        door, ticket = self.segments.offer(request.worker_id, layout, generation, known=known)
         return pb.SharedMemoryResponse(size=layout.size, values_offset=layout.values_offset, door=door,
                                        ticket=ticket)
+
+
+# ---------------------------------------------------------------------- filling responses
+
+
+def push_pull_response(result: PushPullResult, chunk_bytes: int) -> bytes:
+    """The PushPullResponse of a push and its read (values in shared memory leave no chunks)."""
+    values = result.values
+    if values is None:
+        return frames.encode_response(push_response(result.push), ready=False)
+    return frames.encode_response(push_response(result.push), ready=True, step=values.step,
+                                  chunks=codec.values_chunks(values.parts, chunk_bytes=chunk_bytes),
+                                  rows=[row_values(name, rows) for name, rows in values.rows])
 
 
 def row_values(name: str, values: np.ndarray) -> pb.RowValues:
     """The rows of one table, as PullRows and PushPull answer them."""
     dtype, data = codec.rows_to_wire(values)
     return pb.RowValues(name=name, dtype=dtype, shape=values.shape, data=data)
-
-
-def _and_rows(read: Callable, read_rows: Callable[[int], list]) -> Callable:
-    """A Shard.pull read callback: `read`'s (step, body), with the rows read at the same step: (step, (body, rows))."""
-
-    def both(step: int, parts) -> tuple[int, tuple[bytes, list]]:
-        step, body = read(step, parts)
-        return step, (body, read_rows(step))
-
-    return both
 
 
 def wire_dtype(value: int) -> np.dtype | None:
@@ -434,25 +328,11 @@ def wire_dtype(value: int) -> np.dtype | None:
     return dtype
 
 
-def _parse(message_type, raw, what: str):
-    try:
-        return message_type.FromString(bytes(raw))
-    except Exception as exc:  # protobuf's DecodeError
-        raise InvalidRequestError(f"{what}: malformed ({exc})") from exc
+def _row_ids(tables) -> list[tuple[str, np.ndarray]]:
+    return [(t.name, np.array(t.ids, dtype=np.int64)) for t in tables]
 
 
-def _write_values(segment):
-    """A Shard.pull read callback that copies the values into the worker's segment (under the shard's lock)."""
+def _gradients_in(segment: tuple[Segment, Layout]) -> dict[PartKey, np.ndarray]:
+    """The gradients a worker wrote into its segment, as views (read by the shard inside the call)."""
     memory, layout = segment
-    slots = {slot.key: slot for slot in layout.values}
-
-    def read(step: int, parts) -> tuple[int, bytes]:
-        for state in parts:
-            slot = slots.get((state.part.name, state.part.row_start))
-            if slot is None:
-                raise InvalidRequestError(f"part {state.part.name!r} rows from {state.part.row_start} is not in the "
-                                          "worker's shared-memory layout: open it again (OpenSharedMemory)")
-            np.copyto(memory.view(slot), state.value, casting="no")
-        return step, b""
-
-    return read
+    return {slot.key: memory.view(slot) for slot in layout.gradients}

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from ps_common.errors import (
     NotInitializedError,
     ResourceExhaustedError,
     ShuttingDownError,
+    UnknownTensorError,
     WaitTimeoutError,
     shorten,
 )
@@ -35,17 +35,17 @@ from ps_server.barrier import Barriers
 from ps_server.checkpoints.state import (OutcomeSnapshot, PartSnapshot, ShardState, WorkerSnapshot,
                                          check_compatible, check_ranges, consistency_of)
 from ps_server.config import MAX_COUNTER, ServerConfig
-from ps_server.consistency import ConsistencyPolicy, Decision, DropReason, PolicyInfo, PolicySnapshot, make_policy
+from ps_common.modes import DropReason, step_to_wait_for
+from ps_server.consistency import ConsistencyPolicy, Decision, PolicyInfo, PolicySnapshot, make_policy
 from ps_server.dynamic import DynamicRows
 from ps_server.events import Events
 from ps_server.membership import Membership, PushResult, WorkerRecord
+from ps_server.operations import Push, PushPullResult, Read, Values
 from ps_server.optimizers import make_optimizer
 from ps_server.rows import RowGrad, check_table_name, checked_ids, dynamic_gradient, owned_parts, split_gradient
 from ps_server.store import ParameterStore, PartKey, PartState, dynamic_key
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: The optimizer slot of per-row update counts (lazy sparse updates, ps_server/optimizers.py apply_rows).
 ROW_STEP = "row_step"
@@ -93,6 +93,16 @@ class ShardView:
     dynamic: tuple[DynamicView, ...] = ()
 
 
+@dataclass(frozen=True)
+class _ReadPlan:
+    """A checked Read: the tensors (None: all), the rows as (name, ids, owning parts or None for a dynamic
+    table), and the bytes it answers."""
+
+    names: list[str] | None
+    rows: list[tuple[str, np.ndarray, list | None]]
+    nbytes: int
+
+
 class _Host:
     """The PolicyHost a policy sees: the step, live workers and clocks, the owned parts, and apply."""
 
@@ -135,6 +145,9 @@ class Shard:
         self._cond = threading.Condition()
         self._stopping = False
         self._resets = 0            # bumped by reset(): a waiter that sees it change fails with UNAVAILABLE
+        #: Bumped whenever the parts change shape (initialize, reset, restore): what a shared-memory layout
+        #: was made for (the boundary compares; an int read is atomic).
+        self.generation = 0
         self.policy_host = _Host(self)   # the narrow view every policy call gets
 
     def _default_policy(self) -> ConsistencyPolicy:
@@ -253,6 +266,7 @@ class Shard:
             if already:
                 return True, self.step, len(self.store.parts)
             self.store.install(shard_map, values)
+            self.generation += 1
             self._cond.notify_all()
         log.info("shard %d initialized by %r: %d tensors, %d parts here (%d bytes)", self.config.shard_index,
                  worker_id, len(specs), len(self.store.parts), self.store.nbytes)
@@ -268,26 +282,86 @@ class Shard:
                 f"shard {self.config.shard_index} has no parameters yet: push before InitParameters")
         return self.store.expected
 
-    def store_parts(self) -> list[tuple[PartKey, PartState]]:
-        """The owned parts in shard-map order (a consistent read), e.g. for a shared-memory layout."""
+    def part_layout(self) -> tuple[int, list[tuple[PartKey, np.dtype, tuple[int, ...]]]]:
+        """(generation, every owned part's (key, dtype, shape) in shard-map order): one consistent read, e.g.
+        for a shared-memory layout."""
         if not self.store.initialized:
             raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet")
         with self._cond:
-            return list(self.store.parts.items())
+            return self.generation, [(key, state.value.dtype, state.value.shape) for key, state in self.store.parts.items()]
 
-    def push(self, worker_id: str, clock: int, read_step: int, grads: Mapping[PartKey, np.ndarray],
-             row_grads: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()) -> PushResult:
-        """Applies, accumulates or drops one decoded push; answers retries without re-applying.
+    def table_spec(self, name: str, where: str) -> ParamSpec:
+        """The spec of a tensor pushed or pulled by rows (NotInitializedError, UnknownTensorError, bad name)."""
+        check_table_name(name, where)
+        shard_map = self.store.shard_map
+        if shard_map is None:
+            raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet: {where} before "
+                                      "InitParameters")
+        spec = shard_map.specs.get(name)
+        if spec is None:
+            raise UnknownTensorError(f"{where}: tensor {name!r} is not a parameter of this model")
+        return spec
 
-        `row_grads` are sparse gradients (tensor name, global row ids, rows), checked and cut
-        into a RowGrad per owned part of the tensor (ps_server/rows.py) beside `grads`.
+    def push(self, push: Push) -> PushResult:
+        """Applies, accumulates or drops one push; answers a retry (a clock below the worker's) with its first
+        outcome, never applying it again. Checked whole before the lock: a rejected push changes nothing."""
+        grads = self._checked(push)
+        with self._cond:
+            result = self._push_locked(push, grads)
+        self._emit_push(push, result, grads)
+        return result
+
+    def pull(self, read: Read) -> Values:
+        """Waits as `read` says (at most its timeout: WaitTimeoutError), then reads its parts and rows, all at one
+        step. The read runs under the lock, so no update lands half-way through it."""
+        plan = self._read_plan(read, f"pull by {read.worker_id or 'a client'!r}")
+        with self._cond:
+            self._check_running()
+            if read.worker_id and read.worker_id in self.membership.workers:
+                self.membership.renew(read.worker_id)
+            self._wait_for(read.min_step, read.worker_id if read.ssp else "", read.clock, read.timeout,
+                           f"pull by {read.worker_id or 'a client'!r} on shard {self.config.shard_index}")
+            values = self._read_locked(read, plan)
+        self.events.emit("pull", nbytes=plan.nbytes)
+        return values
+
+    def push_pull(self, push: Push, read: Read) -> PushPullResult:
+        """A push, then the read the worker needs next, in one locked section (the training loop's step).
+
+        Both are checked before anything changes. The read waits for the step the push
+        belongs to (`read.wait_for_step`: ps_common.modes.step_to_wait_for) or the SSP bound
+        at the worker's clock after the push (`read.ssp`), at most `read.timeout`; a wait that
+        runs out, or new dynamic rows that would pass max_shard_bytes, leave the push applied
+        and return no values.
         """
+        grads = self._checked(push)
+        plan = self._read_plan(read, f"PushPull rows by {push.worker_id!r}")
+        with self._cond:
+            result = self._push_locked(push, grads)
+            min_step = step_to_wait_for(result.accepted, result.drop_reason, push.read_step, result.step) \
+                if read.wait_for_step else 0
+            try:
+                self._wait_for(min_step, push.worker_id if read.ssp else "", result.clock, read.timeout,
+                               f"PushPull by {push.worker_id!r} on shard {self.config.shard_index}")
+                values, why = self._read_locked(read, plan), ""
+            except WaitTimeoutError as exc:
+                values, why = None, str(exc)
+            except ResourceExhaustedError as exc:   # new dynamic rows would pass max_shard_bytes
+                values, why = None, str(exc)
+                log.warning("PushPull by %r: its rows were not read: %s", push.worker_id, exc)
+        self._emit_push(push, result, grads)
+        if values is not None:
+            self.events.emit("pull", nbytes=plan.nbytes)
+        return PushPullResult(result, values, why)
+
+    def _checked(self, push: Push) -> Mapping[PartKey, np.ndarray | RowGrad]:
+        """The push's gradients, row gradients cut per part, all checked (before the lock)."""
+        worker_id, clock = push.worker_id, push.clock
         self.check_id("push header: worker_id", worker_id)
-        if not 0 <= clock < MAX_COUNTER or not 0 <= read_step < MAX_COUNTER:
-            raise InvalidRequestError(f"push from {worker_id!r}: clock {clock} and read_step {read_step} must be in "
-                                      f"[0, {MAX_COUNTER})")
-        if row_grads:
-            grads = self._with_rows(worker_id, clock, grads, row_grads)
+        if not 0 <= clock < MAX_COUNTER or not 0 <= push.read_step < MAX_COUNTER:
+            raise InvalidRequestError(f"push from {worker_id!r}: clock {clock} and read_step {push.read_step} must be "
+                                      f"in [0, {MAX_COUNTER})")
+        grads = self._with_rows(worker_id, clock, push.grads, push.row_grads) if push.row_grads else push.grads
         for (name, row_start), grad in grads.items():
             if isinstance(grad, RowGrad):
                 continue   # checked by split_gradient
@@ -299,38 +373,46 @@ class Shard:
             if grad.size and not (np.isfinite(grad.min()) and np.isfinite(grad.max())):
                 raise InvalidRequestError(
                     f"push from {worker_id!r} at clock {clock}: gradient of {name!r} rows from {row_start} holds NaN or inf")
-        with self._cond:
-            self._check_running()
-            record = self.membership.get(worker_id)
-            if clock < record.clock:
-                return self._duplicate(record, clock)
-            if clock > record.clock + self.config.max_clock_ahead:
-                raise InvalidRequestError(
-                    f"push from {worker_id!r}: clock {clock} is more than max_clock_ahead={self.config.max_clock_ahead} "
-                    f"ahead of the shard's clock {record.clock} for it")
-            self._check_room([(key[0], g.rows) for key, g in grads.items()
-                              if isinstance(g, RowGrad) and g.part_rows is None])
-            staleness = self.step - read_step   # on arrival, before this push can advance the step
-            if read_step > self.step:
-                # Only a shard restored from an older checkpoint can be behind a worker's read.
-                decision = Decision.drop(DropReason.STEP_AHEAD, (
-                    f"gradient read at step {read_step}, but shard {self.config.shard_index} is at step {self.step} "
-                    f"(restored from an older checkpoint?): dropped; pull again"))
-            else:
-                decision = self.policy.on_push(self.policy_host, worker_id, read_step, grads)
-            self._carry_out(decision)
-            record.clock = clock + 1
-            self.membership.renew(worker_id)
-            if not decision.accepted:
-                self.dropped += 1
-            result = PushResult(decision.accepted, decision.drop_reason, decision.message, self.step, record.clock,
-                                aggregated=self.policy.aggregated())
-            self.membership.remember(record, clock, result)
-            self._cond.notify_all()
-        self.events.emit("push", worker_id=worker_id, accepted=decision.accepted, reason=decision.drop_reason,
-                         staleness=staleness, nbytes=sum(g.nbytes for g in grads.values()),
-                         rows=sum(len(g.rows) for g in grads.values() if isinstance(g, RowGrad)))
+        return grads
+
+    def _push_locked(self, push: Push, grads: Mapping[PartKey, np.ndarray | RowGrad]) -> PushResult:
+        """The push under the lock: the worker's record, the read step, the policy's decision carried out."""
+        self._check_running()
+        worker_id, clock, read_step = push.worker_id, push.clock, push.read_step
+        record = self.membership.get(worker_id)
+        if clock < record.clock:
+            return self._duplicate(record, clock)
+        if clock > record.clock + self.config.max_clock_ahead:
+            raise InvalidRequestError(
+                f"push from {worker_id!r}: clock {clock} is more than max_clock_ahead={self.config.max_clock_ahead} "
+                f"ahead of the shard's clock {record.clock} for it")
+        self._check_room([(key[0], g.rows) for key, g in grads.items()
+                          if isinstance(g, RowGrad) and g.part_rows is None])
+        if read_step > self.step:
+            # Only a shard restored from an older checkpoint can be behind a worker's read.
+            decision = Decision.drop(DropReason.STEP_AHEAD, (
+                f"gradient read at step {read_step}, but shard {self.config.shard_index} is at step {self.step} "
+                f"(restored from an older checkpoint?): dropped; pull again"))
+        else:
+            decision = self.policy.on_push(self.policy_host, worker_id, read_step, grads)
+        staleness = self.step - read_step   # on arrival, before this push can advance the step
+        self._carry_out(decision)
+        record.clock = clock + 1
+        self.membership.renew(worker_id)
+        if not decision.accepted:
+            self.dropped += 1
+        result = PushResult(decision.accepted, decision.drop_reason, decision.message, self.step, record.clock,
+                            aggregated=self.policy.aggregated(), staleness=staleness)
+        self.membership.remember(record, clock, result)
+        self._cond.notify_all()
         return result
+
+    def _emit_push(self, push: Push, result: PushResult, grads: Mapping[PartKey, np.ndarray | RowGrad]) -> None:
+        if result.duplicate:
+            return   # counted as "duplicate" under the lock
+        self.events.emit("push", worker_id=push.worker_id, accepted=result.accepted, reason=result.drop_reason,
+                         staleness=result.staleness, nbytes=sum(g.nbytes for g in grads.values()),
+                         rows=sum(len(g.rows) for g in grads.values() if isinstance(g, RowGrad)))
 
     def _with_rows(self, worker_id: str, clock: int, grads: Mapping[PartKey, np.ndarray],
                    row_grads: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> dict[PartKey, np.ndarray | RowGrad]:
@@ -383,89 +465,82 @@ class Shard:
                           f"clock {clock} was taken before (worker {record.worker_id!r} is at clock {record.clock}); "
                           "not applied again", self.step, record.clock, duplicate=True)
 
-    # ------------------------------------------------------------------ pull
+    # ------------------------------------------------------------------ reads
 
-    def pull(self, names: Sequence[str], *, min_step: int, worker_id: str, clock: int, timeout: float,
-             read: Callable[[int, list[PartState]], T], nbytes: int | None = None) -> T:
-        """Waits for min_step and the policy's pull rule (at most timeout s), then returns read(step, parts).
-
-        `read` runs under the shard's lock, so it sees the parts' values of exactly that
-        step (no update can land half-way); it must copy or encode what it keeps (the
-        service encodes, with a per-version cache) and return quickly.
-        """
+    def _wait_for(self, min_step: int, worker_id: str, clock: int, timeout: float, what: str) -> None:
+        """Waits (lock held) until the step reaches `min_step` and the policy lets `worker_id` at `clock` read."""
         if min_step < 0:
             raise InvalidRequestError(f"min_step must be >= 0, got {min_step}")
-        with self._cond:
-            self._check_running()
-            parts = self.store.select(names)
-            if worker_id and worker_id in self.membership.workers:
-                self.membership.renew(worker_id)
 
-            def blocker() -> str | None:
-                if self.step < min_step:
-                    return (f"step >= {min_step} (shard {self.config.shard_index} is at step {self.step}"
-                            f"{self.policy.step_blocker(self.policy_host)})")
-                return self.policy.pull_blocker(self.policy_host, worker_id, clock)
+        def blocker() -> str | None:
+            if self.step < min_step:
+                return (f"step >= {min_step} (shard {self.config.shard_index} is at step {self.step}"
+                        f"{self.policy.step_blocker(self.policy_host)})")
+            return self.policy.pull_blocker(self.policy_host, worker_id, clock)
 
-            self._wait(blocker, timeout, f"pull by {worker_id or 'a client'!r} on shard {self.config.shard_index}")
-            result = read(self.step, parts)
-        self.events.emit("pull", nbytes=sum(p.value.nbytes for p in parts) if nbytes is None else nbytes)
-        return result
+        self._wait(blocker, timeout, what)
 
-    def pull_rows(self, tables: Sequence[tuple[str, np.ndarray]], *, min_step: int, worker_id: str, clock: int,
-                  timeout: float) -> tuple[int, list[tuple[str, np.ndarray]]]:
-        """(step, [(name, rows)]): the rows `ids` of each named tensor (ids this shard owns), after the waits of pull."""
-        if min_step < 0:
-            raise InvalidRequestError(f"min_step must be >= 0, got {min_step}")
-        read, nbytes = self.rows_reader(tables, f"PullRows by {worker_id or 'a client'!r}")
-        return self.pull([name for name, _ in tables], min_step=min_step, worker_id=worker_id, clock=clock,
-                         timeout=timeout, read=lambda step, parts: (step, read(step)), nbytes=nbytes)
-
-    def rows_reader(self, tables: Sequence[tuple[str, np.ndarray]],
-                    where: str) -> tuple[Callable[[int], list[tuple[str, np.ndarray]]], int]:
-        """Checks a request for rows (tables named once, known, ids this shard owns; InvalidRequestError,
-        UnknownTensorError, NotInitializedError) and returns (read, bytes): `read(step)`, called under the
-        lock (Shard.pull's read), gives [(name, rows)] in request order; it creates missing dynamic rows,
-        or raises ResourceExhaustedError when they would pass max_shard_bytes."""
-        if not tables:
-            raise InvalidRequestError(f"{where}: no tables named")
-        names = [name for name, _ in tables]
-        if len(set(names)) != len(names):
-            raise InvalidRequestError(f"{where}: a tensor is named twice in {names[:10]}")
+    def _read_plan(self, read: Read, where: str) -> _ReadPlan:
+        """Checks what `read` asks for (tensors known, tables named once, ids this shard owns, the rows' bytes
+        within one answer) before the lock: InvalidRequestError, UnknownTensorError, NotInitializedError,
+        ResourceExhaustedError."""
         shard_map = self.store.shard_map
         if shard_map is None:
             raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet: pull before InitParameters")
-        plan = []
-        for name, ids in tables:
+        names = None if read.names is None else list(read.names)
+        if names:
+            self.store.check_names(names)
+        if not read.rows and names == []:
+            raise InvalidRequestError(f"{where}: no tables named")
+        tables = [name for name, _ in read.rows]
+        if len(set(tables)) != len(tables):
+            raise InvalidRequestError(f"{where}: a tensor is named twice in {tables[:10]}")
+        rows = []
+        for name, ids in read.rows:
             check_table_name(name, where)
             spec = shard_map.specs.get(name)
             if spec is not None and spec.dynamic is not None:
                 checked_ids(spec, ids, self.config.shard_index, self.config.num_shards, where)
-                plan.append((name, ids, None))
+                rows.append((name, ids, None))
             else:
-                plan.append((name, ids, owned_parts(shard_map, self.config.shard_index, name, ids, where)))
+                rows.append((name, ids, owned_parts(shard_map, self.config.shard_index, name, ids, where)))
+        row_bytes = sum(len(ids) * shard_map.specs[name].row_bytes for name, ids in read.rows)
+        if row_bytes > ROWS_ANSWER_BYTES:   # before anything is allocated: one answer carries them all
+            raise ResourceExhaustedError(
+                f"{where}: {sum(len(ids) for _, ids in read.rows)} rows of {tables[:5]} are {row_bytes} bytes, more "
+                f"than one answer carries ({ROWS_ANSWER_BYTES} bytes): ask for fewer rows per call")
+        nbytes = row_bytes + sum(p.nbytes for p in shard_map.parts_on(self.config.shard_index)
+                                 if names is None or p.name in set(names))
+        return _ReadPlan(names, rows, nbytes)
 
-        def read(step: int) -> list[tuple[str, np.ndarray]]:
-            # under the lock: dynamic rows are created (from the initializer) and touched at this step
-            self._check_room([(name, ids) for name, ids, found in plan if found is None])
-            out = []
-            for name, ids, found in plan:
+    def _read_locked(self, read: Read, plan: _ReadPlan) -> Values:
+        """The parts and rows `plan` names, at the current step (lock held): copies, or into `read.into`."""
+        values = Values(self.step)
+        for state in self.store.select(plan.names):
+            value = state.value
+            if read.into is not None:
+                target = read.into.get(state.part.key)
+                if target is None:
+                    raise InvalidRequestError(f"part {state.part.label!r} has no place to be read into (a shared-"
+                                              "memory layout of another parameter list?): open it again")
+                np.copyto(target, value, casting="no")
+            elif read.narrow is not None and value.dtype == np.float32 and read.narrow != value.dtype:
+                values.parts[state.part.key] = value.astype(read.narrow)
+            else:
+                values.parts[state.part.key] = value.copy()
+        if plan.rows:
+            # dynamic rows are created (from the initializer) and touched at this step
+            self._check_room([(name, ids) for name, ids, found in plan.rows if found is None])
+            for name, ids, found in plan.rows:
                 if found is None:
-                    out.append((name, self.store.dynamic[name].read(ids, step)))
+                    values.rows.append((name, self.store.dynamic[name].read(ids, self.step)))
                     continue
-                spec = shard_map.specs[name]
+                spec = self.store.shard_map.specs[name]
                 rows = np.empty((len(ids), *spec.shape[1:]), dtype=spec.dtype)
                 for part, pos in found:
-                    rows[pos] = self.store.parts[(part.name, part.row_start)].value[ids[pos] - part.row_start]
-                out.append((name, rows))
-            return out
-
-        nbytes = sum(len(ids) * shard_map.specs[name].row_bytes for name, ids in tables)
-        if nbytes > ROWS_ANSWER_BYTES:   # before anything is allocated: one answer carries them all
-            raise ResourceExhaustedError(
-                f"{where}: {sum(len(ids) for _, ids in tables)} rows of {names[:5]} are {nbytes} bytes, more than "
-                f"one answer carries ({ROWS_ANSWER_BYTES} bytes): ask for fewer rows per call")
-        return read, nbytes
+                    rows[pos] = self.store.parts[part.key].value[ids[pos] - part.row_start]
+                values.rows.append((name, rows))
+        return values
 
     # ------------------------------------------------------------------ membership
 
@@ -541,6 +616,7 @@ class Shard:
             self._check_running()
             before = self.step
             self.store.clear()
+            self.generation += 1
             self.membership.clear()
             self.policy = self._default_policy()
             self.step = self.dropped = self.applied_gradients = 0
@@ -607,6 +683,7 @@ class Shard:
                                           f"contributors {unknown} are not among its workers")
         with self._cond:
             self.store.restore(shard_map, parts, dynamic)
+            self.generation += 1
             self.membership.replace(workers, [w.worker_id for w in state.workers if w.live])
             self.policy.restore(PolicySnapshot(contributors if state.contributors is not None else None, accumulator))
             self.step, self.dropped, self.applied_gradients = state.step, state.dropped, state.applied_gradients
@@ -625,7 +702,7 @@ class Shard:
                                         partition_min_bytes=self.config.partition_min_bytes)
         except ValueError as exc:
             raise CheckpointMismatchError(f"{where}: its parameter list is not valid: {exc}") from exc
-        own = {(p.name, p.row_start): p for p in shard_map.parts_on(self.config.shard_index)}
+        own = {p.key: p for p in shard_map.parts_on(self.config.shard_index)}
         have = {(p.name, p.row_start): p for p in state.parts}
         if set(own) != set(have):
             extra, missing = sorted(set(have) - set(own)), sorted(set(own) - set(have))

@@ -22,18 +22,20 @@ log = logging.getLogger(__name__)
 
 
 class Segments:
-    """worker id -> (segment, layout), and the door they are collected at. Thread-safe."""
+    """worker id -> (segment, layout, the shard's parts generation it was made for), and the door they are
+    collected at. Thread-safe."""
 
     def __init__(self, *, limit: int, shard_index: int) -> None:
         self.limit = limit
         self.shard_index = shard_index
         self._lock = threading.Lock()
-        self._by_worker: dict[str, tuple[Segment, Layout]] = {}
+        self._by_worker: dict[str, tuple[Segment, Layout, int]] = {}
         self._door: FdDoor | None = None
         self._closed = False
 
-    def offer(self, worker_id: str, layout: Layout, *, known: set[str]) -> tuple[str, bytes]:
-        """(door name, one-time ticket) for a segment of `layout` for this worker; forgets unknown workers'."""
+    def offer(self, worker_id: str, layout: Layout, generation: int, *, known: set[str]) -> tuple[str, bytes]:
+        """(door name, one-time ticket) for a segment of `layout` (made for the shard's parts `generation`) for
+        this worker; forgets unknown workers'."""
         if not shared_memory.available():
             raise SharedMemoryUnavailableError(f"shard {self.shard_index}: this host cannot pass anonymous memory "
                                                "between processes (Linux memfd and SCM_RIGHTS); use gRPC bytes")
@@ -51,7 +53,7 @@ class Segments:
                                                        f"({exc}); use gRPC bytes") from exc
             door = self._door
         try:
-            return door.name, door.issue(lambda: self._install(worker_id, layout))
+            return door.name, door.issue(lambda: self._install(worker_id, layout, generation))
         except OSError as exc:
             raise ResourceExhaustedError(f"shard {self.shard_index}: {exc}") from exc
 
@@ -60,7 +62,7 @@ class Segments:
             raise ResourceExhaustedError(f"shard {self.shard_index} holds {len(self._by_worker)} shared-memory "
                                          f"segments (max_registered_workers={self.limit})")
 
-    def _install(self, worker_id: str, layout: Layout) -> Segment:
+    def _install(self, worker_id: str, layout: Layout, generation: int) -> Segment:
         """The worker's new segment (called by the door when the ticket is collected); replaces its old one."""
         with self._lock:
             if self._closed:
@@ -68,14 +70,25 @@ class Segments:
             self._check_room(worker_id)
             self._close_locked(worker_id)
             segment = Segment.create(layout.size)
-            self._by_worker[worker_id] = (segment, layout)
+            self._by_worker[worker_id] = (segment, layout, generation)
         log.info("shard %d: shared memory (%d bytes, anonymous) for worker %r", self.shard_index, layout.size,
                  worker_id)
         return segment
 
-    def get(self, worker_id: str) -> tuple[Segment, Layout] | None:
+    def get(self, worker_id: str, generation: int) -> tuple[Segment, Layout]:
+        """The worker's segment, made for the shard's current parts (`generation`); SharedMemoryUnavailableError
+        when it has none, or one made for other parts (after a reset: it is closed, the worker opens another)."""
         with self._lock:
-            return self._by_worker.get(worker_id)
+            found = self._by_worker.get(worker_id)
+            if found is not None and found[2] != generation:
+                self._close_locked(worker_id)
+                raise SharedMemoryUnavailableError(
+                    f"worker {worker_id!r}: the shared-memory layout no longer fits shard {self.shard_index}'s parts "
+                    "(re-initialized?): open it again")
+        if found is None:
+            raise SharedMemoryUnavailableError(f"worker {worker_id!r} has no shared-memory segment on shard "
+                                               f"{self.shard_index}: call OpenSharedMemory first")
+        return found[0], found[1]
 
     def close(self, worker_id: str) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 """The parameter store of one shard: the parts it owns, their values and optimizer state.
 
-Domain values only: arrays in, arrays out. Encoding parts for the wire (and caching the
-encoded bytes per version) is the service boundary's job (ps_server/pull_cache.py).
+Domain values only: arrays in, arrays out. Encoding parts for the wire is the service
+boundary's job (ps_server/service.py, with the codec).
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ps_common.errors import InitMismatchError, InvalidTensorError, NotInitializedError, UnknownTensorError
-from ps_common.shard_map import ParamSpec, Part, ShardMap, build_shard_map
+from ps_common.shard_map import ParamSpec, Part, PartKey, ShardMap, build_shard_map
 from ps_server.dynamic import DynamicRows
 from ps_server.optimizers import Optimizer
 from ps_server.rows import RowGrad
 
-PartKey = tuple[str, int]  # (tensor name, row_start)
 
 
 def _role(state: bool) -> str:
@@ -110,7 +109,7 @@ class ParameterStore:
 
     def install(self, shard_map: ShardMap, values: Mapping[PartKey, np.ndarray]) -> None:
         """Takes the initial values of exactly this shard's parts (checked), with fresh optimizer state."""
-        own = {(p.name, p.row_start): p for p in shard_map.parts_on(self.shard_index)}
+        own = {p.key: p for p in shard_map.parts_on(self.shard_index)}
         missing = sorted(set(own) - set(values))
         if missing:
             shown = ", ".join(f"{n!r} rows from {r}" for n, r in missing[:5])
@@ -122,16 +121,23 @@ class ParameterStore:
         self.shard_map, self.parts = shard_map, parts
         self.dynamic = {s.name: DynamicRows(s, self.optimizer) for s in shard_map.specs.values() if s.dynamic is not None}
 
-    def select(self, names: Iterable[str]) -> list[PartState]:
-        """The owned parts of the named tensors (all owned parts when names is empty)."""
+    def check_names(self, names: Iterable[str]) -> None:
+        """UnknownTensorError naming the tensors the model lacks (NotInitializedError before initialization)."""
         if self.shard_map is None:
             raise NotInitializedError(f"parameters are not initialized on shard {self.shard_index}; call InitParameters")
-        names = list(names)
-        if not names:
-            return list(self.parts.values())
         unknown = [n for n in names if n not in self.shard_map.specs]
         if unknown:
             raise UnknownTensorError(f"tensor(s) {', '.join(repr(n) for n in unknown)} are not parameters of this model")
+
+    def select(self, names: Iterable[str] | None) -> list[PartState]:
+        """The owned parts of the named tensors (None: every owned part), in shard-map order."""
+        if names is None:
+            if self.shard_map is None:
+                raise NotInitializedError(f"parameters are not initialized on shard {self.shard_index}; call "
+                                          "InitParameters")
+            return list(self.parts.values())
+        names = list(names)
+        self.check_names(names)
         wanted = set(names)
         return [s for s in self.parts.values() if s.part.name in wanted]
 

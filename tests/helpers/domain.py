@@ -11,6 +11,7 @@ from ps_common import codec
 from ps_common.shard_map import ParamSpec, build_shard_map
 from ps_server.config import ServerConfig
 from ps_server.membership import PushResult
+from ps_server.operations import Push, Read
 from ps_server.shard import Shard
 
 #: The SGD learning rate of every test shard: a power of two, so expected values are exact.
@@ -75,14 +76,24 @@ def push(shard: Shard, worker_id: str, clock: int, read_step: int, grads: Mappin
     """Push: decode and check the chunks, then hand them to the shard, as the service does."""
     specs = [ParamSpec(s.name, s.dtype, s.shape) for s in shard.store.shard_map.specs.values()] \
         if shard.store.shard_map is not None else specs_of(grads)
-    return shard.push(worker_id, clock, read_step, decode(own_chunks(shard, grads, specs=specs), shard.push_layout()))
+    return shard.push(Push(worker_id, clock, read_step, decode(own_chunks(shard, grads, specs=specs),
+                                                               shard.push_layout())))
 
 
 def pull_values(shard: Shard, names=(), *, min_step: int = 0, worker_id: str = "", clock: int = 0,
                 timeout: float = 5.0) -> tuple[int, dict[str, np.ndarray]]:
-    """Pull: (step, {name: part value}) for a shard that holds whole tensors, copied under the shard's lock."""
-    return shard.pull(list(names), min_step=min_step, worker_id=worker_id, clock=clock, timeout=timeout,
-                      read=lambda step, parts: (step, {p.part.name: p.value.copy() for p in parts}))
+    """Pull: (step, {name: part value}) for a shard that holds whole tensors (names empty: every tensor)."""
+    got = shard.pull(Read(names=list(names) or None, min_step=min_step, ssp=bool(worker_id), worker_id=worker_id,
+                          clock=clock, timeout=timeout))
+    return got.step, {name: value for (name, _), value in got.parts.items()}
+
+
+def pull_rows(shard: Shard, tables, *, min_step: int = 0, worker_id: str = "", clock: int = 0,
+              timeout: float = 5.0) -> tuple[int, list[tuple[str, np.ndarray]]]:
+    """PullRows: (step, [(name, rows)]) of the tables' ids, as the service asks the shard."""
+    got = shard.pull(Read(names=(), rows=list(tables), min_step=min_step, ssp=bool(worker_id), worker_id=worker_id,
+                          clock=clock, timeout=timeout))
+    return got.step, got.rows
 
 
 def values(shard: Shard) -> dict[tuple[str, int], np.ndarray]:

@@ -11,7 +11,8 @@ import pytest
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_common.errors import InvalidTensorError, WaitTimeoutError
 from ps_server.config import ServerConfig
-from ps_server.consistency import ConsistencyPolicy, Decision, DropReason, Mode
+from ps_common.modes import DropReason, Mode
+from ps_server.consistency import ConsistencyPolicy, Decision
 from ps_server.shard import Shard
 from tests.helpers.domain import FakeClock, LR, clocks, cluster_info, init_shard, make_shard, pull_values, push, values
 

@@ -13,9 +13,10 @@ from ps_common.errors import (CheckpointMismatchError, InitMismatchError, Invali
                               UnknownTensorError)
 from ps_common.shard_map import ParamSpec, build_shard_map
 from ps_server.checkpoints.directory import CheckpointDirectory
-from tests.helpers.domain import LR, make_shard, specs_of
-from worker_client import sparse
-from worker_client.sparse import dynamic_table
+from ps_server.operations import Push
+from tests.helpers.domain import LR, make_shard, specs_of, pull_rows
+from worker_client.client import rows as sparse
+from worker_client.client.rows import dynamic_table
 
 DIM = 3
 HUGE = 9_123_456_789_012
@@ -39,7 +40,7 @@ def ready(mode: str = "async", *, table: dict | None = None, **overrides):
 
 
 def rows_of(shard, wanted: np.ndarray) -> np.ndarray:
-    return shard.pull_rows([("emb", wanted)], min_step=0, worker_id="", clock=0, timeout=1.0)[1][0][1]
+    return pull_rows(shard, [("emb", wanted)], min_step=0, worker_id="", clock=0, timeout=1.0)[1][0][1]
 
 
 def grad(n: int, value: float = 1.0) -> np.ndarray:
@@ -143,7 +144,7 @@ def test_a_row_is_created_on_first_use_from_the_initializer_the_same_on_another_
 
 def test_an_async_push_creates_and_updates_rows_summing_repeated_ids():
     shard = ready()
-    result = shard.push("a", 0, 0, {}, [("emb", ids(HUGE, -7, HUGE), grad(3))])
+    result = shard.push(Push("a", 0, 0, {}, [("emb", ids(HUGE, -7, HUGE), grad(3))]))
     assert result.accepted and shard.step == 1
     np.testing.assert_array_equal(rows_of(shard, ids(HUGE, -7)), [[-2 * LR] * DIM, [-LR] * DIM])
 
@@ -152,11 +153,11 @@ def test_rows_untouched_for_evict_after_steps_are_evicted_with_their_state_and_c
     shard = ready(table=dict(initializer="uniform:0.1", evict_after_steps=2), optimizer="adam",
                   optimizer_params={"lr": 0.1})
     fresh = rows_of(shard, ids(1, 2))                    # created at step 0
-    shard.push("a", 0, 0, {}, [("emb", ids(1, 2), grad(2))])        # step 0 -> 1, both touched at 0
+    shard.push(Push("a", 0, 0, {}, [("emb", ids(1, 2), grad(2))]))        # step 0 -> 1, both touched at 0
     keep_touching = 1
     for clock in range(1, 5):                            # steps 2..5; row 1 pulled at every step
         rows_of(shard, ids(keep_touching))
-        shard.push("a", clock, shard.step, {("b", 0): np.zeros(2, np.float32)})
+        shard.push(Push("a", clock, shard.step, {("b", 0): np.zeros(2, np.float32)}))
         table = shard.store.dynamic["emb"]
         assert (2 in table.index) == (shard.step - 0 <= 2)   # touched at step 0: gone once t - 0 > 2
     assert 1 in shard.store.dynamic["emb"].index and shard.view().dynamic[0].evicted == 1
@@ -168,7 +169,7 @@ def test_rows_are_never_evicted_when_evict_after_steps_is_zero():
     shard = ready()
     rows_of(shard, ids(4))
     for clock in range(5):
-        shard.push("a", clock, shard.step, {("b", 0): np.zeros(2, np.float32)})
+        shard.push(Push("a", clock, shard.step, {("b", 0): np.zeros(2, np.float32)}))
     assert live_rows(shard) == 1
 
 
@@ -184,10 +185,10 @@ def test_lazy_updates_of_dynamic_rows_match_those_of_a_dense_table_trained_by_ro
     dynamic.register("w")
     for clock, touched in enumerate(([0], [0, 2], [0], [3, 0])):
         g = rng.standard_normal((len(touched), DIM)).astype(np.float32)
-        dense.push("w", clock, dense.step, {}, [("emb", ids(*touched), g)])
-        dynamic.push("w", clock, dynamic.step, {}, [("emb", ids(*(mapping[t] for t in touched)), g)])
+        dense.push(Push("w", clock, dense.step, {}, [("emb", ids(*touched), g)]))
+        dynamic.push(Push("w", clock, dynamic.step, {}, [("emb", ids(*(mapping[t] for t in touched)), g)]))
     got = rows_of(dynamic, ids(*mapping.values()))
-    want = dense.pull_rows([("emb", ids(0, 1, 2, 3))], min_step=0, worker_id="", clock=0, timeout=1)[1][0][1]
+    want = pull_rows(dense, [("emb", ids(0, 1, 2, 3))], min_step=0, worker_id="", clock=0, timeout=1)[1][0][1]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     table = dynamic.store.dynamic["emb"]
     assert [int(table.slots["row_step"][table.index[mapping[i]]]) for i in range(4)] == [4, 0, 1, 1]
@@ -196,9 +197,9 @@ def test_lazy_updates_of_dynamic_rows_match_those_of_a_dense_table_trained_by_ro
 def test_a_sync_step_sums_each_rows_gradients_over_contributors_and_divides_by_their_count():
     shard = ready("sync", replicas_to_aggregate=2, total_replicas=2)
     bias = np.zeros(2, np.float32)
-    shard.push("a", 0, 0, {("b", 0): bias}, [("emb", ids(HUGE, 3), grad(2, 4.0))])
+    shard.push(Push("a", 0, 0, {("b", 0): bias}, [("emb", ids(HUGE, 3), grad(2, 4.0))]))
     assert shard.step == 0 and live_rows(shard) == 0          # accumulated, not applied
-    shard.push("b", 0, 0, {("b", 0): bias}, [("emb", ids(HUGE), grad(1, 2.0))])
+    shard.push(Push("b", 0, 0, {("b", 0): bias}, [("emb", ids(HUGE), grad(1, 2.0))]))
     assert shard.step == 1
     np.testing.assert_array_equal(rows_of(shard, ids(HUGE, 3)), [[-LR * 3.0] * DIM, [-LR * 2.0] * DIM])
 
@@ -206,13 +207,13 @@ def test_a_sync_step_sums_each_rows_gradients_over_contributors_and_divides_by_t
 def test_a_sync_push_without_the_dynamic_table_is_refused():
     shard = ready("sync", replicas_to_aggregate=1, total_replicas=1)
     with pytest.raises(InvalidTensorError, match="'emb'"):
-        shard.push("a", 0, 0, {("b", 0): np.zeros(2, np.float32)})
+        shard.push(Push("a", 0, 0, {("b", 0): np.zeros(2, np.float32)}))
 
 
 def test_a_retried_push_of_dynamic_rows_is_applied_once():
     shard = ready()
-    shard.push("a", 0, 0, {}, [("emb", ids(HUGE), grad(1))])
-    again = shard.push("a", 0, 0, {}, [("emb", ids(HUGE), grad(1))])
+    shard.push(Push("a", 0, 0, {}, [("emb", ids(HUGE), grad(1))]))
+    again = shard.push(Push("a", 0, 0, {}, [("emb", ids(HUGE), grad(1))]))
     assert again.duplicate and shard.step == 1
     np.testing.assert_array_equal(rows_of(shard, ids(HUGE))[0], [-LR] * DIM)
 
@@ -228,23 +229,23 @@ def test_a_retried_push_of_dynamic_rows_is_applied_once():
 def test_a_bad_dynamic_row_gradient_is_refused_and_changes_nothing(what, rows, error, match):
     shard = ready()
     with pytest.raises(error, match=match):
-        shard.push("a", 0, 0, {}, [("emb", ids(HUGE), rows())])
+        shard.push(Push("a", 0, 0, {}, [("emb", ids(HUGE), rows())]))
     assert shard.step == 0 and live_rows(shard) == 0 and shard.membership.workers["a"].clock == 0
 
 
 def test_bad_ids_are_refused_naming_the_table():
     shard = ready()
     with pytest.raises(InvalidTensorError, match="int64"):
-        shard.pull_rows([("emb", np.array([1, 2], np.int32))], min_step=0, worker_id="", clock=0, timeout=1)
+        pull_rows(shard, [("emb", np.array([1, 2], np.int32))], min_step=0, worker_id="", clock=0, timeout=1)
     with pytest.raises(InvalidTensorError, match="over the limit"):
-        shard.pull_rows([("emb", np.zeros(MAX_IDS_PER_REQUEST + 1, np.int64))], min_step=0, worker_id="", clock=0,
+        pull_rows(shard, [("emb", np.zeros(MAX_IDS_PER_REQUEST + 1, np.int64))], min_step=0, worker_id="", clock=0,
                         timeout=1)
     with pytest.raises(UnknownTensorError):
-        shard.pull_rows([("nope", ids(1))], min_step=0, worker_id="", clock=0, timeout=1)
+        pull_rows(shard, [("nope", ids(1))], min_step=0, worker_id="", clock=0, timeout=1)
     with pytest.raises(InvalidRequestError, match="empty"):
-        shard.pull_rows([("", ids(1))], min_step=0, worker_id="", clock=0, timeout=1)
+        pull_rows(shard, [("", ids(1))], min_step=0, worker_id="", clock=0, timeout=1)
     with pytest.raises(InvalidRequestError, match="empty"):
-        shard.push("a", 0, 0, {}, [("", ids(1), grad(1))])
+        shard.push(Push("a", 0, 0, {}, [("", ids(1), grad(1))]))
     assert live_rows(shard) == 0
 
 
@@ -259,7 +260,7 @@ def test_creating_rows_past_the_shard_byte_limit_is_resource_exhausted_and_chang
     with pytest.raises(ResourceExhaustedError, match="max_shard_bytes"):
         rows_of(shard, np.arange(100, dtype=np.int64))
     with pytest.raises(ResourceExhaustedError):
-        shard.push("a", 0, 0, {}, [("emb", np.arange(100, dtype=np.int64), grad(100))])
+        shard.push(Push("a", 0, 0, {}, [("emb", np.arange(100, dtype=np.int64), grad(100))]))
     assert live_rows(shard) == 0 and shard.step == 0
     rows_of(shard, ids(1, 2))                            # a few fit
 
@@ -278,9 +279,9 @@ def test_rows_optimizer_state_touch_steps_and_a_sync_accumulator_survive_a_check
     table = dict(initializer="normal:0.1", evict_after_steps=3)
     shard = ready("sync", table=table, **settings)
     bias = np.zeros(2, np.float32)
-    shard.push("a", 0, 0, {("b", 0): bias}, [("emb", ids(HUGE, 5), grad(2))])
-    shard.push("b", 0, 0, {("b", 0): bias}, [("emb", ids(HUGE), grad(1))])     # step 1
-    shard.push("a", 1, 1, {("b", 0): bias}, [("emb", ids(-HUGE), grad(1))])    # step 2 half in
+    shard.push(Push("a", 0, 0, {("b", 0): bias}, [("emb", ids(HUGE, 5), grad(2))]))
+    shard.push(Push("b", 0, 0, {("b", 0): bias}, [("emb", ids(HUGE), grad(1))]))     # step 1
+    shard.push(Push("a", 1, 1, {("b", 0): bias}, [("emb", ids(-HUGE), grad(1))]))    # step 2 half in
     directory = CheckpointDirectory(tmp_path)
     fresh = make_shard("sync", **settings)
     fresh.restore(directory.read(directory.write(shard.snapshot())))
@@ -291,7 +292,7 @@ def test_rows_optimizer_state_touch_steps_and_a_sync_accumulator_survive_a_check
         assert after.touched[b] == before.touched[a]
         assert all(np.array_equal(after.slots[k][b], before.slots[k][a]) for k in before.slots)
     for s in (shard, fresh):
-        s.push("b", 1, 1, {("b", 0): bias}, [("emb", ids(5), grad(1))])
+        s.push(Push("b", 1, 1, {("b", 0): bias}, [("emb", ids(5), grad(1))]))
     assert fresh.step == shard.step == 2
     np.testing.assert_array_equal(rows_of(fresh, ids(HUGE, 5, -HUGE)), rows_of(shard, ids(HUGE, 5, -HUGE)))
 

@@ -20,6 +20,7 @@ from ps_server.config import ServerConfig
 from ps_server import metrics as shard_metrics
 from ps_server.metrics import ShardMetrics
 from ps_server.shard import Shard
+from ps_server.operations import Push
 from tests.helpers.domain import decode, initialize, pull_values
 from ps_tools import ctl
 
@@ -47,7 +48,7 @@ def make_shard(now=None, **settings) -> tuple[Shard, ShardMetrics]:
 def push(shard: Shard, worker: str, clock: int, read_step: int, scale: float = 1.0):
     grads = {"w": np.full_like(WEIGHT, scale), "b": np.full_like(BIAS, scale)}
     decoded = decode((c for n, g in grads.items() for c in codec.part_chunks(n, g)), shard.push_layout())
-    return shard.push(worker, clock, read_step, decoded)
+    return shard.push(Push(worker, clock, read_step, decoded))
 
 
 def value(m: ShardMetrics, name: str, **labels) -> float | None:

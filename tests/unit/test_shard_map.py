@@ -60,11 +60,11 @@ def assert_covers_every_row_once(smap: ShardMap) -> None:
             assert p.dtype == spec.dtype
             assert p.row_start <= p.row_end
             if p.whole:
-                assert len(parts) == 1 and p.shape == spec.shape and p.key == name
+                assert len(parts) == 1 and p.shape == spec.shape and p.label == name
             else:
                 assert p.row_start < p.row_end
                 assert p.shape == (p.row_end - p.row_start, *spec.shape[1:])
-                assert p.key == f"{name}[{p.row_start}:{p.row_end}]"
+                assert p.label == f"{name}[{p.row_start}:{p.row_end}]"
         assert sum(p.nbytes for p in parts) == spec.nbytes
         assert len({p.shard for p in parts}) == len(parts)  # one range per shard at most
     assert sum(smap.bytes_per_shard()) == sum(s.nbytes for s in smap.specs.values())
@@ -210,7 +210,7 @@ def test_a_rank_zero_tensor_is_one_whole_part_with_rows_zero_to_one() -> None:
     (part,) = smap.parts_of("step")
     assert (part.row_start, part.row_end, part.shape, part.whole) == (0, 1, (), True)
     assert part.nbytes == 8
-    assert part.key == "step"
+    assert part.label == "step"
     assert smap.part("step", 0) is part
 
 

@@ -9,7 +9,8 @@ import pytest
 from ps_common.errors import InvalidRequestError, InvalidTensorError, UnknownTensorError
 from ps_server.checkpoints.directory import CheckpointDirectory
 from ps_server.optimizers import make_optimizer
-from tests.helpers.domain import LR, init_shard, make_shard, push, values
+from ps_server.operations import Push
+from tests.helpers.domain import LR, init_shard, make_shard, push, values, pull_rows
 
 ROWS, DIM = 8, 3
 TABLE = np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM)
@@ -31,7 +32,7 @@ def ready(mode: str = "async", **overrides):
 
 
 def rows_of(shard, name: str, wanted: np.ndarray) -> np.ndarray:
-    return shard.pull_rows([(name, wanted)], min_step=0, worker_id="", clock=0, timeout=1.0)[1][0][1]
+    return pull_rows(shard, [(name, wanted)], min_step=0, worker_id="", clock=0, timeout=1.0)[1][0][1]
 
 
 def state_of(shard) -> tuple:
@@ -74,7 +75,7 @@ def test_a_row_update_equals_the_dense_update_of_that_row_alone_and_leaves_other
 def test_an_async_row_push_updates_only_its_rows_summing_repeated_ids():
     shard = ready()
     grad = np.ones((3, DIM), np.float32)
-    result = shard.push("a", 0, 0, {}, [("emb", ids(2, 6, 2), grad)])
+    result = shard.push(Push("a", 0, 0, {}, [("emb", ids(2, 6, 2), grad)]))
     assert result.accepted and shard.step == 1
     after = rows_of(shard, "emb", ids(0, 2, 6))
     np.testing.assert_array_equal(after[0], TABLE[0])
@@ -86,9 +87,9 @@ def test_a_sync_step_averages_row_gradients_over_its_contributors_also_when_one_
     shard = ready("sync", replicas_to_aggregate=2, total_replicas=2)
     bias = np.zeros(2, np.float32)
     g = np.full((1, DIM), 4.0, np.float32)
-    shard.push("a", 0, 0, {("b", 0): bias}, [("emb", ids(3), g)])
+    shard.push(Push("a", 0, 0, {("b", 0): bias}, [("emb", ids(3), g)]))
     assert shard.step == 0                           # one of two gradients in
-    shard.push("b", 0, 0, {("b", 0): bias}, [("emb", ids(), np.zeros((0, DIM), np.float32))])
+    shard.push(Push("b", 0, 0, {("b", 0): bias}, [("emb", ids(), np.zeros((0, DIM), np.float32))]))
     assert shard.step == 1
     np.testing.assert_array_equal(rows_of(shard, "emb", ids(3))[0], TABLE[3] - LR * 4.0 / 2)
 
@@ -96,8 +97,8 @@ def test_a_sync_step_averages_row_gradients_over_its_contributors_also_when_one_
 def test_a_retried_row_push_is_answered_as_a_duplicate_and_applied_once():
     shard = ready()
     g = np.ones((1, DIM), np.float32)
-    shard.push("a", 0, 0, {}, [("emb", ids(4), g)])
-    again = shard.push("a", 0, 0, {}, [("emb", ids(4), g)])
+    shard.push(Push("a", 0, 0, {}, [("emb", ids(4), g)]))
+    again = shard.push(Push("a", 0, 0, {}, [("emb", ids(4), g)]))
     assert again.duplicate and shard.step == 1
     np.testing.assert_array_equal(rows_of(shard, "emb", ids(4))[0], TABLE[4] - LR)
 
@@ -132,22 +133,22 @@ def test_a_bad_row_gradient_is_refused_naming_it_and_changes_nothing(what, rows,
     shard = ready()
     before = state_of(shard)
     with pytest.raises(error, match=match):
-        shard.push("a", 0, 0, {}, rows)
+        shard.push(Push("a", 0, 0, {}, rows))
     assert state_of(shard) == before
 
 
 def test_a_tensor_with_both_a_dense_and_a_row_gradient_is_refused():
     shard = ready()
     with pytest.raises(InvalidTensorError, match="both a dense gradient and a row gradient"):
-        shard.push("a", 0, 0, {("emb", 0): np.ones((ROWS, DIM), np.float32)}, [("emb", ids(1), np.ones((1, DIM), np.float32))])
+        shard.push(Push("a", 0, 0, {("emb", 0): np.ones((ROWS, DIM), np.float32)}, [("emb", ids(1), np.ones((1, DIM), np.float32))]))
 
 
 def test_a_pull_of_rows_naming_a_table_twice_or_none_is_refused():
     shard = ready()
     with pytest.raises(InvalidRequestError, match="named twice"):
-        shard.pull_rows([("emb", ids(1)), ("emb", ids(2))], min_step=0, worker_id="", clock=0, timeout=1.0)
+        pull_rows(shard, [("emb", ids(1)), ("emb", ids(2))], min_step=0, worker_id="", clock=0, timeout=1.0)
     with pytest.raises(InvalidRequestError, match="no tables"):
-        shard.pull_rows([], min_step=0, worker_id="", clock=0, timeout=1.0)
+        pull_rows(shard, [], min_step=0, worker_id="", clock=0, timeout=1.0)
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -158,15 +159,15 @@ def test_per_row_adam_counts_and_a_sync_row_accumulator_survive_a_checkpoint(tmp
     shard = ready("sync", **settings)
     bias = np.zeros(2, np.float32)
     g = np.ones((1, DIM), np.float32)
-    shard.push("a", 0, 0, {("b", 0): bias}, [("emb", ids(5), g)])
-    shard.push("b", 0, 0, {("b", 0): bias}, [("emb", ids(5), g)])   # step 1: row 5 updated once
-    shard.push("a", 1, 1, {("b", 0): bias}, [("emb", ids(2), g)])   # step 2 half in: a row accumulator
+    shard.push(Push("a", 0, 0, {("b", 0): bias}, [("emb", ids(5), g)]))
+    shard.push(Push("b", 0, 0, {("b", 0): bias}, [("emb", ids(5), g)]))   # step 1: row 5 updated once
+    shard.push(Push("a", 1, 1, {("b", 0): bias}, [("emb", ids(2), g)]))   # step 2 half in: a row accumulator
     directory = CheckpointDirectory(tmp_path)
     fresh = make_shard("sync", **settings)
     fresh.restore(directory.read(directory.write(shard.snapshot())))
     assert fresh.store.parts[("emb", 0)].slots["row_step"].tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
     for s in (shard, fresh):
-        s.push("b", 1, 1, {("b", 0): bias}, [("emb", ids(2), g)])
+        s.push(Push("b", 1, 1, {("b", 0): bias}, [("emb", ids(2), g)]))
     assert fresh.step == shard.step == 2
     np.testing.assert_array_equal(rows_of(fresh, "emb", ids(2, 5)), rows_of(shard, "emb", ids(2, 5)))
     assert not np.array_equal(rows_of(fresh, "emb", ids(2))[0], TABLE[2])

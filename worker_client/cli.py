@@ -23,8 +23,8 @@ from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from worker_client.client import PSClient, RetryPolicy
 from worker_client.engine import GradientEngine
 from worker_client.pipeline.worker import run_stage_worker
-from worker_client.preflight import Prepared, prepare, resolve_model
-from worker_client.tensorboard import TensorBoardSink
+from worker_client.training.preflight import Prepared, prepare, resolve_model
+from worker_client.training.tensorboard import TensorBoardSink
 from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingPlan
 
 log = logging.getLogger("worker_client")
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def prepare_worker(job: JobConfig, workdir: Path, *, device: str | None = None) -> Prepared:
-    """The model file, engine and data from the settings, checked against each other (worker_client.preflight).
+    """The model file, engine and data from the settings, checked against each other (worker_client.training.preflight).
 
     Every error is a user mistake found before anything connects: ModelLoadError,
     UnsupportedModelError, DeviceUnavailableError, DatasetError or JobConfigError (a
@@ -73,7 +73,7 @@ def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None
                                             token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
     client = PSClient(w.servers, worker_id=w.worker_id, rpc_timeout=w.rpc_timeout, wait_timeout=job.job.wait_timeout,
                       retry=RetryPolicy(window=w.reconnect_timeout), channel_credentials=credentials,
-                      call_metadata=metadata, duplicate_pushes=w.duplicate_pushes, stop=stop,
+                      call_metadata=metadata, stop=stop,
                       shared_memory=w.shared_memory, wire_dtype=job.job.wire_dtype)
     try:
         expected_mode = job.job.mode if "job.mode" in job.sources else None   # else: follow the shards

@@ -1,7 +1,7 @@
 """The `ps-launch` command: a whole job -- N shards and M workers as separate local processes -- with one progress bar.
 
 Before it starts anything it checks the job: the settings, the model file, the data, the two
-against each other (worker_client.preflight), the metrics ports and the TensorBoard writer.
+against each other (worker_client.training.preflight), the metrics ports and the TensorBoard writer.
 A job that cannot run ends there, with one line and exit status 2, and no process started.
 It then starts the shards, learns their addresses from their READY lines, starts the
 workers, shows what they log and their progress, and ends with ONE JSON line on stdout --

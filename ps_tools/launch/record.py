@@ -18,7 +18,7 @@ from typing import Any
 from ps_common.jobconfig import JobConfig
 from ps_tools.launch.children import Child
 from ps_tools.launch.display import Progress, format_number
-from worker_client.tensorboard import ScalarWriter, eval_scalars, progress_scalars, require_writer
+from worker_client.training.tensorboard import ScalarWriter, eval_scalars, progress_scalars, require_writer
 
 #: Shortest time between two writes of the job's TensorBoard scalars, in seconds.
 TENSORBOARD_EVERY = 1.0

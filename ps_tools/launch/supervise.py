@@ -1,7 +1,7 @@
 """Supervising one job: the checks before anything starts, then the shards and workers as child processes.
 
 `Launcher.prepare()` checks the job -- the settings, the model file (a missing, truncated or
-corrupt .onnx is named), the data, and the two against each other (worker_client.preflight),
+corrupt .onnx is named), the data, and the two against each other (worker_client.training.preflight),
 the metrics ports and the TensorBoard writer -- and builds the workers' gradient graph once.
 `Launcher.run()` starts the shards, reads each one's ``PS_SERVER_READY {json}`` line to learn
 its address, starts the workers (their command lines: `children`), and runs the event loop:

@@ -80,7 +80,7 @@ def test_push_pull_rows_reads_the_next_rows_of_both_shards_after_the_push_as_pul
 
 def test_push_pull_rows_whose_new_dynamic_rows_would_pass_the_shard_limit_keeps_the_push_and_reads_nothing(
         start_cluster) -> None:
-    from worker_client.sparse import dynamic_table
+    from worker_client.client.rows import dynamic_table
 
     cluster = start_cluster(1, mode="async", flags=[*FLAGS, "--max-shard-bytes", str(16 + 2000)])
     with client(cluster, "w0") as w0:

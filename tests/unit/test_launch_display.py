@@ -13,7 +13,7 @@ from ps_common import jobconfig
 from ps_tools import launch
 from ps_tools.launch import Display, Progress
 from tests.helpers.tensorboard import read_scalars
-from worker_client.tensorboard import TensorBoardSink
+from worker_client.training.tensorboard import TensorBoardSink
 
 
 def progress(**overrides) -> Progress:

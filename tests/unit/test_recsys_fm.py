@@ -14,7 +14,7 @@ from ps_models.datasets import load_dataset
 from ps_models.recsys import FM_PATH, FM_REFERENCE_PATH
 from worker_client.engine import GradientEngine
 from worker_client.engine.sparse import find_sparse_tables
-from worker_client.preflight import check_fit
+from worker_client.training.preflight import check_fit
 
 #: The gradient-equality tolerance of the issue (float32 sums in different orders; torch's in float64).
 TOL = 1e-5
@@ -91,7 +91,7 @@ def test_sparse_gradients_equal_the_dense_engines_and_torch_autograds(fixture: P
 
 
 def test_clicks_data_fits_the_fm_with_sparse_tables_and_the_wrong_width_is_refused(tmp_path: Path) -> None:
-    """Both tables' positions inputs stand for the one ids input the data feeds (worker_client/preflight.py)."""
+    """Both tables' positions inputs stand for the one ids input the data feeds (worker_client/training/preflight.py)."""
     engine = GradientEngine(FM_PATH, batch_size=32, cache_dir=tmp_path, sparse_min_rows=1000)
     assert engine.sparse.dropped_inputs == ["ids"]
     fits = load_dataset("synthetic:clicks?n=1000")

@@ -1,4 +1,4 @@
-"""Client-side routing of sparse rows (worker_client/sparse.py): ids to the shards whose row ranges hold them."""
+"""Client-side routing of sparse rows (worker_client/client/rows.py): ids to the shards whose row ranges hold them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from ps_common import codec
 from ps_common.errors import InvalidTensorError
 from ps_common.shard_map import ParamSpec, build_shard_map
-from worker_client import sparse
+from worker_client.client import rows as sparse
 
 ROWS, DIM = 100, 8
 SHARD_MAP = build_shard_map([ParamSpec("emb", "float32", (ROWS, DIM)), ParamSpec("b", "float32", (4,))], 2,

@@ -6,18 +6,20 @@ import pytest
 
 from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PushReport
-from worker_client.training import TrainingPlan, format_event, sync_min_steps
+from worker_client.training import TrainingPlan, format_event
 
 
-def _report(*responses: tuple[int, int, int]) -> PushReport:
-    return PushReport([pb.PushResponse(outcome=o, drop_reason=r, step=t) for o, r, t in responses], clock=0)
+def _report(*responses: tuple[int, int, int], read_steps: list[int] | None = None) -> PushReport:
+    return PushReport([pb.PushResponse(outcome=o, drop_reason=r, step=t) for o, r, t in responses], clock=0,
+                      read_steps=read_steps or [])
 
 
 def test_a_sync_worker_waits_for_the_next_step_only_where_its_gradient_was_taken() -> None:
     accepted, dropped = pb.PUSH_ACCEPTED, pb.PUSH_DROPPED
     report = _report((accepted, pb.DROP_REASON_UNSPECIFIED, 5), (dropped, pb.DROP_STALE, 9),
-                     (dropped, pb.DROP_ALREADY_CONTRIBUTED, 7), (dropped, pb.DROP_STEP_AHEAD, 2))
-    assert sync_min_steps([5, 8, 7, 4], report) == [6, 0, 8, 0]
+                     (dropped, pb.DROP_ALREADY_CONTRIBUTED, 7), (dropped, pb.DROP_STEP_AHEAD, 2),
+                     read_steps=[5, 8, 7, 4])
+    assert report.wait_steps == [6, 0, 8, 0]
 
 
 @pytest.mark.parametrize("options, fragment", [
@@ -56,15 +58,15 @@ def test_a_retry_window_keeps_retrying_past_the_attempts_and_its_last_sleep_ends
 
 def test_a_dropped_push_is_logged_with_its_clock_shards_and_reasons_as_fields(caplog) -> None:
     import json
-    from types import SimpleNamespace
 
     from ps_common.logs import JsonFormatter
     from ps_proto.v1 import parameter_server_pb2 as pb
-    from worker_client.training import _Tally
+    from worker_client.training.loop import _Tally
 
     caplog.set_level("DEBUG", logger="worker_client.training")
-    dropped = [(1, pb.PushResponse(outcome=pb.PUSH_DROPPED, drop_reason=pb.DROP_STALE, message="stale"))]
-    _Tally(start_clock=0).count(SimpleNamespace(accepted=False, dropped=dropped, clock=7))
+    report = PushReport([pb.PushResponse(outcome=pb.PUSH_ACCEPTED),
+                         pb.PushResponse(outcome=pb.PUSH_DROPPED, drop_reason=pb.DROP_STALE, message="stale")], clock=7)
+    _Tally(start_clock=0).count(report)
     record = next(r for r in caplog.records if "dropped" in r.getMessage())
     entry = json.loads(JsonFormatter({"worker": 1}).format(record))
-    assert (entry["clock"], entry["dropped_by"], entry["reason"], entry["worker"]) == (7, [1], ["DROP_STALE"], 1)
+    assert (entry["clock"], entry["dropped_by"], entry["reason"], entry["worker"]) == (7, [1], ["STALE"], 1)

@@ -38,11 +38,12 @@ import grpc
 import numpy as np
 
 from ps_common import access, codec
-from ps_common.errors import (REASON_KEY, InvalidRequestError, InvalidTensorError, PSError, ResourceExhaustedError,
-                              StageTimeoutError, StoppedError, shorten)
+from ps_common.boundary import translate_errors
+from ps_common.errors import (InvalidRequestError, InvalidTensorError, PSError, ResourceExhaustedError,
+                              StageTimeoutError, StoppedError)
 from ps_common.tls import client_security
 from ps_proto.v1 import stage_exchange_pb2 as spb
-from worker_client.client import server_error
+from worker_client.client.retry import RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -344,12 +345,6 @@ class Inbox:
 # ---------------------------------------------------------------------- the service boundary
 
 
-def _abort(context: grpc.ServicerContext, exc: PSError) -> None:
-    """Ends the rpc with the error's status, its message, and its catalog reason in the trailing metadata."""
-    context.set_trailing_metadata(((REASON_KEY, exc.reason),))
-    context.abort(getattr(grpc.StatusCode, exc.status or "INTERNAL"), shorten(str(exc)))
-
-
 class StageExchangeServicer:
     """ps.v1.StageExchange over one Inbox: check the stream, assemble its tensors (codec), hold them."""
 
@@ -358,18 +353,9 @@ class StageExchangeServicer:
         self.inbox = inbox
         self.max_message_bytes, self.max_tensors, self.max_name_bytes = max_message_bytes, max_tensors, max_name_bytes
 
+    @translate_errors
     def Send(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> spb.StageAck:
-        try:
-            return self._send(requests)
-        except PSError as exc:
-            _abort(context, exc)
-        except grpc.RpcError as exc:   # the client stream ended under the handler (cancelled, deadline)
-            log.debug("StageExchange.Send: the request stream ended under the handler: %s", exc)
-            context.abort(grpc.StatusCode.CANCELLED, "StageExchange.Send: the request stream was cancelled")
-        except Exception as exc:  # a bug: log it, keep serving
-            log.exception("internal error in StageExchange.Send")
-            context.abort(grpc.StatusCode.INTERNAL,
-                          f"internal error in StageExchange.Send: {type(exc).__name__}: {exc}")
+        return self._send(requests)
 
     def _ack(self, verdict: str | None) -> spb.StageAck:
         return spb.StageAck(duplicate=verdict == "duplicate", stale=verdict == "stale",
@@ -597,34 +583,20 @@ class StageLink:
         messages = self._messages(kind, int(step), int(micro_batch), int(micro_batches), tensors)
         what = (f"send {kind.name} of step {step} micro-batch {micro_batch} to stage {self.to_stage} of replica "
                 f"{self.replica}")
-        started = time.monotonic()
-        deadline = started + timeout
-        backoff, attempt, unavailable_since = 0.05, 0, None
-        while True:
-            attempt += 1
+        deadline = time.monotonic() + timeout
+
+        def send_once() -> spb.StageAck:
             call_timeout = min(self.rpc_timeout, max(deadline - time.monotonic(), MIN_CALL_SECONDS))
-            try:
-                return self._call(messages, call_timeout, stop, what)
-            except grpc.RpcError as exc:
-                code, now = exc.code(), time.monotonic()
-                if code != grpc.StatusCode.UNAVAILABLE:
-                    raise server_error(exc, f"{what} at {self.address} failed: {code.name}: {exc.details()}",
-                                       self.address) from exc
-                if now >= deadline:
-                    raise server_error(exc, f"{what} at {self.address} failed after {attempt} attempts in "
-                                            f"{now - started:.1f} s (timeout {timeout:g} s): {code.name}: "
-                                            f"{exc.details()}", self.address) from exc
-                unavailable_since = unavailable_since or now
-                if self.resolve is not None and now - unavailable_since >= self.resolve_after:
-                    self._re_resolve(what)
-                    unavailable_since = now
-                pause = min(backoff, deadline - now)
-                log.debug("%s at %s: unavailable (attempt %d), retrying in %.2f s: %s", what, self.address,
-                          attempt, pause, exc.details())
-                if (stop or threading.Event()).wait(pause):
-                    raise StoppedError(f"{what} at {self.address}: stopped while retrying (attempt {attempt}, "
-                                       f"{now - started:.1f} s)") from exc
-                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+            return self._call(messages, call_timeout, stop, what)
+
+        def unavailable(seconds: float) -> None:
+            if self.resolve is not None and seconds >= self.resolve_after:
+                self._re_resolve(what)   # a restarted peer may serve on a new port
+
+        # until the deadline: UNAVAILABLE retried with backoff (from 0.05 s), nothing else
+        policy = RetryPolicy(attempts=1, initial_backoff=0.05, max_backoff=MAX_BACKOFF_SECONDS, window=timeout)
+        return call_with_retries(send_once, what=f"{what} at {self.address}", address=self.address, policy=policy,
+                                 stop=stop, on_unavailable=unavailable, level=logging.DEBUG)
 
     def _call(self, messages: list[bytes], timeout: float, stop: threading.Event | None, what: str) -> spb.StageAck:
         with self._lock:

@@ -54,8 +54,9 @@ from worker_client.pipeline import rendezvous
 from worker_client.pipeline.cut import StagePlan, plan_stages, stage_model
 from worker_client.pipeline.exchange import Kind, StageLink, StageSecurity, StageServer
 from worker_client.pipeline.stage import LABELS, StageRunner, split_batch
-from worker_client.preflight import resolve_model
-from worker_client.training import EventSink, Trainer, TrainingPlan, _Tally, _Window
+from worker_client.training.preflight import resolve_model
+from worker_client.training import RECHECK_SECONDS, EventSink, Trainer, TrainingPlan
+from worker_client.training.loop import _Step, _Tally
 
 log = logging.getLogger(__name__)
 
@@ -147,59 +148,40 @@ class StageTrainer(Trainer):
 
     # ------------------------------------------------------------------ the loop
 
-    def _train(self, tally: _Tally, started: float) -> bool:
-        plan, client = self.plan, self.client
-        window = _Window()
-        last_progress = started
-        parameters = self._first_pull(tally)
-        if parameters is None:
-            return True
-        batches = self._batches(tally.start_clock) if self.stage == 0 else None
-        while True:
+    def _begin(self, tally: _Tally) -> None:
+        self._data = self._batches(tally.start_clock) if self.stage == 0 else None
+
+    def _step(self, tally: _Tally, parameters: dict[str, np.ndarray]) -> _Step:
+        """One pipeline step (the module docstring): stage 0 starts it with a batch, the others wait for its
+        activations; forward, backward, COMMIT, then the push with the pull the mode needs. END finishes the run;
+        a neighbour lost abandons the step (nothing pushed) and returns fresh parameters."""
+        if self.stage == 0:
+            if self._done(tally):
+                self._send_on(Kind.END, self._new_step())
+                return _Step(finished=True)
+            step = self._new_step()
+            tally.epoch, x, y = next(self._data)
+            micro = split_batch({self.input_name: x, LABELS: y}, self.micro_batches)
+        else:
+            found = self._next_step()
+            if found is None:
+                return _Step(stopped=True)
+            kind, step = found
+            if kind is Kind.END:
+                self.links.server.inbox.take(Kind.END, step, 0, timeout=1.0, stop=self.stop)
+                self._send_on(Kind.END, step)
+                return _Step(finished=True)
+            micro = None
+        try:
+            self._pipeline_step(step, parameters, micro)
+        except _PeerLost as exc:
             if self.stop.is_set():
-                return True
-            if self.stage == 0:
-                if self._done(tally):
-                    self._send_on(Kind.END, self._new_step())
-                    return False
-                step = self._new_step()
-                tally.epoch, x, y = next(batches)
-                micro = split_batch({self.input_name: x, LABELS: y}, self.micro_batches)
-            else:
-                found = self._next_step()
-                if found is None:
-                    return True   # stopped
-                kind, step = found
-                if kind is Kind.END:
-                    self.links.server.inbox.take(Kind.END, step, 0, timeout=1.0, stop=self.stop)
-                    self._send_on(Kind.END, step)
-                    return False
-                micro = None
-            try:
-                self._pipeline_step(step, parameters, micro)
-            except _PeerLost as exc:
-                if self.stop.is_set():
-                    return True
-                parameters = self._abandon(step, str(exc))
-                if parameters is None:
-                    return True
-                continue
-            if self.runner.last:
-                tally.loss = self.runner.loss
-            read_steps = list(client.steps)
-            outcome, parameters = client.push_pull({**self.runner.gradients(), **self.runner.new_state()},
-                                                   read_steps=read_steps, wait_for_step=self.mode == "sync",
-                                                   ssp=self.mode == "ssp", wait=2.0)
-            tally.count(outcome)
-            window.add(tally.loss if self.runner.last else 0.0, plan.batch_size)
-            if parameters is None:
-                parameters = self._pull(read_steps, outcome)
-            if parameters is None:
-                return True
-            now = time.monotonic()
-            if now - last_progress >= plan.progress_every:
-                last_progress = now
-                self._report_progress(tally, window, now - started)
+                return _Step(stopped=True)
+            return _Step(parameters=self._abandon(step, str(exc)))
+        outcome, parameters = self.client.push_pull({**self.runner.gradients(), **self.runner.new_state()},
+                                                    wait_for_step=self.mode == "sync", ssp=self.mode == "ssp",
+                                                    wait=RECHECK_SECONDS)
+        return _Step(outcome, parameters, self.runner.loss if self.runner.last else None)
 
     def _new_step(self) -> int:
         """Stage 0's id for the next step: milliseconds since the epoch, above the last id."""
@@ -344,7 +326,7 @@ class StageTrainer(Trainer):
                                     f"stages {[link.address for link in peers]} did not come back within "
                                     f"{self.plan.wait_timeout:.0f} s (wait_timeout)")
         self._rejoin()
-        return self._pull(None)
+        return self._pull()
 
 
 # ---------------------------------------------------------------------- setting a stage worker up

@@ -20,11 +20,11 @@ One `Trainer` is one worker of a job. `Trainer.run()`:
    worker left (deregistered, or its lease ran out: a dead worker is not waited for) and
    evaluates the final parameters on the test split.
 
-A waiting pull (sync step, SSP hold) is cut into waits of at most `RECHECK_SECONDS`.
-Between them the worker stops if asked to (`stop`: it abandons the step, deregisters and
-returns), and checks whether a shard lost progress it saw (restarted from an older
-checkpoint, `PSClient.lost_progress`): the step or clocks it waits for would never come,
-so it pulls that shard's state as it is (min_step 0, no SSP bound) and pushes from there.
+A waiting pull (sync step, SSP hold) is the client's `pull_after`: cut into short waits,
+between which the worker stops if asked to (`stop`: it abandons the step, deregisters and
+returns) and pulls a shard that lost progress it saw (restarted from an older checkpoint)
+as it is. The loop (`_train`) is the same for every kind of worker; what one step does is
+`_step`'s: a data-parallel step here, a pipeline stage's step in worker_client/pipeline/worker.py.
 
 Worker 0 also evaluates every `eval_every` global steps. Progress, evaluations and the
 result are reported as events (`JsonLinesSink` for launchers, `TextSink` for people).
@@ -35,180 +35,32 @@ another).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import resource
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TextIO
+from typing import Any
 
-import grpc
 import numpy as np
 
-from ps_common.errors import StoppedError, TrainingError
+from ps_common.errors import StoppedError, TrainingError, WaitTimeoutError
 from ps_models.datasets import Dataset, iterate_batches, num_batches, worker_shard
-from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PSClient, PushReport, ServerError
+from worker_client.client.rows import dynamic_table
 from worker_client.engine import GradientEngine
-from worker_client.sparse import dynamic_table
+from worker_client.training.evaluate import evaluate, finite, metrics_of
+from worker_client.training.events import EventSink, peak_rss_mb
 
 log = logging.getLogger(__name__)
 
-#: The wire's consistency modes by name.
-MODE_NAMES: dict[int, str] = {pb.MODE_SYNC: "sync", pb.MODE_SSP: "ssp", pb.MODE_ASYNC: "async"}
 #: The barrier every worker of a job meets at before training.
 START_BARRIER = "training-start"
 #: How often a worker polls the shards while it waits for them to be reachable or initialized.
 POLL_SECONDS = 0.2
-#: The longest single wait of a pull; between two, a worker checks `stop` and `lost_progress`.
+#: The longest single wait of a pull after a push; between two, a worker checks `stop` and lost progress.
 RECHECK_SECONDS = 2.0
-
-
-class EventSink(Protocol):
-    """Where a trainer reports events: "start", "progress", "eval", "done"."""
-
-    def __call__(self, event: str, fields: Mapping[str, Any]) -> None: ...
-
-
-class JsonLinesSink:
-    """One JSON object a line, {"event": ..., "time": unix seconds, ...fields}, flushed at once (for ps-launch)."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-
-    def __call__(self, event: str, fields: Mapping[str, Any]) -> None:
-        record = {"event": event, "time": round(time.time(), 3), **fields}
-        self.stream.write(json.dumps(record, default=_jsonable) + "\n")
-        self.stream.flush()
-
-
-class TextSink:
-    """One human-readable line per event (`format_event`)."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-
-    def __call__(self, event: str, fields: Mapping[str, Any]) -> None:
-        self.stream.write(format_event(event, fields) + "\n")
-        self.stream.flush()
-
-
-def format_event(event: str, fields: Mapping[str, Any]) -> str:
-    """An event as one line of text for people."""
-    f = fields
-    who = f"worker {f.get('worker')}"
-    if event == "start":
-        how = "rejoined" if f["resumed"] else "started"
-        return (f"{who} ({f['worker_id']}) {how}: {f['mode']} on {f['shards']} shard(s), {f['workers']} "
-                f"worker(s); {f['train_examples']} training examples, batch {f['batch_size']}; "
-                f"at step {f['step']}, clock {f['clock']}")
-    if event == "progress":
-        return (f"{who} step {f['step']}: loss {_num(f['loss'])}, {f['samples_per_second']:.0f} samples/s, "
-                f"{f['stale_drops']} stale drop(s)")
-    if event == "eval":
-        final = " (final)" if f.get("final") else ""
-        return (f"{who} step {f['step']}{final}: test accuracy {_num(f['test_accuracy'])}, "
-                f"test loss {_num(f['test_loss'])}")
-    if event == "done":
-        text = (f"{who} done at step {f['steps']}: {f['iterations']} pushes in {f['seconds']:.1f} s "
-                f"({f['samples_per_second']:.0f} samples/s), {f['dropped']} dropped")
-        if f.get("test_accuracy") is not None:
-            text += f"; test accuracy {_num(f['test_accuracy'])}, test loss {_num(f['test_loss'])}"
-        return text
-    return f"{who} {event}: {json.dumps(dict(f), default=_jsonable)}"
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory in MiB.
-
-    Linux: VmHWM of /proc/self/status, the high-water mark of this program's own memory.
-    Not getrusage's ru_maxrss: Linux carries that over fork and exec, so a worker started by
-    a launcher holding a whole model would report the launcher's peak as its own. Elsewhere
-    ru_maxrss (KiB; bytes on macOS)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
-
-
-def _num(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
-
-
-def _jsonable(value: object) -> object:
-    if isinstance(value, np.generic):
-        return value.item()
-    return repr(value)
-
-
-def _finite(value: float) -> float | None:
-    return float(value) if math.isfinite(value) else None
-
-
-def evaluate(engine: GradientEngine, parameters: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray, *,
-             input_name: str, num_classes: int) -> dict[str, float | None]:
-    """Test loss and accuracy (classification: cross-entropy of the first output; regression: MSE, no accuracy)."""
-    outputs = engine.predict(parameters, {input_name: x})
-    return metrics_of(outputs[engine.output_names[0]], y, num_classes)
-
-
-def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int) -> dict[str, float | None]:
-    """Test loss, accuracy and (two classes) AUC of a model's first output against the labels (see evaluate)."""
-    prediction = np.asarray(output, dtype=np.float64)
-    if num_classes > 0:
-        logits = prediction.reshape(len(y), -1)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        labels = np.asarray(y, dtype=np.int64).reshape(-1)
-        loss = float(-log_probs[np.arange(len(labels)), labels].mean())
-        accuracy = float((logits.argmax(axis=1) == labels).mean())
-        auc = binary_auc(log_probs[:, 1] - log_probs[:, 0], labels) if logits.shape[1] == 2 else None
-        return {"test_loss": _finite(loss), "test_accuracy": accuracy, "test_auc": auc}
-    target = np.asarray(y, dtype=np.float64).reshape(prediction.shape)
-    return {"test_loss": _finite(float(((prediction - target) ** 2).mean())), "test_accuracy": None, "test_auc": None}
-
-
-def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
-    """ROC AUC of scores for labels 0/1 (the rank statistic; ties count half); None without both classes."""
-    positives, negatives = int((labels == 1).sum()), int((labels == 0).sum())
-    if not positives or not negatives:
-        return None
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores), np.float64)
-    ranks[order] = np.arange(1, len(scores) + 1)
-    sorted_scores = scores[order]
-    for value in np.unique(sorted_scores[np.r_[False, np.diff(sorted_scores) == 0]]):   # average tied ranks
-        tied = scores == value
-        ranks[tied] = ranks[tied].mean()
-    return float((ranks[labels == 1].sum() - positives * (positives + 1) / 2) / (positives * negatives))
-
-
-def sync_min_steps(read_steps: list[int], outcome: PushReport) -> list[int]:
-    """Per shard, the step a sync worker's next pull waits for after its push.
-
-    Accepted: the step after the one it read (its gradient is in that step). Dropped as
-    stale: nothing to wait for, the shard is past it already. Already contributed: the
-    step after the shard's current one. Step ahead (the shard rolled back to a
-    checkpoint): nothing -- pull the shard's state as it is now and compute again.
-    """
-    mins = []
-    for read, response in zip(read_steps, outcome.responses):
-        if response.outcome == pb.PUSH_ACCEPTED:
-            mins.append(read + 1)
-        elif response.drop_reason == pb.DROP_ALREADY_CONTRIBUTED:
-            mins.append(response.step + 1)
-        else:
-            mins.append(0)
-    return mins
 
 
 @dataclass(frozen=True)
@@ -264,7 +116,7 @@ class _Window:
     def take(self) -> tuple[float | None, float]:
         """(mean loss, samples per second) since the last take, and starts over."""
         now = time.monotonic()
-        loss = _finite(self.loss_sum / self.count) if self.count else None
+        loss = finite(self.loss_sum / self.count) if self.count else None
         rate = self.samples / max(now - self.started, 1e-9)
         self.loss_sum, self.count, self.samples, self.started = 0.0, 0, 0, now
         return loss, rate
@@ -291,12 +143,24 @@ class _Tally:
             self.accepted += 1
             return
         self.dropped += 1
-        if any(r.drop_reason == pb.DROP_STALE for _, r in outcome.dropped):
+        if outcome.stale:
             self.stale += 1
-        log.debug("push at clock %d dropped: %s", outcome.clock,
-                  "; ".join(f"shard {i}: {r.message}" for i, r in outcome.dropped),
+        log.debug("push at clock %d dropped: %s", outcome.clock, outcome.drops(),
                   extra={"clock": outcome.clock, "dropped_by": [i for i, _ in outcome.dropped],
-                         "reason": [pb.DropReason.Name(r.drop_reason) for _, r in outcome.dropped]})
+                         "reason": outcome.drop_reasons})
+
+
+@dataclass
+class _Step:
+    """What one step of the loop did (`Trainer._step`): its push's report and the parameters for the next step
+    (None: pull them), its loss; or that the run is over (`finished`), or `stop` was set while it waited
+    (`stopped`). A step abandoned before its push (a pipeline neighbour gone) has no outcome."""
+
+    outcome: PushReport | None = None
+    parameters: dict[str, np.ndarray] | None = None
+    loss: float | None = None
+    finished: bool = False
+    stopped: bool = False
 
 
 class Trainer:
@@ -348,7 +212,7 @@ class Trainer:
                 if check():
                     return
             except ServerError as exc:
-                if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if not exc.transient:   # a shard not up yet, or slow, is waited for; anything else is final
                     raise
                 last_error = f"; last error: {exc}"
             if self.stop.is_set():
@@ -370,15 +234,15 @@ class Trainer:
                 f"line or log says the address it serves; `ps-ctl status HOST:PORT` asks one; a shard bound to "
                 f"--host 127.0.0.1 (the default) takes no calls from other hosts; a firewall may drop them; a TLS "
                 f"shard needs --tls-ca") from exc
-        info = client.cluster_info(0)
+        info = client.shard_status(0)
         if info.num_shards != client.num_shards:
             raise TrainingError(f"shard 0 ({client.addresses[0]}) says the job has {info.num_shards} shards, but this "
                                 f"worker was given {client.num_shards} addresses: {client.addresses}")
-        self.mode = MODE_NAMES.get(info.mode, f"mode {info.mode}")
+        self.mode = info.mode.value
         if self.expected_mode is not None and self.mode != self.expected_mode:
             raise TrainingError(f"this worker was configured for mode {self.expected_mode!r}, but the shards at "
                                 f"{client.addresses} run mode {self.mode!r}")
-        known = {w.worker_id for w in info.workers}
+        known = info.workers
         if plan.is_chief:
             already = client.initialize({**self.engine.server_parameters(), **self.engine.state()},
                                         state=self.engine.state_names, dynamic=self._dynamic_specs())
@@ -386,17 +250,17 @@ class Trainer:
                      client.num_shards, extra={"shards": client.num_shards, "already_initialized": already})
         else:
             def initialized() -> bool:
-                return all(client.cluster_info(i).initialized for i in range(client.num_shards))
+                return all(client.shard_status(i).initialized for i in range(client.num_shards))
             self._wait_until(f"worker 0 to initialize the parameters on shards {client.addresses}", deadline,
                              initialized)
         self._check_parameters(client.fetch_shard_map())
-        steps_before = [client.cluster_info(i).step for i in range(client.num_shards)]
+        steps_before = [client.shard_status(i).step for i in range(client.num_shards)]
         self.resumed = client.worker_id in known or any(s > 0 for s in steps_before)
         client.register(heartbeat=True)
         if self.resumed:
-            log.info("rejoining a running job as %s at clock %d (steps %s): no start barrier", client.worker_id,
-                     client.clock, client.steps,
-                     extra={"worker_id": client.worker_id, "clock": client.clock, "step": min(client.steps)})
+            log.info("rejoining a running job as %s at clock %d (step %d): no start barrier", client.worker_id,
+                     client.clock, client.step,
+                     extra={"worker_id": client.worker_id, "clock": client.clock, "step": client.step})
             return
         left = max(0.1, deadline - time.monotonic())
         try:
@@ -453,42 +317,14 @@ class Trainer:
                     yield epoch, x, y
             skip, epoch = 0, epoch + 1
 
-    def _pull(self, read_steps: list[int] | None, outcome: PushReport | None = None) -> dict[str, np.ndarray] | None:
-        """The next parameters as the mode says: sync waits for the next step (`sync_min_steps`), ssp for the bound.
-
-        None when `stop` was set while it waited. At most wait_timeout s in all, in waits of
-        at most RECHECK_SECONDS (module docstring); then TrainingError saying what it awaited.
-        """
-        client = self.client
-        mins = sync_min_steps(read_steps, outcome) if self.mode == "sync" and read_steps is not None \
-            and outcome is not None else None
-        ssp = self.mode == "ssp"
-        if mins is None and not ssp:
-            return client.pull(self.dense_names, timeout=self.plan.wait_timeout)   # nothing to wait for
-        deadline = time.monotonic() + self.plan.wait_timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return client.pull(self.dense_names, min_steps=mins, ssp=ssp,
-                                   timeout=max(0.01, min(left, RECHECK_SECONDS)))
-            except ServerError as exc:
-                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise
-                if time.monotonic() >= deadline:
-                    what = f"steps {mins} of the shards" if mins is not None else "the SSP staleness bound"
-                    raise TrainingError(f"{self.mode} pull waited {self.plan.wait_timeout:.1f} s (wait_timeout) for "
-                                        f"{what}; the last wait ended with: {exc}") from exc
-            if self.stop.is_set():
-                return None
-            lost = client.lost_progress()
-            if lost:
-                log.warning("%s: %s; pulling %s as it is now", client.worker_id,
-                            "; ".join(f"shard {i} lost progress: {why}" for i, why in sorted(lost.items())),
-                            "those shards" if mins is not None else "every shard without the SSP bound",
-                            extra={"worker_id": client.worker_id, "lost": {str(i): why for i, why in lost.items()}})
-                if mins is not None:
-                    mins = [0 if i in lost else m for i, m in enumerate(mins)]
-                ssp = False
+    def _pull(self, after: PushReport | None = None) -> dict[str, np.ndarray] | None:
+        """The next parameters as the mode says after the push `after` (PSClient.pull_after); None when `stop` was
+        set while it waited; TrainingError when it waited wait_timeout in all."""
+        try:
+            return self.client.pull_after(after, self.dense_names, sync=self.mode == "sync", ssp=self.mode == "ssp",
+                                          timeout=self.plan.wait_timeout, recheck=RECHECK_SECONDS)
+        except WaitTimeoutError as exc:
+            raise TrainingError(str(exc)) from exc
 
     def _maybe_evaluate(self, parameters: Mapping[str, np.ndarray], step: int, elapsed: float,
                         *, final: bool = False) -> dict[str, Any] | None:
@@ -537,7 +373,7 @@ class Trainer:
         tally = _Tally(start_clock=client.clock, epoch=client.clock // self.batches_per_epoch)
         self.report("start", {
             "worker": plan.worker_index, "worker_id": client.worker_id, "mode": self.mode,
-            "shards": client.num_shards, "workers": plan.num_workers, "step": min(client.steps),
+            "shards": client.num_shards, "workers": plan.num_workers, "step": client.step,
             "clock": tally.start_clock, "resumed": self.resumed, "train_examples": self.share.num_train,
             "batch_size": plan.batch_size, "batches_per_epoch": self.batches_per_epoch,
             "target_steps": plan.steps, "epochs": plan.epochs})
@@ -554,14 +390,14 @@ class Trainer:
             self._wait_for_the_others()
             if not self.stop.is_set():
                 parameters = client.pull(self.dense_names, timeout=plan.wait_timeout)
-                final = self._maybe_evaluate(parameters, min(client.steps), time.monotonic() - started, final=True)
+                final = self._maybe_evaluate(parameters, client.step, time.monotonic() - started, final=True)
         samples = tally.iterations * plan.batch_size
         result: dict[str, Any] = {
             "worker": plan.worker_index, "worker_id": client.worker_id, "mode": self.mode,
-            "shards": client.num_shards, "workers": plan.num_workers, "steps": min(client.steps),
+            "shards": client.num_shards, "workers": plan.num_workers, "steps": client.step,
             "iterations": tally.iterations, "clock": client.clock, "samples": samples, "seconds": round(seconds, 3),
             "samples_per_second": round(samples / max(seconds, 1e-9), 1), "accepted": tally.accepted,
-            "dropped": tally.dropped, "stale_drops": tally.stale, "loss": _finite(tally.loss),
+            "dropped": tally.dropped, "stale_drops": tally.stale, "loss": finite(tally.loss),
             "epochs_done": round((tally.start_clock + tally.iterations) / self.batches_per_epoch, 3),
             "resumed": self.resumed, "stopped": stopped,
             "test_accuracy": final["test_accuracy"] if final else None,
@@ -582,11 +418,11 @@ class Trainer:
     def _done(self, tally: _Tally) -> bool:
         """True once the shards reached `steps` or this worker finished its `epochs`."""
         plan = self.plan
-        if plan.steps is not None and min(self.client.steps) >= plan.steps:
+        if plan.steps is not None and self.client.step >= plan.steps:
             return True
         return plan.epochs is not None and tally.start_clock + tally.iterations >= plan.epochs * self.batches_per_epoch
 
-    def _last_iteration(self, tally: _Tally, read_steps: list[int]) -> bool:
+    def _last_iteration(self, tally: _Tally) -> bool:
         """Whether the step being pushed is plainly this worker's last (sync: the step it completes is
         `steps`; epochs: the last batch), so its PushPull need not read the next batch's rows. In async
         and ssp other workers move the step too: there the last step's rows may be read for nothing
@@ -594,91 +430,110 @@ class Trainer:
         plan = self.plan
         if plan.epochs is not None and tally.start_clock + tally.iterations + 1 >= plan.epochs * self.batches_per_epoch:
             return True
-        return plan.steps is not None and self.mode == "sync" and min(read_steps) + 1 >= plan.steps
+        return plan.steps is not None and self.mode == "sync" and self.client.step + 1 >= plan.steps
 
     def _first_pull(self, tally: _Tally) -> dict[str, np.ndarray] | None:
         """The loop's first parameters (None when stopped), evaluated at the start; from here the
         byte counters count the loop's own bytes."""
-        parameters = self._pull(None)
+        parameters = self._pull()
         if parameters is not None:
-            self._maybe_evaluate(parameters, min(self.client.steps), 0.0)
+            self._maybe_evaluate(parameters, self.client.step, 0.0)
             tally.bytes_pulled, tally.bytes_pushed = self.client.bytes_pulled, self.client.bytes_pushed
         return parameters
 
+
     def _train(self, tally: _Tally, started: float) -> bool:
-        """Step 3 of the module docstring until `_done` (False) or `stop` is set (True)."""
-        plan, client = self.plan, self.client
+        """Step 3 of the module docstring until the run is over (False) or `stop` is set (True): one `_step` after
+        another, each pushed, counted and followed by the pull the mode needs, evaluations and progress."""
+        plan = self.plan
         window = _Window()
         last_progress = started
         parameters = self._first_pull(tally)
         if parameters is None:
             return True
-        mins: list[int] | None = None   # sync: the steps the next rows must be read at
-        batches = self._batches(tally.start_clock)
-        upcoming = next(batches)
-        # sparse tables: (ids, rows) of `upcoming`, rows None when the last PushPull did not read them
-        prefetched: tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None] | None = None
-        while not self._done(tally):
+        self._begin(tally)
+        while True:
             if self.stop.is_set():
                 return True
-            (tally.epoch, x, y), upcoming = upcoming, next(batches)
-            batch = {self.input_name: x, "labels": y}
-            ids, row_gradients = None, None
-            if self.sparse.tables:   # the rows this batch touches (docs/protocol.md, "Sparse rows")
-                # the rows the last step's PushPull read, at this step's values; else pulled now
-                ids, rows = prefetched if prefetched is not None else (self.sparse.unique_ids(batch), None)
-                if rows is None:
-                    rows = client.pull_rows(ids, min_steps=mins, timeout=plan.wait_timeout)
-                tally.rows += sum(len(v) for v in ids.values())
-                parameters = {**parameters, **{t.rows_name: self.sparse.rows_parameter(n, rows[n])
-                                               for n, t in self.sparse.tables.items()}}
-                batch = self.sparse.feeds(batch, ids)
-            result = self.engine.step(parameters, batch)
-            tally.loss = result.loss
-            read_steps = list(client.steps)
-            gradients = result.gradients
-            # One round trip per shard: the push (gradients, and running statistics that the
-            # shards replace: sync takes the mean), and the pull the mode needs next (at most
-            # RECHECK_SECONDS of waiting; past that, the waiting loop of _pull takes over).
-            # With sparse tables the row gradients ride in the push, and the pull reads the
-            # dense tensors and the next batch's rows (unless this is plainly the last step).
-            wait = dict(read_steps=read_steps, wait_for_step=self.mode == "sync", ssp=self.mode == "ssp",
-                        wait=RECHECK_SECONDS)
-            prefetched = None
-            if ids is not None:
-                row_gradients = self.sparse.row_gradients(gradients, ids)
-                rows_names = {t.rows_name for t in self.sparse.tables.values()}
-                gradients = {k: v for k, v in gradients.items() if k not in rows_names}
-                next_ids = None if self._last_iteration(tally, read_steps) else \
-                    self.sparse.unique_ids({self.input_name: upcoming[1], "labels": upcoming[2]})
-                if next_ids is None:
-                    outcome, parameters = client.push_pull({**gradients, **result.state}, **wait,
-                                                           row_gradients=row_gradients, names=self.dense_names)
-                else:
-                    outcome, parameters, next_rows = client.push_pull_rows(
-                        {**gradients, **result.state}, row_gradients, names=self.dense_names, rows=next_ids, **wait)
-                    prefetched = (next_ids, next_rows)
-            else:
-                outcome, parameters = client.push_pull({**gradients, **result.state}, **wait)
-            mins = sync_min_steps(read_steps, outcome) if self.mode == "sync" else None
-            tally.count(outcome)
-            window.add(tally.loss, plan.batch_size)
-            self._eval_window.add(tally.loss, plan.batch_size)
-            if parameters is None:
-                parameters = self._pull(read_steps, outcome)
+            step = self._step(tally, parameters)
+            if step.finished or step.stopped:
+                return step.stopped
+            if step.outcome is None:   # abandoned before its push; its parameters are the next step's
+                if step.parameters is None:
+                    return True
+                parameters = step.parameters
+                continue
+            if step.loss is not None:
+                tally.loss = step.loss
+            tally.count(step.outcome)
+            window.add(step.loss or 0.0, plan.batch_size)
+            self._eval_window.add(step.loss or 0.0, plan.batch_size)
+            parameters = step.parameters if step.parameters is not None else self._pull(step.outcome)
             if parameters is None:
                 return True   # stopped while waiting: the step is abandoned (its gradient may still count)
             now = time.monotonic()
-            self._maybe_evaluate(parameters, min(client.steps), now - started)
+            self._maybe_evaluate(parameters, self.client.step, now - started)
             if now - last_progress >= plan.progress_every:
                 last_progress = now
                 self._report_progress(tally, window, now - started)
-        return False
+
+    # ------------------------------------------------------------------ one data-parallel step
+
+    def _begin(self, tally: _Tally) -> None:
+        """Before the first step: where in the data this run starts (a restarted worker continues at its clock)."""
+        self._data = self._batches(tally.start_clock)
+        self._upcoming = next(self._data)
+        # sparse tables: (ids, rows) of the upcoming batch, rows None when the last PushPull did not read them
+        self._prefetched: tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None] | None = None
+        self._wait_steps: list[int] | None = None   # sync: the steps the next rows must be read at
+
+    def _step(self, tally: _Tally, parameters: dict[str, np.ndarray]) -> _Step:
+        """One batch: gradients at `parameters`, pushed in one round trip per shard with the pull the mode needs
+        next (at most RECHECK_SECONDS of waiting; past that `_pull` takes over). The push carries the running
+        statistics too (the shards replace them: sync takes the mean). With sparse tables the row gradients ride
+        in the push, and the pull reads the dense tensors and the next batch's rows (unless this is plainly the
+        last step)."""
+        if self._done(tally):
+            return _Step(finished=True)
+        client, plan = self.client, self.plan
+        (tally.epoch, x, y), self._upcoming = self._upcoming, next(self._data)
+        batch = {self.input_name: x, "labels": y}
+        ids = None
+        if self.sparse.tables:   # the rows this batch touches (docs/protocol.md, "Sparse rows")
+            # the rows the last step's PushPull read, at this step's values; else pulled now
+            ids, rows = self._prefetched if self._prefetched is not None else (self.sparse.unique_ids(batch), None)
+            if rows is None:
+                rows = client.pull_rows(ids, min_steps=self._wait_steps, timeout=plan.wait_timeout)
+            tally.rows += sum(len(v) for v in ids.values())
+            parameters = {**parameters, **{t.rows_name: self.sparse.rows_parameter(n, rows[n])
+                                           for n, t in self.sparse.tables.items()}}
+            batch = self.sparse.feeds(batch, ids)
+        result = self.engine.step(parameters, batch)
+        gradients = result.gradients
+        wait = dict(wait_for_step=self.mode == "sync", ssp=self.mode == "ssp", wait=RECHECK_SECONDS)
+        self._prefetched = None
+        if ids is None:
+            outcome, parameters = client.push_pull({**gradients, **result.state}, **wait)
+        else:
+            row_gradients = self.sparse.row_gradients(gradients, ids)
+            rows_names = {t.rows_name for t in self.sparse.tables.values()}
+            gradients = {k: v for k, v in gradients.items() if k not in rows_names}
+            next_ids = None if self._last_iteration(tally) else \
+                self.sparse.unique_ids({self.input_name: self._upcoming[1], "labels": self._upcoming[2]})
+            if next_ids is None:
+                outcome, parameters = client.push_pull({**gradients, **result.state}, **wait,
+                                                       row_gradients=row_gradients, names=self.dense_names)
+            else:
+                outcome, parameters, next_rows = client.push_pull_rows(
+                    {**gradients, **result.state}, row_gradients, names=self.dense_names, rows=next_ids, **wait)
+                self._prefetched = (next_ids, next_rows)
+        self._wait_steps = outcome.wait_steps if self.mode == "sync" else None
+        return _Step(outcome, parameters, result.loss)
 
     def _report_progress(self, tally: _Tally, window: _Window, elapsed: float) -> None:
         """A "progress" event: the loss and rate since the last one (`window`), the counts so far."""
         mean_loss, rate = window.take()
-        fields = {"worker": self.plan.worker_index, "step": min(self.client.steps), "iteration": tally.iterations,
+        fields = {"worker": self.plan.worker_index, "step": self.client.step, "iteration": tally.iterations,
                   "clock": self.client.clock, "epoch": tally.epoch, "loss": mean_loss,
                   "samples_per_second": round(rate, 1), "samples": tally.iterations * self.plan.batch_size,
                   "accepted": tally.accepted, "dropped": tally.dropped, "stale_drops": tally.stale,
@@ -698,7 +553,7 @@ class Trainer:
         client = self.client
 
         def others_left() -> bool:
-            return not any(w.live for w in client.cluster_info(0).workers if w.worker_id != client.worker_id)
+            return not (client.shard_status(0).live_workers - {client.worker_id})
 
         try:
             self._wait_until("the other workers to finish (deregister, or their leases to run out)",

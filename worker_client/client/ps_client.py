@@ -2,8 +2,10 @@
 
 It routes every part of every tensor to the shard that owns it (the shard map), talks to
 all shards concurrently, reassembles tensors split over shards, and retries a call only
-when it fails with UNAVAILABLE, with bounded exponential backoff. Pushes carry the
-worker's clock, so a retried push is acknowledged by the shard, never applied twice.
+when it fails with UNAVAILABLE (or OVERLOADED), with bounded exponential backoff
+(client/retry.py). Pushes carry the worker's clock, so a retried push is acknowledged by
+the shard, never applied twice. Bytes go through shared memory with shards on this host,
+and over gRPC otherwise; the PushPull frame is ps_common/frames.py's.
 
 Blocking and threads: every method blocks until all shards answered, or raises. A
 client is used by one thread at a time (its heartbeat thread is internal).
@@ -12,8 +14,6 @@ client is used by one thread at a time (its heartbeat thread is internal).
 from __future__ import annotations
 
 import logging
-import random
-import socket
 import threading
 import time
 import uuid
@@ -25,17 +25,17 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
+from ps_common import codec, frames, shared_memory
+from ps_common.access import WORKER_ID_KEY
+from ps_common.errors import (InvalidTensorError, NotInitializedError, ServerError, SharedMemoryUnavailableError,
+                              StoppedError, UnknownWorkerError, WaitTimeoutError)
+from ps_common.modes import DropReason, Mode, step_to_wait_for
+from ps_common.shard_map import ParamSpec, PartKey, ShardMap, build_shard_map
+from ps_common.shared_memory import Layout, Segment
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
-from ps_common import codec
-from ps_common.access import WORKER_ID_KEY
-from ps_common.errors import (REASON_KEY, InvalidTensorError, NotInitializedError, OverloadedError, ServerError,
-                              SharedMemoryUnavailableError,
-                              StoppedError, UnknownWorkerError, WaitTimeoutError, error_for_reason)
-from ps_common import shared_memory
-from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
-from ps_common.shared_memory import Layout, Segment
-from worker_client import sparse
+from worker_client.client import rows as sparse
+from worker_client.client.retry import RetryPolicy, call_with_retries, probe, reason_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +51,8 @@ GRPC_PUSH_PULL_MAX_BYTES = 256 << 10
 #: A shard that gave no shared-memory segment is asked again after this long (seconds): it may have
 #: been restarting; one on another host costs one OpenSharedMemory this often.
 SEGMENT_RETRY_SECONDS = 30.0
+#: The longest single wait of `pull_after`; between two it checks `stop` and `lost_progress` (seconds).
+RECHECK_SECONDS = 2.0
 #: Longest single wait of a blocking call: between two, the client checks `stop` (seconds).
 STOP_POLL_SECONDS = 0.25
 #: While waiting for a shard to accept connections, say why at least this often (seconds).
@@ -61,78 +63,13 @@ CONNECT_FIRST_REPORT_SECONDS = 3.0
 BARRIER_SLICE_SECONDS = 1.0
 
 
-def probe(address: str, timeout: float = 1.0) -> str:
-    """Why a TCP connection to HOST:PORT fails ("connection refused", "name does not resolve", ...), or
-    "the port accepts connections, but gRPC does not answer" when it does not fail."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return "the port accepts connections, but gRPC does not answer there (TLS or another service?)"
-    except ValueError:
-        return f"{address!r} is not HOST:PORT"
-    except socket.gaierror as exc:
-        return f"the host name {host!r} does not resolve ({exc.strerror})"
-    except TimeoutError:
-        return f"no answer within {timeout:g} s (a firewall, or a host that is down?)"
-    except OSError as exc:
-        return (exc.strerror or str(exc)).lower()
-
-
-def reason_of(exc: grpc.RpcError) -> str:
-    """The catalog reason a shard sent with an error status (trailing metadata), or "" when none."""
-    for key, value in (exc.trailing_metadata() or ()):
-        if key == REASON_KEY:
-            return value
-    return ""
-
-
-def server_error(exc: grpc.RpcError, message: str, address: str) -> ServerError:
-    """The typed error for a failed rpc: the catalog class the shard named, which is also a ServerError."""
-    return ServerError.remote(error_for_reason(reason_of(exc)))(message, exc.code(), address)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Retries of UNAVAILABLE: attempts in all, first backoff and its cap (seconds), doubled each time with jitter.
-
-    With a `window` (seconds, > 0) the retries also go on, past `attempts`, until that long
-    after the first try (the last sleep is cut to end there): the time a restarting shard
-    has to come back (the worker's `reconnect_timeout`). Either way the retries end, with
-    ServerError naming the shard, the attempts and the seconds spent.
-    """
-
-    attempts: int = 6
-    initial_backoff: float = 0.2
-    max_backoff: float = 3.0
-    window: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"Invalid retry attempts: {self.attempts}")
-        if not 0 < self.initial_backoff <= self.max_backoff:
-            raise ValueError(f"Invalid backoff: initial {self.initial_backoff}, max {self.max_backoff}")
-        if not self.window >= 0:
-            raise ValueError(f"Invalid retry window: {self.window} (must be >= 0 seconds)")
-
-    def pause(self, attempt: int, elapsed: float, backoff: float) -> float | None:
-        """Seconds to sleep before trying again after `attempt` failed tries, `elapsed` s after the first; None: give up.
-
-        `backoff` is the current backoff (before jitter: half to all of it is slept).
-        """
-        sleep = backoff * (0.5 + random.random() / 2)
-        if attempt < self.attempts:
-            return sleep
-        if elapsed < self.window:
-            return min(sleep, self.window - elapsed)
-        return None
-
-
 @dataclass
 class PushReport:
-    """What every shard said about one push."""
+    """What every shard said about one push, and the steps it was read at."""
 
     responses: list[pb.PushResponse]
     clock: int
+    read_steps: list[int] = field(default_factory=list)
 
     @property
     def accepted(self) -> bool:
@@ -145,8 +82,40 @@ class PushReport:
         return [(i, r) for i, r in enumerate(self.responses) if r.outcome == pb.PUSH_DROPPED]
 
     @property
+    def stale(self) -> bool:
+        """Whether a shard dropped it as stale."""
+        return any(r.drop_reason == DropReason.STALE for _, r in self.dropped)
+
+    @property
     def steps(self) -> list[int]:
         return [r.step for r in self.responses]
+
+    @property
+    def wait_steps(self) -> list[int]:
+        """Per shard, the step a sync worker's next pull waits for (ps_common.modes.step_to_wait_for)."""
+        return [step_to_wait_for(r.outcome == pb.PUSH_ACCEPTED, r.drop_reason, read, r.step)
+                for read, r in zip(self.read_steps, self.responses)]
+
+    @property
+    def drop_reasons(self) -> list[str]:
+        """The reason of each drop, by name (STALE, ALREADY_CONTRIBUTED, STEP_AHEAD), in shard order."""
+        return [DropReason(r.drop_reason).name for _, r in self.dropped]
+
+    def drops(self) -> str:
+        """The drops for a log line: "shard 1: STALE: why; ..."."""
+        return "; ".join(f"shard {i}: {DropReason(r.drop_reason).name}: {r.message}" for i, r in self.dropped)
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """A shard's job and state as a worker reads them (PSClient.shard_status)."""
+
+    num_shards: int
+    mode: Mode
+    step: int
+    initialized: bool
+    workers: frozenset[str]        # every worker the shard knows
+    live_workers: frozenset[str]   # ... of those, the ones holding a lease
 
 
 @dataclass
@@ -162,7 +131,7 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], *, worker_id: str | None = None, rpc_timeout: float = 120.0,
                  wait_timeout: float = 300.0, retry: RetryPolicy = RetryPolicy(), chunk_bytes: int = codec.CHUNK_BYTES,
                  channel_credentials: grpc.ChannelCredentials | None = None,
-                 call_metadata: Sequence[tuple[str, str]] = (), duplicate_pushes: bool = False,
+                 call_metadata: Sequence[tuple[str, str]] = (),
                  stop: threading.Event | None = None, shared_memory: bool = True,
                  wire_dtype: str = "float32") -> None:
         """`stop`, once set (e.g. by a SIGTERM handler), ends every wait of this client within about
@@ -185,7 +154,6 @@ class PSClient:
         self.chunk_bytes = chunk_bytes
         # the worker's id rides with every call, so a shard gives its calls slots of their own (admission)
         self.metadata = (*call_metadata, (WORKER_ID_KEY, self.worker_id.encode("utf-8", "surrogatepass")))
-        self.duplicate_pushes = duplicate_pushes   # testing: resend every push at its clock (see push)
         options = [("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0),   # retries are ours (below): streams outgrow gRPC's retry buffer
@@ -228,38 +196,9 @@ class PSClient:
         return len(self.addresses)
 
     def _call(self, shard: int, what: str, fn: Callable[[pb_grpc.ParameterServerStub], T]) -> T:
-        """Runs fn(stub) for one shard, retrying UNAVAILABLE with bounded backoff (self.retry)."""
-        backoff = self.retry.initial_backoff
-        started = time.monotonic()
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return fn(self._stubs[shard])
-            except grpc.RpcError as exc:
-                code = exc.code()
-                elapsed = time.monotonic() - started
-                retryable = code == grpc.StatusCode.UNAVAILABLE or reason_of(exc) == OverloadedError.reason
-                pause = self.retry.pause(attempt, elapsed, backoff) if retryable else None
-                if pause is not None:
-                    log.warning("%s on shard %d (%s) %s (attempt %d, %.1f s), retrying in %.2f s: %s", what, shard,
-                                self.addresses[shard], "unavailable" if code == grpc.StatusCode.UNAVAILABLE else
-                                "overloaded", attempt, elapsed, pause, exc.details())
-                    if self.stop.wait(pause):
-                        raise StoppedError(f"{what} on shard {shard} ({self.addresses[shard]}): stopped while "
-                                           f"retrying (attempt {attempt}, {elapsed:.1f} s)") from exc
-                    backoff = min(backoff * 2, self.retry.max_backoff)
-                    continue
-                details = exc.details()
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    window = f", reconnect window {self.retry.window:g} s" if self.retry.window else ""
-                    prefix, details = f" after {attempt} attempts", f"{details} (gave up after {elapsed:.1f} s{window})"
-                elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    prefix = f" after {elapsed:.1f} s"
-                else:
-                    prefix = ""
-                raise server_error(exc, f"{what} on shard {shard} ({self.addresses[shard]}) failed{prefix}: "
-                                        f"{code.name}: {details}", self.addresses[shard]) from exc
+        """Runs fn(stub) for one shard, retrying UNAVAILABLE and OVERLOADED with bounded backoff (self.retry)."""
+        return call_with_retries(lambda: fn(self._stubs[shard]), what=f"{what} on shard {shard} ({self.addresses[shard]})",
+                                 address=self.addresses[shard], policy=self.retry, stop=self.stop)
 
     def _on_all(self, what: str, fn: Callable[[int, pb_grpc.ParameterServerStub], T]) -> list[T]:
         """fn(shard, stub) on every shard concurrently, each with retries; results in shard order."""
@@ -513,9 +452,7 @@ class PSClient:
 
         clock defaults to this client's clock (then advanced by one); read_steps default to
         the steps recorded by the last pull. A retry of the same clock is safe: the shard
-        acknowledges it without applying it again. With `duplicate_pushes` (a test of that
-        promise) every push is sent a second time at the same clock, as a retry after a lost
-        answer would be; a shard that does not answer it as a duplicate fails the push.
+        acknowledges it without applying it again.
         """
         shard_map = self._require_map()
         self._check_gradients(shard_map, gradients)
@@ -525,7 +462,6 @@ class PSClient:
         steps = list(self.steps if read_steps is None else read_steps)
 
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.PushResponse:
-            sent_at = clock
             response = send_once(shard, stub)
             if fresh and response.duplicate and response.clock > clock + 1:
                 # The shard's record is ahead of a clock we never sent: it restarted and took
@@ -533,15 +469,7 @@ class PSClient:
                 # gradient would be acknowledged and silently not applied.
                 log.info("shard %d is at clock %d for %s, ahead of %d: resending there", shard, response.clock,
                          self.worker_id, clock)
-                sent_at = response.clock
-                response = send_once(shard, stub, at_clock=sent_at)
-            if self.duplicate_pushes:
-                again = send_once(shard, stub, at_clock=sent_at)
-                if not again.duplicate:
-                    raise ServerError(f"shard {shard} ({self.addresses[shard]}) took a resent push of {self.worker_id} "
-                                      f"at clock {sent_at} as a new one (step {again.step}): a retried push must be "
-                                      "acknowledged, not applied again", grpc.StatusCode.INTERNAL,
-                                      self.addresses[shard])
+                response = send_once(shard, stub, at_clock=response.clock)
             return response
 
         def send_once(shard: int, stub: pb_grpc.ParameterServerStub, at_clock: int | None = None) -> pb.PushResponse:
@@ -570,7 +498,7 @@ class PSClient:
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
             sparse.wire_bytes(grads) for grads in rows_by_shard.values())
-        return PushReport(responses, clock)
+        return PushReport(responses, clock, steps)
 
     def pull_rows(self, rows: Mapping[str, np.ndarray], *, min_steps: Sequence[int] | int | None = None,
                   ssp: bool = False, timeout: float | None = None) -> dict[str, np.ndarray]:
@@ -657,77 +585,69 @@ class PSClient:
         wanted_rows = sparse.route_rows(shard_map, rows) if rows else {}   # shard -> [(table, positions, ids)]
         if names is not None or row_gradients or rows:
             # gRPC bytes: a shard's segment holds every part of it, a sparse table's included
-            if self.duplicate_pushes or not names or not all(
-                    self._small(shard_map, i, names, rows_by_shard.get(i, ()), wanted_rows.get(i, ()))
-                    for i in range(self.num_shards)):
+            if not names or not all(self._small(shard_map, i, names, rows_by_shard.get(i, ()), wanted_rows.get(i, ()))
+                                    for i in range(self.num_shards)):
                 return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None
-        elif self.duplicate_pushes or not all(self._segment(i) or self._small(shard_map, i)
-                                              for i in range(self.num_shards)):
+        elif not all(self._segment(i) or self._small(shard_map, i) for i in range(self.num_shards)):
             return self.push(gradients, read_steps=steps), None, None
         wanted = None if names is None else set(names)
         out: dict[str, np.ndarray] = {}
         destination = self._destination(shard_map, out, threading.Lock())
 
-        def one(shard: int) -> tuple[pb.PushResponse, bool, int, dict, list]:
+        def one(shard: int) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
             segment = self._segment(shard) if wanted is None else None
             grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
-            response, ready, step, raw_chunks, row_values = self._push_pull_once(
-                shard, shard_map, gradients, clock, steps[shard], segment, wait_for_step, ssp, wait, grads, names, asked)
-            if self._segments.get(shard) is not segment:
-                segment = None   # dropped during the call (the shard lost it): the values came as gRPC bytes
-            if response.duplicate and response.clock > clock + 1:
+            reply, segment = self._push_pull_once(shard, shard_map, gradients, clock, steps[shard], segment,
+                                                  wait_for_step, ssp, wait, grads, names, asked)
+            if reply.push.duplicate and reply.push.clock > clock + 1:
                 # The shard restarted and took this worker back at a later clock (see push).
-                response, ready, step, raw_chunks, row_values = self._push_pull_once(
-                    shard, shard_map, gradients, response.clock, steps[shard], segment, wait_for_step, ssp, wait,
-                    grads, names, asked)
-                if self._segments.get(shard) is not segment:
-                    segment = None
-            if not ready:
-                return response, False, step, {}, []
-            if segment is not None:
-                memory, layout = segment
-                values = {}
-                for slot in layout.values:
-                    target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
-                    view = memory.view(slot)
-                    if target is None:
-                        values[slot.key] = view.copy()   # the segment is rewritten by the next call
-                    else:
-                        np.copyto(target, view)
-                return response, True, step, values, row_values
-            assembler = codec.PartAssembler(destination=destination)
-            for chunk in raw_chunks:
-                assembler.add(chunk)
-            return response, True, step, assembler.finish(), row_values
+                reply, segment = self._push_pull_once(shard, shard_map, gradients, reply.push.clock, steps[shard],
+                                                      segment, wait_for_step, ssp, wait, grads, names, asked)
+            if not reply.ready:
+                return reply, {}
+            if segment is None:
+                assembler = codec.PartAssembler(destination=destination)
+                for chunk in reply.chunks:
+                    assembler.add(chunk)
+                return reply, assembler.finish()
+            memory, layout = segment
+            values = {}
+            for slot in layout.values:
+                target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
+                view = memory.view(slot)
+                if target is None:
+                    values[slot.key] = view.copy()   # the segment is rewritten by the next call
+                else:
+                    np.copyto(target, view)
+            return reply, values
 
         results = [one(0)] if self.num_shards == 1 else list(self._pool.map(one, range(self.num_shards)))
-        responses = [r[0] for r in results]
+        responses = [reply.push for reply, _ in results]
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
-        report = PushReport(responses, clock)
+        report = PushReport(responses, clock, steps)
         self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
             sparse.wire_bytes(grads) for grads in rows_by_shard.values())
-        if not all(r[1] for r in results):
+        if not all(reply.ready for reply, _ in results):
             return report, None, None
         self.bytes_pulled += sum(p.nbytes for p in shard_map.parts if wanted is None or p.name in wanted)
-        for shard, (_, _, step, parts, _) in enumerate(results):
-            self.steps[shard] = step
+        for shard, (reply, parts) in enumerate(results):
+            self.steps[shard] = reply.step
             self._place(shard_map, out, parts)
         if not rows:
             return report, out, None
         return report, out, self._received_rows(shard_map, rows, wanted_rows,
-                                                {shard: results[shard][4] for shard in wanted_rows})
+                                                {shard: results[shard][0].rows for shard in wanted_rows})
 
     def _push_pull_once(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray], clock: int,
                         read_step: int, segment: tuple[Segment, Layout] | None, wait_for_step: bool, ssp: bool,
                         wait: float, rows: Sequence[pb.RowGradient] = (), names: Sequence[str] | None = None,
                         asked: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
-                        ) -> tuple[pb.PushResponse, bool, int, list, list[pb.RowValues]]:
-        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step,
-                               row_gradients=rows).SerializeToString()
+                        ) -> tuple[frames.PushPullReply, tuple[Segment, Layout] | None]:
+        """One PushPull to one shard: (its reply, the segment that carried the bytes, None: gRPC bytes)."""
+        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step, row_gradients=rows)
         pull = pb.PullAfterPush(names=names or [], wait_for_step=wait_for_step, ssp=ssp,
                                 wait_timeout_ms=max(1, int(wait * 1000)), shared_memory=segment is not None,
-                                wire_dtype=self._wire_value,
-                                rows=[pb.RowIds(name=n, ids=ids) for n, _, ids in asked]).SerializeToString()
+                                wire_dtype=self._wire_value, rows=[pb.RowIds(name=n, ids=ids) for n, _, ids in asked])
         if segment is not None:
             memory, layout = segment
             pieces = []
@@ -736,14 +656,14 @@ class PSClient:
                 part = shard_map.part(slot.key[0], slot.key[1])
                 pieces.append(array if part.whole else array[part.row_start:part.row_end])
             memory.write(layout.gradients, pieces)
-            body = codec.encode_message(header, []) + codec.message_field(3, pull) + codec.scalar_field(4, 1)
+            body = frames.encode_request(header, pull, gradients_in_shared_memory=True)
         else:
-            body = codec.encode_message(header, self._part_chunks(shard_map, shard, gradients, narrow=True)) + \
-                codec.message_field(3, pull)
+            body = frames.encode_request(header, pull, self._part_chunks(shard_map, shard, gradients, narrow=True))
 
         def call(stub: pb_grpc.ParameterServerStub) -> bytes:
             return self._raw_push_pulls[shard](body, timeout=wait + self.rpc_timeout, metadata=self.metadata)
 
+        again = (shard, shard_map, gradients, clock, read_step, None, wait_for_step, ssp, wait, rows, names, asked)
         try:
             raw = self._call(shard, "PushPull", call)
         except SharedMemoryUnavailableError as exc:
@@ -752,23 +672,15 @@ class PSClient:
             log.info("shard %d: shared memory unavailable (%s); this call goes over gRPC, the next opens a new "
                      "segment", shard, exc)
             self._drop_segment(shard)
-            return self._push_pull_once(shard, shard_map, gradients, clock, read_step, None, wait_for_step, ssp, wait,
-                                        rows, names, asked)
+            return self._push_pull_once(*again)
         except UnknownWorkerError:
             # A restarted shard may not know this worker: register again and send once more (not taken).
             log.info("shard %d forgot worker %s; registering again", shard, self.worker_id)
             self._call(shard, "RegisterWorker", lambda s: s.RegisterWorker(
                 pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout, metadata=self.metadata))
             self._drop_segment(shard)
-            raw = self._call(shard, "PushPull", call)
-        step, chunks, extras = codec.decode_with_extras(raw, repeated=frozenset({5}))
-        response = pb.PushResponse.FromString(bytes(extras.get(3, b"")))
-        ready = bool(extras.get(4, 0))
-        row_values = [pb.RowValues.FromString(bytes(v)) for v in extras[5]]
-        if ready and asked and len(row_values) != len(asked):
-            raise InvalidTensorError(f"shard {shard} answered {len(row_values)} tables of rows to a PushPull that "
-                                     f"asked for {len(asked)}: a server without PullAfterPush.rows?")
-        return response, ready, int(step or 0), chunks, row_values
+            return self._push_pull_once(*again)
+        return frames.decode_response(raw, rows_asked=len(asked), shard=shard), segment
 
     @staticmethod
     def _destination(shard_map: ShardMap, out: dict[str, np.ndarray], lock: threading.Lock):
@@ -837,7 +749,7 @@ class PSClient:
             return found
         if shared_memory.available():
             shard_map = self._require_map()
-            layout = Layout.of(((p.name, p.row_start), p.dtype, p.shape) for p in shard_map.parts_on(shard))
+            layout = Layout.of((p.key, p.dtype, p.shape) for p in shard_map.parts_on(shard))
             try:
                 answer = self._call(shard, "OpenSharedMemory", lambda s: s.OpenSharedMemory(
                     pb.SharedMemoryRequest(worker_id=self.worker_id), timeout=self.rpc_timeout, metadata=self.metadata))
@@ -875,6 +787,59 @@ class PSClient:
             if tuple(np.shape(grad)) != tuple(spec.shape) or np.asarray(grad).dtype != np.dtype(spec.dtype):
                 raise InvalidTensorError(f"gradient for {name!r} is {np.asarray(grad).dtype}{list(np.shape(grad))}, "
                                          f"the parameter is {spec.dtype}{list(spec.shape)}")
+
+    def pull_after(self, report: PushReport | None, names: Sequence[str] | None = None, *, sync: bool = False,
+                   ssp: bool = False, timeout: float | None = None,
+                   recheck: float = RECHECK_SECONDS) -> dict[str, np.ndarray] | None:
+        """The parameters a worker computes its next step on after the push `report` tells of (None: its first).
+
+        sync waits for the step each shard's push belongs to (PushReport.wait_steps), ssp for
+        the staleness bound at this worker's clock; async and a first pull wait for nothing.
+        The wait is cut into waits of at most `recheck` s; between them it returns None when
+        `stop` is set, and pulls a shard that lost progress this worker saw (restarted from an
+        older checkpoint: `lost_progress`) as it is, without the wait, since the step or
+        clocks it waits for would never come. At most `timeout` s in all (default
+        wait_timeout), then WaitTimeoutError saying what it awaited.
+        """
+        wait = self.wait_timeout if timeout is None else timeout
+        mins = report.wait_steps if sync and report is not None else None
+        if mins is None and not ssp:
+            return self.pull(names, timeout=wait)   # nothing to wait for
+        deadline = time.monotonic() + wait
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.pull(names, min_steps=mins, ssp=ssp, timeout=max(0.01, min(left, recheck)))
+            except ServerError as exc:
+                if not isinstance(exc, WaitTimeoutError) and getattr(exc.code, "name", "") != "DEADLINE_EXCEEDED":
+                    raise
+                if time.monotonic() >= deadline:
+                    what = f"steps {mins} of the shards" if mins is not None else "the SSP staleness bound"
+                    raise WaitTimeoutError(f"{'sync' if mins is not None else 'ssp'} pull waited {wait:.1f} s "
+                                           f"(wait_timeout) for {what}; the last wait ended with: {exc}") from exc
+            if self.stop.is_set():
+                return None
+            lost = self.lost_progress()
+            if lost:
+                log.warning("%s: %s; pulling %s as it is now", self.worker_id,
+                            "; ".join(f"shard {i} lost progress: {why}" for i, why in sorted(lost.items())),
+                            "those shards" if mins is not None else "every shard without the SSP bound",
+                            extra={"worker_id": self.worker_id, "lost": {str(i): why for i, why in lost.items()}})
+                if mins is not None:
+                    mins = [0 if i in lost else m for i, m in enumerate(mins)]
+                ssp = False
+
+    def shard_status(self, shard: int = 0) -> ShardStatus:
+        """What a worker needs to know of a shard's job and state (one GetClusterInfo; does not block)."""
+        info = self.cluster_info(shard)
+        return ShardStatus(num_shards=info.num_shards, mode=codec.mode_from_wire(info.mode), step=info.step,
+                           initialized=info.initialized, workers=frozenset(w.worker_id for w in info.workers),
+                           live_workers=frozenset(w.worker_id for w in info.workers if w.live))
+
+    @property
+    def step(self) -> int:
+        """The lowest step of the shards at this worker's last pull."""
+        return min(self.steps)
 
     def lost_progress(self) -> dict[int, str]:
         """The shards that lost steps or pushes this worker saw or made, each with why; {} when none did.

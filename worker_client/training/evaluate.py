@@ -1,0 +1,56 @@
+"""Evaluating a model's predictions: test loss, accuracy and AUC from its first output and the labels."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from worker_client.engine import GradientEngine
+
+__all__ = ["binary_auc", "evaluate", "finite", "metrics_of"]
+
+
+def finite(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def evaluate(engine: GradientEngine, parameters: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray, *,
+             input_name: str, num_classes: int) -> dict[str, float | None]:
+    """Test loss and accuracy (classification: cross-entropy of the first output; regression: MSE, no accuracy)."""
+    outputs = engine.predict(parameters, {input_name: x})
+    return metrics_of(outputs[engine.output_names[0]], y, num_classes)
+
+
+def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int) -> dict[str, float | None]:
+    """Test loss, accuracy and (two classes) AUC of a model's first output against the labels (see evaluate)."""
+    prediction = np.asarray(output, dtype=np.float64)
+    if num_classes > 0:
+        logits = prediction.reshape(len(y), -1)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        labels = np.asarray(y, dtype=np.int64).reshape(-1)
+        loss = float(-log_probs[np.arange(len(labels)), labels].mean())
+        accuracy = float((logits.argmax(axis=1) == labels).mean())
+        auc = binary_auc(log_probs[:, 1] - log_probs[:, 0], labels) if logits.shape[1] == 2 else None
+        return {"test_loss": finite(loss), "test_accuracy": accuracy, "test_auc": auc}
+    target = np.asarray(y, dtype=np.float64).reshape(prediction.shape)
+    return {"test_loss": finite(float(((prediction - target) ** 2).mean())), "test_accuracy": None, "test_auc": None}
+
+
+def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    """ROC AUC of scores for labels 0/1 (the rank statistic; ties count half); None without both classes."""
+    positives, negatives = int((labels == 1).sum()), int((labels == 0).sum())
+    if not positives or not negatives:
+        return None
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores), np.float64)
+    ranks[order] = np.arange(1, len(scores) + 1)
+    sorted_scores = scores[order]
+    for value in np.unique(sorted_scores[np.r_[False, np.diff(sorted_scores) == 0]]):   # average tied ranks
+        tied = scores == value
+        ranks[tied] = ranks[tied].mean()
+    return float((ranks[labels == 1].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+
+

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ps_common.codec import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from ps_common.modes import MODES
 from ps_common.shard_map import DEFAULT_PARTITION_MIN_BYTES
 
 #: The commands that read settings; each setting says which of them take it.
 SCOPES: tuple[str, ...] = ("server", "worker", "launch")
-#: The consistency modes (the same tuple as ps_server.config.MODES, which ps_common may not import).
-MODES: tuple[str, ...] = ("sync", "ssp", "async")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Global steps a worker trains for when neither `steps` nor `epochs` is set.
 DEFAULT_STEPS = 300
@@ -296,9 +295,6 @@ class WorkerSettings:
                                         "one-time ticket from the authenticated gRPC call; falls back to gRPC bytes "
                                         "where it cannot be had, and opens a new one after a shard restarts); "
                                         "--no-shared-memory: gRPC bytes only")
-    duplicate_pushes: bool = _setting(False, "--duplicate-pushes", scopes=_WORKER,
-                                      help="testing: send every push twice at the same clock, as a retry after a "
-                                           "lost answer; the shards must acknowledge the second, not apply it")
     tls_ca: str | None = _setting(None, "--tls-ca", scopes=frozenset({"worker"}), metavar="PEM",
                                   help="connect with TLS, trusting this CA bundle (the shards' issuer)")
     tls_cert: str | None = _setting(None, "--tls-cert", scopes=frozenset({"worker"}), metavar="PEM",

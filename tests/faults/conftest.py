@@ -74,9 +74,11 @@ class Job:
     def checkpoint_dir(self, shard: int) -> Path:
         return self.tmp_path / f"checkpoints-shard{shard}"
 
-    def start(self) -> "Job":
+    def start(self, *, workers: bool = True) -> "Job":
+        """Starts the shards, and the workers unless `workers` is False (the test starts them itself)."""
         self.cluster.start()
-        self.workers = [self.start_worker(i) for i in range(self.num_workers)]
+        if workers:
+            self.workers = [self.start_worker(i) for i in range(self.num_workers)]
         return self
 
     def start_worker(self, index: int, *extra: str) -> WorkerProcess:
@@ -125,10 +127,10 @@ def start_job(tmp_path: Path, mlp_model: Path) -> Iterator[Any]:
     """``start_job(mode=..., shards=..., workers=..., steps=..., ...)`` -> a started Job, stopped at teardown."""
     jobs: list[Job] = []
 
-    def start(**settings: Any) -> Job:
+    def start(*, start_workers: bool = True, **settings: Any) -> Job:
         job = Job(tmp_path / f"job{len(jobs)}", mlp_model, **settings)
         jobs.append(job)
-        return job.start()
+        return job.start(workers=start_workers)
 
     yield start
     for job in reversed(jobs):

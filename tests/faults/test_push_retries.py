@@ -1,35 +1,62 @@
-"""A worker that sends every push twice (a retry after a lost answer) ends with the parameters of one that does not."""
+"""Every push reaching a shard twice (a retry after a lost answer) ends with the parameters of a run without retries.
+
+A ReplayProxy (tests/helpers/replay_proxy.py) stands between a real worker process and each
+real shard and sends every Push and PushPull twice, handing the worker the second answer: on
+each path training takes (PushPull with shared memory, PushPull over gRPC bytes, and Push and
+Pull streams for a model too large for one PushPull message), the shards must acknowledge the
+replay as a duplicate and apply nothing, so the parameters equal those of the same job
+without the proxy, byte for byte.
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
 
 from tests.faults.conftest import metric
+from tests.helpers.replay_proxy import ReplayProxy
 from worker_client.client import PSClient, RetryPolicy
 
 STEPS = 200
+PATHS = {
+    # path: (shards, worker flags)
+    "push-pull, shared memory": (2, []),
+    "push-pull, gRPC bytes": (2, ["--no-shared-memory"]),
+    "push and pull streams": (1, ["--no-shared-memory", "--model", "deep_mlp"]),   # 369 KB > one PushPull message
+}
 
 
-def train_and_pull(start_job, mode: str, *extra: str) -> tuple[dict[str, np.ndarray], list[int], list[float]]:
-    """One worker (so the order of updates is fixed), 2 shards: the final parameters, steps and duplicate counts."""
-    job = start_job(mode=mode, shards=2, workers=1, steps=STEPS, worker_flags=list(extra))
-    (result,) = job.finish()
+def train_and_pull(start_job, mode: str, path: str, *, replay: bool) -> tuple[dict[str, np.ndarray], list[int],
+                                                                           list[float], int]:
+    """One worker (so the order of updates is fixed): the final parameters, steps, duplicate counts and replays."""
+    shards, flags = PATHS[path]
+    job = start_job(mode=mode, shards=shards, workers=1, steps=STEPS, worker_flags=flags, start_workers=False)
+    with contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(ReplayProxy(a)) for a in job.cluster.addresses] if replay else []
+        servers = ",".join(p.address for p in proxies) if replay else job.cluster.address_option
+        job.workers = [job.start_worker(0, "--servers", servers)]
+        (result,) = job.finish()
+        replayed = sum(p.replayed for p in proxies)
     assert result["iterations"] == STEPS and result["dropped"] == 0, result
     with PSClient(job.cluster.addresses, worker_id="inspector", retry=RetryPolicy(attempts=3)) as client:
         values = {name: np.array(value) for name, value in client.pull().items()}
         steps = list(client.steps)
-    return values, steps, [metric(shard, "ps_duplicate_pushes_total") for shard in job.cluster.shards]
+    return values, steps, [metric(shard, "ps_duplicate_pushes_total") for shard in job.cluster.shards], replayed
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_every_push_sent_twice_is_applied_once_and_the_parameters_match_a_run_without_retries_bit_for_bit(
-        start_job, mode):
-    plain, plain_steps, plain_duplicates = train_and_pull(start_job, mode)
-    retried, retried_steps, duplicates = train_and_pull(start_job, mode, "--duplicate-pushes")
-    assert plain_steps == retried_steps == [STEPS, STEPS]
-    assert plain_duplicates == [0, 0] and duplicates == [STEPS, STEPS]
-    assert sorted(plain) == sorted(retried)
+def test_every_push_replayed_is_applied_once_and_the_parameters_match_a_run_without_retries_bit_for_bit(
+        start_job, mode, path):
+    shards = PATHS[path][0]
+    plain, plain_steps, plain_duplicates, _ = train_and_pull(start_job, mode, path, replay=False)
+    replayed, replayed_steps, duplicates, replays = train_and_pull(start_job, mode, path, replay=True)
+    assert plain_steps == replayed_steps == [STEPS] * shards
+    assert replays == STEPS * shards, "the proxy did not replay every push"
+    assert plain_duplicates == [0] * shards and duplicates == [STEPS] * shards
+    assert sorted(plain) == sorted(replayed)
     for name in plain:
-        assert plain[name].tobytes() == retried[name].tobytes(), f"{name} differs after retried pushes"
+        assert plain[name].tobytes() == replayed[name].tobytes(), f"{name} differs after replayed pushes"

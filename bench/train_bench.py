@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ps_common.modes import MODES
 from ps_bench import harness, mlp
 from ps_bench.harness import SYSTEM, TORCH, Proc, emit, log
 from ps_bench.profiled_shard import OUT_ENV
 from ps_bench.train_worker import RESULT_PREFIX
 
-MODES = ("sync", "ssp", "async")
 #: ssp's staleness bound in the benchmark.
 STALENESS = 1
 #: The shards' learning rate (SGD).

@@ -34,6 +34,7 @@ import onnxruntime as ort
 
 from ps_bench import harness, mlp
 from ps_common import codec
+from ps_common.modes import MODES
 from worker_client.client import PSClient
 from worker_client.engine import GradientEngine
 from worker_client.training import Trainer, TrainingPlan
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", required=True, help="shard addresses, comma-separated")
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--mode", choices=["sync", "ssp", "async"], required=True, help="the shards' mode (checked)")
+    p.add_argument("--mode", choices=MODES, required=True, help="the shards' mode (checked)")
     p.add_argument("--batch", type=int, default=mlp.BATCH)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--steps", type=int, default=200)

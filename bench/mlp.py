@@ -54,10 +54,10 @@ def synthetic_dataset(*, workers: int, steps_per_worker: int, batch: int = BATCH
     per_epoch = batches_per_epoch(steps_per_worker)
     rows = per_epoch * batch * workers
     rng = np.random.default_rng(seed)
-    return Dataset(name=f"synthetic-{INPUT_DIM}", x_train=rng.standard_normal((rows, INPUT_DIM), dtype=np.float32),
-                   y_train=rng.integers(0, CLASSES, rows, dtype=np.int64),
-                   x_test=rng.standard_normal((batch, INPUT_DIM), dtype=np.float32),
-                   y_test=rng.integers(0, CLASSES, batch, dtype=np.int64), input_name="x", num_classes=CLASSES)
+    return Dataset.of(f"synthetic-{INPUT_DIM}", rng.standard_normal((rows, INPUT_DIM), dtype=np.float32),
+                      rng.integers(0, CLASSES, rows, dtype=np.int64),
+                      rng.standard_normal((batch, INPUT_DIM), dtype=np.float32),
+                      rng.integers(0, CLASSES, batch, dtype=np.int64), input_name="x", num_classes=CLASSES)
 
 
 def epochs_for(steps_per_worker: int) -> int:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -71,59 +71,136 @@ Remainder = Literal["wrap", "drop"]
 
 @dataclass(eq=False, repr=False)
 class Dataset:
-    """Train and test arrays plus what a model needs to know about them.
+    """Train and test arrays of every model input, the labels, and what a model needs to know about them.
 
-    `num_classes` is 0 for regression targets. `image_shape` is the (C, H, W) of one
-    example when the features are images (digits: (1, 8, 8)), else None.
+    `train` and `test` map each model input's name to its arrays (one row per example on
+    axis 0). `num_classes` is 0 for regression targets. `image_shape` is the (C, H, W) of one
+    example when the single input is images (digits: (1, 8, 8)), else None. Build a
+    one-input dataset with `Dataset.of(...)`.
     """
 
     name: str
-    x_train: np.ndarray
+    train: dict[str, np.ndarray]
     y_train: np.ndarray
-    x_test: np.ndarray
+    test: dict[str, np.ndarray]
     y_test: np.ndarray
-    input_name: str = "x"
     num_classes: int = 0
     image_shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for split in ("train", "test"):
-            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
-            if len(x) != len(y):
-                raise DatasetError(f"dataset {self.name!r}: x_{split} has {len(x)} rows "
-                                   f"but y_{split} has {len(y)}")
-        if self.x_train.shape[1:] != self.x_test.shape[1:]:
-            raise DatasetError(f"dataset {self.name!r}: x_train {self.x_train.shape} and "
-                               f"x_test {self.x_test.shape} differ after the first axis")
+        if not self.train or set(self.train) != set(self.test):
+            raise DatasetError(f"dataset {self.name!r}: train inputs {sorted(self.train)} and test inputs "
+                               f"{sorted(self.test)} differ (or there are none)")
+        for split, arrays, y in (("train", self.train, self.y_train), ("test", self.test, self.y_test)):
+            for name, x in arrays.items():
+                if len(x) != len(y):
+                    raise DatasetError(f"dataset {self.name!r}: input {name!r} has {len(x)} {split} rows "
+                                       f"but y_{split} has {len(y)}")
+        for name in self.train:
+            if self.train[name].shape[1:] != self.test[name].shape[1:]:
+                raise DatasetError(f"dataset {self.name!r}: input {name!r} has train shape {self.train[name].shape} "
+                                   f"and test shape {self.test[name].shape}: they differ after the first axis")
+
+    @classmethod
+    def of(cls, name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, *,
+           input_name: str = "x", num_classes: int = 0, image_shape: tuple[int, ...] | None = None) -> "Dataset":
+        """A dataset of one model input, `input_name`."""
+        return cls(name, {input_name: x_train}, y_train, {input_name: x_test}, y_test, num_classes=num_classes,
+                   image_shape=image_shape)
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self.train)
+
+    def _single(self, what: str) -> str:
+        if len(self.train) != 1:
+            raise DatasetError(f"dataset {self.name!r} feeds {len(self.train)} inputs {self.input_names}; "
+                               f"{what} is for a one-input dataset")
+        return next(iter(self.train))
+
+    @property
+    def input_name(self) -> str:
+        """The model input a one-input dataset feeds."""
+        return self._single("input_name")
+
+    @property
+    def x_train(self) -> np.ndarray:
+        return self.train[self._single("x_train")]
+
+    @property
+    def x_test(self) -> np.ndarray:
+        return self.test[self._single("x_test")]
 
     @property
     def num_train(self) -> int:
-        return int(len(self.x_train))
+        return int(len(self.y_train))
 
     @property
     def num_test(self) -> int:
-        return int(len(self.x_test))
+        return int(len(self.y_test))
 
     @property
     def feature_shape(self) -> tuple[int, ...]:
-        """The shape of one example's features."""
+        """The shape of one example's features (a one-input dataset)."""
         return tuple(int(d) for d in self.x_train.shape[1:])
+
+    def input_specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Each input's dtype and the shape of one example."""
+        return {name: (x.dtype, tuple(int(d) for d in x.shape[1:])) for name, x in self.train.items()}
 
     @property
     def is_classification(self) -> bool:
         return self.num_classes > 0
 
+    def label_range(self) -> tuple[float, float]:
+        """The smallest and largest label or target of both splits."""
+        return (float(min(self.y_train.min(), self.y_test.min())), float(max(self.y_train.max(), self.y_test.max())))
+
     def describe(self) -> str:
-        """A one-line summary: sizes, dtypes, classes and the input name."""
+        """A one-line summary: sizes, inputs, classes."""
         outputs = self.y_train.shape[1] if self.y_train.ndim > 1 else 1
         task = f"{self.num_classes} classes" if self.is_classification else \
             f"regression, {outputs} target{'s' if outputs > 1 else ''}"
-        return (f"{self.name}: train {self.num_train} x {self.feature_shape} "
-                f"{self.x_train.dtype}, test {self.num_test}, {task}, "
-                f"input {self.input_name!r}")
+        inputs = ", ".join(f"{name!r} {tuple(x.shape[1:])} {x.dtype}" for name, x in self.train.items())
+        return f"{self.name}: train {self.num_train}, test {self.num_test}, {task}, input{'s' * (len(self.train) > 1)} {inputs}"
 
     def __repr__(self) -> str:
         return f"Dataset({self.describe()})"
+
+    # --- the training loop's view (the same as a streamed Parquet dataset's, ps_models.parquet) ---
+
+    def part(self, index: int, workers: int) -> "ArrayPart":
+        """The training share of worker `index` of `workers` (worker_shard), as the loop reads it."""
+        return ArrayPart(worker_shard(self, index, workers))
+
+    def test_batches(self, size: int) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+        """The test split in order, in batches of at most `size` rows: (inputs, labels)."""
+        for start in range(0, self.num_test, size):
+            yield {n: x[start:start + size] for n, x in self.test.items()}, self.y_test[start:start + size]
+
+
+@dataclass
+class ArrayPart:
+    """One worker's share of an in-memory dataset: its rows and its batches, epoch after epoch."""
+
+    share: Dataset
+
+    @property
+    def num_rows(self) -> int:
+        return self.share.num_train
+
+    def batches(self, batch_size: int, *, start: int, seed: int
+                ) -> Iterator[tuple[int, dict[str, np.ndarray], np.ndarray]]:
+        """(epoch, inputs, labels) from batch `start` on (a restarted worker's clock): epoch start // per epoch,
+        that epoch's first batches skipped; shuffled by (seed, epoch) (`iterate_batches`)."""
+        per_epoch = num_batches(self.num_rows, batch_size)
+        epoch, skip = divmod(start, per_epoch)
+        while True:
+            for i, (x, y) in enumerate(iterate_batches(self.share.train, self.share.y_train, batch_size, seed=seed,
+                                                       epoch=epoch)):
+                if i >= skip:
+                    yield epoch, x, y
+            skip, epoch = 0, epoch + 1
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -137,8 +214,7 @@ def load_dataset(spec: str, *, seed: int = 0, model: str | None = None) -> Datas
     if not isinstance(spec, str) or not spec.strip():
         raise DatasetError(f"dataset spec must be a non-empty string, got {spec!r}")
     if spec == "digits":
-        dataset = dataclasses.replace(load_npz(DIGITS_PATH), name="digits",
-                                      image_shape=(1, 8, 8))
+        dataset = dataclasses.replace(load_npz(DIGITS_PATH), name="digits", image_shape=(1, 8, 8))
     elif spec.startswith("synthetic:"):
         dataset = _synthetic(spec, seed=seed)
     else:
@@ -167,49 +243,80 @@ def load_npz(path: str | Path) -> Dataset:
                            f"{', '.join(REQUIRED_ARRAYS)}")
     with archive:
         found = sorted(archive.files)
-        missing = [name for name in REQUIRED_ARRAYS if name not in archive.files]
+        inputs = _input_arrays(archive.files)
+        unpaired = [f for f in archive.files if f.endswith(("_train", "_test")) and f not in ("y_train", "y_test")
+                    and f.rsplit("_", 1)[0] not in inputs]
+        partners = [f[:-len("_train")] + "_test" if f.endswith("_train") else f[:-len("_test")] + "_train"
+                    for f in unpaired]
+        missing = sorted({*(n for n in ("y_train", "y_test") if n not in archive.files), *partners,
+                          *([] if inputs or unpaired else ["x_train", "x_test"])})
         if missing:
             raise DatasetError(
-                f"{where}: missing array{'s' if len(missing) > 1 else ''} "
-                f"{', '.join(repr(m) for m in missing)} (required: "
-                f"{', '.join(REQUIRED_ARRAYS)}; found: {', '.join(found) or 'none'})")
+                f"{where}: missing array{'s' if len(missing) > 1 else ''} {', '.join(repr(m) for m in missing)} "
+                f"(required: y_train, y_test, and x_train and x_test for the model's input, or NAME_train and "
+                f"NAME_test for each input NAME; found: {', '.join(found) or 'none'})")
         try:
-            arrays = {name: archive[name] for name in REQUIRED_ARRAYS + OPTIONAL_ARRAYS
-                      if name in archive.files}
+            arrays = {name: archive[name] for name in archive.files
+                      if name in ("y_train", "y_test", *OPTIONAL_ARRAYS) or name.rsplit("_", 1)[0] in inputs}
         except ValueError as exc:  # object arrays need pickle, which is refused
             raise DatasetError(f"{where}: an array could not be read without pickle "
                                f"({exc}); store plain numeric arrays") from exc
-    return _validated(where, path.stem, arrays)
+    return _validated(where, path.stem, arrays, inputs)
 
 
-def _validated(where: str, name: str, arrays: dict[str, np.ndarray]) -> Dataset:
-    x_train, x_test = arrays["x_train"], arrays["x_test"]
-    y_train, y_test = arrays["y_train"], arrays["y_test"]
-    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
-        if x.ndim < 2:
-            raise DatasetError(f"{where}: x_{split} has shape {x.shape}; it needs one row "
-                               f"per example on axis 0 and features after it (ndim >= 2)")
+def _input_arrays(files: Iterable[str]) -> list[str]:
+    """The input prefixes of an archive: every NAME with both NAME_train and NAME_test (NAME not y)."""
+    files = set(files)
+    return sorted(f[:-len("_train")] for f in files if f.endswith("_train") and f != "y_train"
+                  and f[:-len("_train")] + "_test" in files)
+
+
+def _checked_input(where: str, prefix: str, train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One input's arrays: one row per example, the same trailing shape, float32 finite features, int64 ids or
+    bool masks."""
+    for split, x in (("train", train), ("test", test)):
+        if x.ndim < 1:
+            raise DatasetError(f"{where}: {prefix}_{split} has shape {x.shape}; it needs one row per example on "
+                               "axis 0")
+    if prefix == "x" and (train.ndim < 2 or test.ndim < 2):
+        bad = "train" if train.ndim < 2 else "test"
+        raise DatasetError(f"{where}: x_{bad} has shape {(train if bad == 'train' else test).shape}; it needs one "
+                           f"row per example on axis 0 and features after it (ndim >= 2)")
+    for split, x in (("train", train), ("test", test)):
         if len(x) == 0:
-            raise DatasetError(f"{where}: x_{split} has no rows (shape {x.shape})")
-        if y.ndim == 0 or len(y) != len(x):
-            raise DatasetError(f"{where}: x_{split} has shape {x.shape} but y_{split} has "
-                               f"shape {y.shape}; they need the same number of rows")
-    if x_train.shape[1:] != x_test.shape[1:]:
-        raise DatasetError(f"{where}: x_train has shape {x_train.shape} and x_test "
-                           f"{x_test.shape}; they must agree after the first axis")
-    kinds = {x_train.dtype.kind, x_test.dtype.kind}
+            raise DatasetError(f"{where}: {prefix}_{split} has no rows (shape {x.shape})")
+    if train.shape[1:] != test.shape[1:]:
+        raise DatasetError(f"{where}: {prefix}_train has shape {train.shape} and {prefix}_test {test.shape}; they "
+                           f"must agree after the first axis")
+    kinds = {train.dtype.kind, test.dtype.kind}
     if kinds <= {"f"}:
-        x_train, x_test = x_train.astype(np.float32), x_test.astype(np.float32)
-        for split, x in (("train", x_train), ("test", x_test)):
+        train, test = train.astype(np.float32), test.astype(np.float32)
+        for split, x in (("train", train), ("test", test)):
             if not np.isfinite(x).all():
-                raise DatasetError(f"{where}: x_{split} holds NaN or infinite values")
+                row = int(np.argwhere(~np.isfinite(x))[0][0])
+                raise DatasetError(f"{where}: {prefix}_{split} holds NaN or infinite values (row {row})")
     elif kinds <= {"i", "u"}:
-        x_train, x_test = x_train.astype(np.int64), x_test.astype(np.int64)
-        if min(x_train.min(), x_test.min()) < 0:
+        train, test = train.astype(np.int64), test.astype(np.int64)
+        if prefix == "x" and min(train.min(), test.min()) < 0:
             raise DatasetError(f"{where}: integer ids in x_train/x_test must be >= 0")
+    elif kinds == {"b"}:
+        pass   # masks
     else:
-        raise DatasetError(f"{where}: x_train is {x_train.dtype} and x_test {x_test.dtype}; "
-                           f"both must be floating (features) or both integer (ids)")
+        raise DatasetError(f"{where}: {prefix}_train is {train.dtype} and {prefix}_test {test.dtype}; both must be "
+                           f"floating (features), both integer (ids) or both bool (masks)")
+    return train, test
+
+
+def _validated(where: str, name: str, arrays: dict[str, np.ndarray], inputs: Sequence[str] = ("x",)) -> Dataset:
+    y_train, y_test = arrays["y_train"], arrays["y_test"]
+    train, test = {}, {}
+    for prefix in inputs:
+        x_train, x_test = _checked_input(where, prefix, arrays[f"{prefix}_train"], arrays[f"{prefix}_test"])
+        for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+            if y.ndim == 0 or len(y) != len(x):
+                raise DatasetError(f"{where}: {prefix}_{split} has shape {x.shape} but y_{split} has "
+                                   f"shape {y.shape}; they need the same number of rows")
+        train[prefix], test[prefix] = x_train, x_test
 
     y_kinds = {y_train.dtype.kind, y_test.dtype.kind}
     if y_kinds <= {"i", "u"}:
@@ -245,24 +352,29 @@ def _validated(where: str, name: str, arrays: dict[str, np.ndarray]) -> Dataset:
         raise DatasetError(f"{where}: y_train is {y_train.dtype} and y_test {y_test.dtype}; "
                            f"use integers (class labels) or floats (regression targets)")
 
-    default_input = "ids" if x_train.dtype == np.int64 else "x"
-    input_name = default_input
-    if "input_name" in arrays:
-        raw = arrays["input_name"]
-        if raw.shape != () or raw.dtype.kind not in "US":
-            raise DatasetError(f"{where}: input_name must be a 0-d string array, got shape "
-                               f"{raw.shape} dtype {raw.dtype}")
-        value = raw.item()
-        input_name = value.decode() if isinstance(value, bytes) else str(value)
-        if not input_name:
-            raise DatasetError(f"{where}: input_name is empty")
+    if "x" in train:   # the one-input form: x_train and x_test feed the input input_name names
+        default_input = "ids" if train["x"].dtype == np.int64 else "x"
+        input_name = default_input
+        if "input_name" in arrays:
+            raw = arrays["input_name"]
+            if raw.shape != () or raw.dtype.kind not in "US":
+                raise DatasetError(f"{where}: input_name must be a 0-d string array, got shape "
+                                   f"{raw.shape} dtype {raw.dtype}")
+            value = raw.item()
+            input_name = value.decode() if isinstance(value, bytes) else str(value)
+            if not input_name:
+                raise DatasetError(f"{where}: input_name is empty")
+        if input_name != "x" and input_name in train:
+            raise DatasetError(f"{where}: x_train feeds input {input_name!r}, and {input_name}_train does too")
+        train[input_name], test[input_name] = train.pop("x"), test.pop("x")
     image_shape = None
-    if x_train.ndim == 4:
-        image_shape = tuple(int(d) for d in x_train.shape[1:])
-    elif x_train.ndim == 3:
-        image_shape = (1, *(int(d) for d in x_train.shape[1:]))
-    return Dataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
-                   input_name=input_name, num_classes=num_classes, image_shape=image_shape)
+    if len(train) == 1:
+        x_train = next(iter(train.values()))
+        if x_train.ndim == 4:
+            image_shape = tuple(int(d) for d in x_train.shape[1:])
+        elif x_train.ndim == 3:
+            image_shape = (1, *(int(d) for d in x_train.shape[1:]))
+    return Dataset(name, train, y_train, test, y_test, num_classes=num_classes, image_shape=image_shape)
 
 
 # --- synthetic generators -----------------------------------------------------------------
@@ -391,8 +503,7 @@ def _synthetic(spec: str, *, seed: int) -> Dataset:
             x[rows, cols] = rng.choice(by_class[c], size=len(rows))
         input_name, num_classes = "ids", classes
     cut = n - n_test
-    return Dataset(name=spec, x_train=x[:cut], y_train=y[:cut], x_test=x[cut:],
-                   y_test=y[cut:], input_name=input_name, num_classes=num_classes)
+    return Dataset.of(spec, x[:cut], y[:cut], x[cut:], y[cut:], input_name=input_name, num_classes=num_classes)
 
 
 def _clicks(p: dict[str, float | int], rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -467,12 +578,16 @@ def reshape_for(dataset: Dataset, model: str) -> Dataset:
     images (an `image_shape`). embedding/transformer: int64 ids (n, bag) fed to "ids".
     """
     ds = dataset
+    if len(ds.train) != 1:
+        raise DatasetError(f"dataset {ds.name!r} feeds {len(ds.train)} inputs {ds.input_names}; the bundled model "
+                           f"{model!r} takes one")
     if model in ("mlp", "deep_mlp"):
         if ds.x_train.dtype.kind != "f":
             raise DatasetError(f"dataset {ds.name!r} holds integer ids; model {model!r} needs "
                                f"float features")
-        return dataclasses.replace(ds, x_train=ds.x_train.reshape(ds.num_train, -1),
-                                   x_test=ds.x_test.reshape(ds.num_test, -1), input_name="x")
+        return Dataset.of(ds.name, ds.x_train.reshape(ds.num_train, -1), ds.y_train,
+                          ds.x_test.reshape(ds.num_test, -1), ds.y_test, input_name="x",
+                          num_classes=ds.num_classes, image_shape=ds.image_shape)
     if model == "lenet":
         if ds.x_train.dtype.kind != "f" or ds.image_shape is None:
             raise DatasetError(
@@ -480,15 +595,16 @@ def reshape_for(dataset: Dataset, model: str) -> Dataset:
                 f"no image shape; model 'lenet' needs float images: store x as "
                 f"(n, C, H, W) or (n, H, W)")
         shape = ds.image_shape
-        return dataclasses.replace(ds, x_train=ds.x_train.reshape(ds.num_train, *shape),
-                                   x_test=ds.x_test.reshape(ds.num_test, *shape),
-                                   input_name="x")
+        return Dataset.of(ds.name, ds.x_train.reshape(ds.num_train, *shape), ds.y_train,
+                          ds.x_test.reshape(ds.num_test, *shape), ds.y_test, input_name="x",
+                          num_classes=ds.num_classes, image_shape=ds.image_shape)
     if model in ("embedding", "transformer"):
         if ds.x_train.dtype != np.int64 or ds.x_train.ndim != 2:
             raise DatasetError(f"dataset {ds.name!r} (features {ds.feature_shape}, "
                                f"{ds.x_train.dtype}) is not int64 ids of shape (n, bag); "
                                f"model {model!r} needs those")
-        return dataclasses.replace(ds, input_name="ids")
+        return Dataset.of(ds.name, ds.x_train, ds.y_train, ds.x_test, ds.y_test, input_name="ids",
+                          num_classes=ds.num_classes, image_shape=ds.image_shape)
     raise DatasetError(f"unknown model {model!r}; expected one of mlp, deep_mlp, lenet, embedding, "
                        f"transformer")
 
@@ -518,7 +634,7 @@ def worker_shard(dataset: Dataset, worker_index: int, num_workers: int) -> Datas
                          f"of dataset {dataset.name!r}; a worker would get none")
     rows = np.arange(i, dataset.num_train, k)
     return dataclasses.replace(dataset, name=f"{dataset.name}[worker {i} of {k}]",
-                               x_train=dataset.x_train[rows], y_train=dataset.y_train[rows])
+                               train={n: x[rows] for n, x in dataset.train.items()}, y_train=dataset.y_train[rows])
 
 
 def num_batches(num_examples: int, batch_size: int, *, remainder: Remainder = "wrap") -> int:
@@ -532,9 +648,10 @@ def num_batches(num_examples: int, batch_size: int, *, remainder: Remainder = "w
     raise ValueError(f"remainder must be 'wrap' or 'drop', got {remainder!r}")
 
 
-def iterate_batches(x: np.ndarray, y: np.ndarray, batch_size: int, *, seed: int, epoch: int,
-                    remainder: Remainder = "wrap") -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Fixed-size (x, y) batches over one epoch, shuffled by (seed, epoch).
+def iterate_batches(x: np.ndarray | Mapping[str, np.ndarray], y: np.ndarray, batch_size: int, *, seed: int,
+                    epoch: int, remainder: Remainder = "wrap") -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Fixed-size (x, y) batches over one epoch, shuffled by (seed, epoch); `x` an array, or arrays by input name
+    (then each batch's x is such a dict).
 
     Every batch has exactly `batch_size` rows, since the gradient graph has a fixed batch
     size. The order is a permutation drawn from (seed, epoch), so a run is reproducible and
@@ -544,24 +661,26 @@ def iterate_batches(x: np.ndarray, y: np.ndarray, batch_size: int, *, seed: int,
     within the one batch). With remainder="drop" the short batch is left out (n // batch_size
     batches), and ValueError is raised if that leaves none.
     """
-    if len(x) != len(y):
-        raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
-    if len(x) == 0:
+    rows_of = {n: len(a) for n, a in x.items()} if isinstance(x, Mapping) else {"x": len(x)}
+    if any(n != len(y) for n in rows_of.values()):
+        counts = sorted(set(rows_of.values()))
+        raise ValueError(f"x has {counts[0] if len(counts) == 1 else counts} rows but y has {len(y)}")
+    if len(y) == 0:
         raise ValueError("cannot batch an empty dataset (0 rows)")
     s = _check_int("seed", seed, minimum=0)
     e = _check_int("epoch", epoch, minimum=0)
-    count = num_batches(len(x), batch_size, remainder=remainder)
+    count = num_batches(len(y), batch_size, remainder=remainder)
     if count == 0:
         raise ValueError(f"remainder='drop' with batch_size {batch_size} leaves no batch of "
-                         f"{len(x)} examples; use remainder='wrap' or a smaller batch")
-    order = np.random.default_rng([s, e]).permutation(len(x))
+                         f"{len(y)} examples; use remainder='wrap' or a smaller batch")
+    order = np.random.default_rng([s, e]).permutation(len(y))
     if remainder == "wrap":
         order = np.resize(order, count * batch_size)
     return _batches(x, y, order[:count * batch_size].reshape(count, batch_size))
 
 
-def _batches(x: np.ndarray, y: np.ndarray,
+def _batches(x: np.ndarray | Mapping[str, np.ndarray], y: np.ndarray,
              rows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     # a separate generator so that iterate_batches validates when called, not when iterated
     for batch in rows:
-        yield x[batch], y[batch]
+        yield ({n: a[batch] for n, a in x.items()} if isinstance(x, Mapping) else x[batch]), y[batch]

@@ -237,10 +237,18 @@ class WorkerSettings:
     model: str = _setting("mlp", "--model", scopes=_WORKER, metavar="PATH|NAME",
                           help="an ONNX model file, or a bundled model's name (mlp, lenet, embedding, transformer)")
     loss: str = _setting("cross_entropy", "--loss", scopes=_WORKER,
-                         help="loss attached to the model's first output: cross_entropy, mse or output:NAME")
+                         help="loss attached to the model's first output: cross_entropy, bce (binary cross-entropy "
+                              "on one logit per example, labels 0 or 1), mse or output:NAME")
     data: str = _setting("digits", "--data", scopes=_WORKER, metavar="SPEC",
-                         help="dataset: digits, synthetic:<kind>[?key=value&...], or a .npz file "
-                              "(docs/data-format.md); each worker trains on its own strided share")
+                         help="dataset: digits, synthetic:<kind>[?key=value&...], a .npz file, or a folder of "
+                              "Parquet files in train/ and test/, streamed (docs/data-format.md); each worker "
+                              "trains on its own share")
+    label_column: str = _setting("label", "--label-column", scopes=_WORKER, metavar="NAME",
+                                 help="a Parquet dataset's label column")
+    shuffle_rows: int = _setting(16384, "--shuffle-rows", scopes=_WORKER, minimum=1, metavar="ROWS",
+                                 help="rows of a Parquet dataset's shuffle buffer: each block of this many rows of a "
+                                      "worker's stream is shuffled whole; with one row group, what a worker holds of "
+                                      "the data at once (docs/data-format.md, \"Memory\")")
     batch_size: int = _setting(32, "--batch-size", scopes=_WORKER, minimum=1, help="examples per gradient")
     include: list[str] = _setting([], "--include", scopes=_WORKER, metavar="PATTERN,...",
                                   help="train only the parameters matching one of these glob patterns; a "
@@ -257,6 +265,12 @@ class WorkerSettings:
                                              "docs/protocol.md, \"Sparse rows\")")
     sparse_min_rows: int | None = _setting(None, "--sparse-min-rows", scopes=_WORKER, minimum=1,
                                            help="also train sparsely every such table with at least this many rows")
+    sparse_min_bytes: int = _setting(1 << 20, "--sparse-min-bytes", scopes=_WORKER, minimum=0, metavar="BYTES",
+                                     help="train sparsely, without being named, every table of at least this many "
+                                          "bytes used only through Gather on axis 0 with indices computed from the "
+                                          "inputs alone; 0: none by size (docs/models.md, \"Sparse by default\")")
+    dense_tables: list[str] = _setting([], "--dense-tables", scopes=_WORKER, metavar="NAME,...",
+                                       help="tables to train densely even when large enough to train sparsely")
     dynamic_tables: list[str] = _setting([], "--dynamic-tables", scopes=_WORKER, metavar="NAME,...",
                                          help="embedding tables the shards hold as dynamic tables: the ids are any "
                                               "int64 keys (hashed feature ids), not row indices, and a row exists "

@@ -23,7 +23,7 @@ from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from worker_client.client import PSClient, RetryPolicy
 from worker_client.engine import GradientEngine
 from worker_client.pipeline.worker import run_stage_worker
-from worker_client.training.preflight import Prepared, prepare, resolve_model
+from worker_client.training.preflight import Prepared, prepare, resolve_model, sparse_summary
 from worker_client.training.tensorboard import TensorBoardSink
 from worker_client.training import EventSink, JsonLinesSink, TextSink, Trainer, TrainingPlan
 
@@ -52,7 +52,9 @@ def prepare_worker(job: JobConfig, workdir: Path, *, device: str | None = None) 
                    workers=job.job.workers or 1, seed=job.job.seed, device=device or w.device, include=w.include,
                    exclude=w.exclude, expect_parameters=w.expect_parameters, worker_index=w.index,
                    intra_op_threads=w.intra_op_threads, sparse_tables=w.sparse_tables,
-                   sparse_min_rows=w.sparse_min_rows, dynamic_tables=w.dynamic_tables)
+                   sparse_min_rows=w.sparse_min_rows, sparse_min_bytes=w.sparse_min_bytes,
+                   dense_tables=w.dense_tables, dynamic_tables=w.dynamic_tables, label_column=w.label_column,
+                   shuffle_rows=w.shuffle_rows)
 
 
 def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None = None,
@@ -61,6 +63,9 @@ def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None
     w = job.worker
     engine, dataset = prepared.engine, prepared.dataset
     _log_parameters(engine, chief=w.index == 0)
+    note = sparse_summary(engine)
+    if note:
+        log.info("%s", note)
     plan = TrainingPlan(worker_index=w.index, num_workers=job.job.workers or 1, batch_size=w.batch_size,
                         steps=w.steps, epochs=w.epochs, seed=job.job.seed, eval_every=w.eval_every,
                         progress_every=w.progress_every, start_timeout=w.start_timeout,

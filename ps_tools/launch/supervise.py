@@ -49,6 +49,7 @@ from worker_client.engine.load import load_model
 from worker_client.engine.session import placement
 from worker_client.pipeline.cut import plan_stages, write_stages
 from worker_client.training import format_event
+from worker_client.training.preflight import sparse_summary
 
 #: Lines of each child's output kept to show when it fails.
 TAIL_LINES = 30
@@ -98,6 +99,7 @@ class Launcher:
         self._scratch = ScratchDir("ps-launch")
         self.model_path: Path | None = None
         self.dataset: Dataset | None = None
+        self.sparse_note: str | None = None
         self.stage_plan: Path | None = None      # pipeline jobs: the stage models and stages.json
         self.rendezvous: Path | None = None      # ... where the stage workers find each other
         self.evaluation: dict[str, Any] | None = None   # ... the launcher's final evaluation of the whole model
@@ -116,6 +118,7 @@ class Launcher:
         prepared = prepare_worker(c, Path(self._scratch.name), device="cpu")
         self.model_path = prepared.model_path
         self.dataset = prepared.dataset
+        self.sparse_note = sparse_summary(prepared.engine)   # said with the job's first line
         placement(c.worker.device)   # the workers' device: DeviceUnavailableError naming what to install
         if c.job.stages > 1:   # cut once; every stage worker reads only its own stage's model
             model = load_model(self.model_path)
@@ -427,6 +430,8 @@ class Launcher:
                   f"data {c.worker.data}; {c.server.optimizer} lr {c.server.lr:g}", always=True,
                   mode=c.job.mode, shards=c.job.shards, workers=c.job.workers, model=c.worker.model,
                   data=c.worker.data)
+        if self.sparse_note:
+            self._say(self.sparse_note, always=True)
         try:
             addresses = self.start_shards()
             self.run_workers(addresses)

@@ -335,8 +335,8 @@ def test_reshape_for_refuses_data_the_model_cannot_take() -> None:
 
 
 def test_a_dataset_with_mismatched_rows_cannot_be_built() -> None:
-    with pytest.raises(DatasetError, match="x_train has 3 rows but y_train has 2"):
-        Dataset("bad", np.zeros((3, 2)), np.zeros(2), np.zeros((1, 2)), np.zeros(1))
+    with pytest.raises(DatasetError, match="input 'x' has 3 train rows but y_train has 2"):
+        Dataset.of("bad", np.zeros((3, 2)), np.zeros(2), np.zeros((1, 2)), np.zeros(1))
 
 
 # --- shards -------------------------------------------------------------------------------

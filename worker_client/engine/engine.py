@@ -22,6 +22,7 @@ from worker_client.engine.exporters import folded_bias_layers, folded_variables_
 from worker_client.engine.feeds import (
     check_shape,
     coerce,
+    data_inputs_of,
     declared_dims,
     element_dtype,
     parameter_feed,
@@ -34,7 +35,7 @@ from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.session import open_session, placement, run_bound
-from worker_client.engine.sparse import SparsePlan, find_sparse_tables, rewrite_sparse
+from worker_client.engine.sparse import SparsePlan, declared_dynamic_tables, find_sparse_tables, rewrite_sparse
 from worker_client.engine.support import warn_caller
 from worker_client.engine.trainables import FLOAT_TYPES, initial_values, trainable_parameters
 from worker_client.engine.training_mode import (
@@ -89,6 +90,7 @@ class GradientEngine:
                  intra_op_threads: int | None = None, inter_op_threads: int | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
                  sparse_tables: Sequence[str] = (), sparse_min_rows: int | None = None,
+                 sparse_min_bytes: int | None = None, dense_tables: Sequence[str] = (),
                  dynamic_tables: Sequence[str] = (),
                  input_gradients: Sequence[str] = ()) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -118,8 +120,10 @@ class GradientEngine:
         self._eval_session: ort.InferenceSession | None = None
         if isinstance(sparse_tables, str):
             raise TypeError("sparse_tables is a sequence of table names, not a string")
-        if isinstance(dynamic_tables, str):
-            raise TypeError("dynamic_tables is a sequence of table names, not a string")
+        if isinstance(dynamic_tables, str) or isinstance(dense_tables, str):
+            raise TypeError("dynamic_tables and dense_tables are sequences of table names, not strings")
+        self._dense_request = tuple(dense_tables)
+        self._min_bytes = sparse_min_bytes
         # a dynamic table trains sparsely: it is named for stage "sparse" too
         self._dynamic_request = tuple(dynamic_tables)
         self._sparse_request = (tuple(dict.fromkeys([*sparse_tables, *dynamic_tables])), sparse_min_rows)
@@ -135,19 +139,24 @@ class GradientEngine:
         """The stages, in order; the gradient model's own are in `_gradient_graph`."""
         named, min_rows = self._sparse_request
         self.sparse = SparsePlan({}, [])
-        if named or min_rows is not None:
+        self.data_inputs: dict[str, tuple[np.dtype, tuple | None]] = {}   # set below, from the model as given
+        if named or min_rows is not None or self._min_bytes is not None:
             # stage "sparse": each table's Gathers read only the batch's rows (engine/sparse.py); a table
             # in external data is mapped from its file, never read whole into the model
             model = read_model(self.model_path, external_data=False)
-            tables = find_sparse_tables(model, min_rows=min_rows, named=named)
+            self.data_inputs = data_inputs_of(model)
+            declared = declared_dynamic_tables(model) if self._min_bytes is not None else []
+            dynamic = tuple(dict.fromkeys([*self._dynamic_request, *declared]))
+            tables = find_sparse_tables(model, min_rows=min_rows, min_bytes=self._min_bytes,
+                                        named=tuple(dict.fromkeys([*named, *declared])), exclude=self._dense_request)
             if tables:
                 model, self.sparse = rewrite_sparse(model, tables, self.batch_size,
-                                                    base_dir=self.model_path.parent,
-                                                    dynamic=self._dynamic_request)
+                                                    base_dir=self.model_path.parent, dynamic=dynamic)
             load_external_data(model, self.model_path.parent, where=f"model {self.model_path}")
             clamp_ir_version(model)
         else:
             model = load_model(self.model_path)
+            self.data_inputs = data_inputs_of(model)
         model = upgrade_opset(model, self.model_path)
         self.trainable_names: list[str] = trainable_parameters(
             model, include=include, exclude=exclude, source=self.model_path,
@@ -417,6 +426,11 @@ class GradientEngine:
         if self._graph is None:
             raise RuntimeError("this engine was built with loss=None and takes no batches")
         return {name: None if dims is None else tuple(dims) for name, (_, dims) in self._feeds.items()}
+
+    @property
+    def loss_kind(self) -> str | None:
+        """The attached loss: "cross_entropy", "bce", "mse", "output", "vjp", or None (predict only)."""
+        return None if self._loss is None else self._loss.kind
 
     @property
     def num_classes(self) -> int | None:

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-__all__ = ["check_shape", "coerce", "declared_dims", "element_dtype", "parameter_feed",
+__all__ = ["check_shape", "coerce", "data_inputs_of", "declared_dims", "element_dtype", "parameter_feed",
            "shown"]
 
 #: A declared shape: an int per static axis, the symbol (or None) of a dynamic one.
@@ -22,6 +22,13 @@ def declared_dims(value: onnx.ValueInfoProto) -> Dims | None:
         return None
     return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                  for d in tensor_type.shape.dim)
+
+
+def data_inputs_of(model: onnx.ModelProto) -> dict[str, tuple[np.dtype, Dims | None]]:
+    """The model's data inputs as its file declares them: graph inputs that are no initializer, each with its
+    element dtype and declared dims (axis 0 the batch)."""
+    initializers = {t.name for t in model.graph.initializer}
+    return {v.name: (element_dtype(v), declared_dims(v)) for v in model.graph.input if v.name not in initializers}
 
 
 def element_dtype(value: onnx.ValueInfoProto) -> np.dtype:

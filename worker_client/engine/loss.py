@@ -16,7 +16,8 @@ __all__ = ["LossSpec", "attach_loss", "parse_loss"]
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Which loss to attach: "cross_entropy", "mse", "output" (a scalar the model outputs), or
+    """Which loss to attach: "cross_entropy", "bce" (binary cross-entropy on one logit per example), "mse",
+    "output" (a scalar the model outputs), or
     "vjp": none -- every floating-point output is seeded with a cotangent the caller feeds, so
     the gradients are a vector-Jacobian product (a pipeline stage's backward pass)."""
 
@@ -29,12 +30,12 @@ class LossSpec:
 
 
 def parse_loss(loss: str) -> LossSpec:
-    """`"cross_entropy"`, `"mse"`, `"output:NAME"` or `"vjp"` as a LossSpec."""
-    if loss in ("cross_entropy", "mse", "vjp"):
+    """`"cross_entropy"`, `"bce"`, `"mse"`, `"output:NAME"` or `"vjp"` as a LossSpec."""
+    if loss in ("cross_entropy", "bce", "mse", "vjp"):
         return LossSpec(loss)
     if loss.startswith("output:") and len(loss) > len("output:"):
         return LossSpec("output", loss[len("output:"):])
-    raise ValueError(f"loss must be 'cross_entropy', 'mse', 'output:NAME', 'vjp' or None, "
+    raise ValueError(f"loss must be 'cross_entropy', 'bce', 'mse', 'output:NAME', 'vjp' or None, "
                      f"got {loss!r}")
 
 
@@ -165,6 +166,32 @@ def attach_loss(model: onnx.ModelProto, spec: LossSpec,
             nodes += [
                 helper.make_node("Mul", [onehot, log_probs], [picked], name=picked),
                 helper.make_node("ReduceSum", [picked], [total], name=total, keepdims=0),
+                helper.make_node("Mul", [total, scale], [loss], name=loss),
+            ]
+        elif spec.kind == "bce":
+            # binary cross-entropy on logits z with labels y in {0, 1}, mean over the batch, in the stable form
+            # max(z, 0) - z y + log(1 + exp(-|z|)); the labels arrive as (batch,) and take z's shape
+            if dims is not None and (not dims or any(isinstance(d, int) and d != 1 for d in dims[1:])):
+                raise UnsupportedModelError(
+                    f"bce needs one logit per example, shaped (batch,) or (batch, 1), but the first output "
+                    f"{prediction!r} has shape {dims}")
+            graph.input.append(helper.make_tensor_value_info(labels, elem_type, [batch_size]))
+            shape, targets, positive, product, magnitude, negative, softplus, terms, total, loss = (
+                names(stem) for stem in ("bce_shape", "bce_targets", "bce_positive", "bce_product",
+                                         "bce_magnitude", "bce_negative", "bce_softplus", "bce_terms",
+                                         "bce_total", "loss"))
+            scale = _constant(names, nodes, np.array(1.0 / batch_size, dtype), "bce_scale")
+            nodes += [
+                helper.make_node("Shape", [prediction], [shape], name=shape),
+                helper.make_node("Reshape", [labels, shape], [targets], name=targets),
+                helper.make_node("Relu", [prediction], [positive], name=positive),
+                helper.make_node("Mul", [prediction, targets], [product], name=product),
+                helper.make_node("Abs", [prediction], [magnitude], name=magnitude),
+                helper.make_node("Neg", [magnitude], [negative], name=negative),
+                helper.make_node("Softplus", [negative], [softplus], name=softplus),
+                helper.make_node("Sub", [positive, product], [terms + "_a"], name=terms + "_a"),
+                helper.make_node("Add", [terms + "_a", softplus], [terms], name=terms),
+                helper.make_node("ReduceSum", [terms], [total], name=total, keepdims=0),
                 helper.make_node("Mul", [total, scale], [loss], name=loss),
             ]
         else:

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from ps_models.datasets import Dataset
 from worker_client.client import PSClient
 from worker_client.engine import GradientEngine
-from worker_client.training import evaluate
+from worker_client.training import metrics_of
 
 __all__ = ["PipelineEvaluator"]
 
@@ -40,8 +41,6 @@ class PipelineEvaluator:
         self.dataset = dataset
         self.timeout = timeout
         self.engine = GradientEngine(model_path, batch_size=1, loss=None)   # inference only: no gradient graph
-        inputs = self.engine.input_names
-        self.input_name = inputs[0] if len(inputs) == 1 else dataset.input_name
         self.clients: list[PSClient] = []
         try:
             for addresses in groups:
@@ -62,8 +61,12 @@ class PipelineEvaluator:
         parameters: dict = {}
         for client in self.clients:
             parameters.update(client.pull(timeout=self.timeout))
-        metrics = evaluate(self.engine, parameters, self.dataset.x_test, self.dataset.y_test,
-                           input_name=self.input_name, num_classes=self.dataset.num_classes)
+        outputs, labels = [], []
+        for inputs, y in self.dataset.test_batches(4096):
+            outputs.append(self.engine.predict(parameters, {n: inputs[n] for n in self.engine.input_names})
+                           [self.engine.output_names[0]])
+            labels.append(y)
+        metrics = metrics_of(np.concatenate(outputs), np.concatenate(labels), self.dataset.num_classes)
         return {"step": int(self.clients[0].steps[0]), **metrics}
 
     def close(self) -> None:

@@ -80,6 +80,8 @@ class _StageEngineView:
         self.trainable_names = runner.trainable_names
         self.state_names = runner.state_names
         self.input_names = list(model_inputs)
+        self.data_inputs = {name: (None, None) for name in model_inputs}   # the whole model's data inputs
+        self.loss_kind = runner.engine.loss_kind
         self.sparse = SparsePlan({}, [])
 
     def server_parameters(self) -> dict[str, np.ndarray]:
@@ -149,7 +151,8 @@ class StageTrainer(Trainer):
     # ------------------------------------------------------------------ the loop
 
     def _begin(self, tally: _Tally) -> None:
-        self._data = self._batches(tally.start_clock) if self.stage == 0 else None
+        self._data = self.part.batches(self.plan.batch_size, start=tally.start_clock, seed=self.plan.seed) \
+            if self.stage == 0 else None
 
     def _step(self, tally: _Tally, parameters: dict[str, np.ndarray]) -> _Step:
         """One pipeline step (the module docstring): stage 0 starts it with a batch, the others wait for its
@@ -160,8 +163,8 @@ class StageTrainer(Trainer):
                 self._send_on(Kind.END, self._new_step())
                 return _Step(finished=True)
             step = self._new_step()
-            tally.epoch, x, y = next(self._data)
-            micro = split_batch({self.input_name: x, LABELS: y}, self.micro_batches)
+            tally.epoch, inputs, y = next(self._data)
+            micro = split_batch({**{n: inputs[n] for n in self.input_names}, LABELS: y}, self.micro_batches)
         else:
             found = self._next_step()
             if found is None:

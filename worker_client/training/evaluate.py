@@ -16,17 +16,34 @@ def finite(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def evaluate(engine: GradientEngine, parameters: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray, *,
-             input_name: str, num_classes: int) -> dict[str, float | None]:
-    """Test loss and accuracy (classification: cross-entropy of the first output; regression: MSE, no accuracy)."""
-    outputs = engine.predict(parameters, {input_name: x})
-    return metrics_of(outputs[engine.output_names[0]], y, num_classes)
+def evaluate(engine: GradientEngine, parameters: Mapping[str, np.ndarray], x: np.ndarray | Mapping[str, np.ndarray],
+             y: np.ndarray, *, input_name: str = "x", num_classes: int, kind: str | None = None
+             ) -> dict[str, float | None]:
+    """Test loss, accuracy and AUC of the first output on `x` (an array for `input_name`, or arrays by input name);
+    see metrics_of."""
+    inputs = dict(x) if isinstance(x, Mapping) else {input_name: x}
+    outputs = engine.predict(parameters, inputs)
+    return metrics_of(outputs[engine.output_names[0]], y, num_classes, kind=kind)
 
 
-def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int) -> dict[str, float | None]:
-    """Test loss, accuracy and (two classes) AUC of a model's first output against the labels (see evaluate)."""
+def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int, *, kind: str | None = None
+               ) -> dict[str, float | None]:
+    """Test loss, accuracy and AUC of a model's first output against the labels.
+
+    `kind`: "classes" (logits of num_classes classes: cross-entropy, accuracy, AUC for two),
+    "binary" (one logit per example: binary cross-entropy, accuracy at 0.5, AUC) or
+    "targets" (regression: mean squared error); default: classes when num_classes > 0.
+    """
     prediction = np.asarray(output, dtype=np.float64)
-    if num_classes > 0:
+    kind = kind or ("classes" if num_classes > 0 else "targets")
+    if kind == "binary":
+        z = prediction.reshape(-1)
+        labels = np.asarray(y, dtype=np.float64).reshape(-1)
+        loss = float(np.mean(np.maximum(z, 0) - z * labels + np.log1p(np.exp(-np.abs(z)))))
+        accuracy = float(((z > 0) == (labels > 0.5)).mean())
+        return {"test_loss": finite(loss), "test_accuracy": accuracy,
+                "test_auc": binary_auc(z, labels.astype(np.int64))}
+    if kind == "classes":
         logits = prediction.reshape(len(y), -1)
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))

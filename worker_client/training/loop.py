@@ -39,18 +39,18 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ps_common.errors import StoppedError, TrainingError, WaitTimeoutError
-from ps_models.datasets import Dataset, iterate_batches, num_batches, worker_shard
+from ps_models.datasets import Dataset, num_batches
 from worker_client.client import PSClient, PushReport, ServerError
 from worker_client.client.rows import dynamic_table
 from worker_client.engine import GradientEngine
-from worker_client.training.evaluate import evaluate, finite, metrics_of
+from worker_client.training.evaluate import finite, metrics_of
 from worker_client.training.events import EventSink, peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 START_BARRIER = "training-start"
 #: How often a worker polls the shards while it waits for them to be reachable or initialized.
 POLL_SECONDS = 0.2
+#: Test examples predicted at once in an evaluation (without sparse tables: the model's batch axis is free).
+TEST_BATCH = 4096
 #: The longest single wait of a pull after a push; between two, a worker checks `stop` and lost progress.
 RECHECK_SECONDS = 2.0
 
@@ -178,23 +180,22 @@ class Trainer:
         self.report: EventSink = report or (lambda event, fields: None)
         self.stop = stop or threading.Event()
         self.expected_mode = expected_mode   # when set, the shards' mode must be this one
-        # sparse tables (engine/sparse.py): the model's own index inputs, not the positions the engine adds
-        self.sparse = engine.sparse
-        positions = {p for t in self.sparse.tables.values() for p in t.positions.values()}
-        model_inputs = [n for n in engine.input_names if n not in positions] + self.sparse.dropped_inputs
+        self.sparse = engine.sparse   # sparse tables (engine/sparse.py)
         rows_names = {t.rows_name for t in self.sparse.tables.values()}
         #: what a pull asks for: None (everything) when no table is sparse, else the dense tensors
         self.dense_names = None if not self.sparse.tables else \
             [n for n in [*engine.trainable_names, *engine.state_names] if n not in rows_names]
-        if len(model_inputs) == 1:
-            self.input_name = model_inputs[0]
-        elif dataset.input_name in model_inputs:
-            self.input_name = dataset.input_name
-        else:
-            raise ValueError(f"dataset {dataset.name!r} feeds input {dataset.input_name!r}, but the model's inputs "
-                             f"are {engine.input_names}")
-        self.share = worker_shard(dataset, plan.worker_index, plan.num_workers)
-        self.batches_per_epoch = num_batches(self.share.num_train, plan.batch_size)
+        #: the model's data inputs, fed by name from the dataset (checked by training/preflight.py)
+        self.input_names = list(engine.data_inputs) or list(dataset.input_names)
+        missing = [n for n in self.input_names if n not in dataset.input_names]
+        if missing:
+            raise ValueError(f"dataset {dataset.name!r} feeds inputs {dataset.input_names}, but the model also takes "
+                             f"{missing}")
+        self.part = dataset.part(plan.worker_index, plan.num_workers)
+        self.batches_per_epoch = num_batches(self.part.num_rows, plan.batch_size)
+        #: what the model's first output is, for metrics: class logits, one binary logit, or targets
+        self.output_kind = "binary" if engine.loss_kind == "bce" else \
+            ("classes" if dataset.is_classification else "targets")
         self.mode = "?"
         self.resumed = False
         self.evaluations: list[dict[str, Any]] = []
@@ -307,16 +308,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
 
-    def _batches(self, start: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        """(epoch, x, y) from iteration `start` on: epoch start // per_epoch, skipping that epoch's first batches."""
-        epoch, skip = divmod(start, self.batches_per_epoch)
-        while True:
-            for i, (x, y) in enumerate(iterate_batches(self.share.x_train, self.share.y_train, self.plan.batch_size,
-                                                       seed=self.plan.seed, epoch=epoch)):
-                if i >= skip:
-                    yield epoch, x, y
-            skip, epoch = 0, epoch + 1
-
     def _pull(self, after: PushReport | None = None) -> dict[str, np.ndarray] | None:
         """The next parameters as the mode says after the push `after` (PSClient.pull_after); None when `stop` was
         set while it waited; TrainingError when it waited wait_timeout in all."""
@@ -339,32 +330,31 @@ class Trainer:
                 return None
             self._last_eval_bucket = bucket
         train_loss, _ = self._eval_window.take()
-        if self.sparse.tables:
-            counted = self.client.bytes_pulled   # an evaluation's pulls are not a training step's
-            metrics = metrics_of(self._sparse_predict(parameters, self.dataset.x_test), self.dataset.y_test,
-                                 self.dataset.num_classes)
-            self.client.bytes_pulled = counted
-        else:
-            metrics = evaluate(self.engine, parameters, self.dataset.x_test, self.dataset.y_test,
-                               input_name=self.input_name, num_classes=self.dataset.num_classes)
+        counted = self.client.bytes_pulled   # an evaluation's pulls are not a training step's
+        outputs, labels = [], []
+        for inputs, y in self.dataset.test_batches(self.engine.batch_size if self.sparse.tables else TEST_BATCH):
+            outputs.append(self._predict(parameters, inputs))
+            labels.append(y)
+        self.client.bytes_pulled = counted
+        metrics = metrics_of(np.concatenate(outputs), np.concatenate(labels), self.dataset.num_classes,
+                             kind=self.output_kind)
         record = {"worker": plan.worker_index, "step": step, "train_loss": train_loss, **metrics,
                   "elapsed": round(elapsed, 3), "final": final}
         self.evaluations.append(record)
         self.report("eval", record)
         return record
 
-    def _sparse_predict(self, parameters: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
-        """The model's first output for `x` with sparse tables: per batch-size chunk, its rows pulled and fed."""
-        engine, outputs = self.engine, []
+    def _predict(self, parameters: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The model's first output for a batch of inputs; with sparse tables, the batch's rows pulled and fed."""
+        engine = self.engine
+        inputs = {n: inputs[n] for n in self.input_names}
+        if not self.sparse.tables:
+            return engine.predict(parameters, inputs)[engine.output_names[0]]
         dense = {k: v for k, v in parameters.items() if k in set(self.dense_names or ())}
-        for start in range(0, len(x), engine.batch_size):
-            chunk = {self.input_name: x[start:start + engine.batch_size]}
-            ids = self.sparse.unique_ids(chunk)
-            rows = self.client.pull_rows(ids, timeout=self.plan.wait_timeout)
-            params = {**dense, **{t.rows_name: self.sparse.rows_parameter(n, rows[n])
-                                  for n, t in self.sparse.tables.items()}}
-            outputs.append(engine.predict(params, self.sparse.feeds(chunk, ids))[engine.output_names[0]])
-        return np.concatenate(outputs)
+        ids = self.sparse.unique_ids(inputs)
+        rows = self.client.pull_rows(ids, timeout=self.plan.wait_timeout)
+        params = {**dense, **{t.rows_name: self.sparse.rows_parameter(n, rows[n]) for n, t in self.sparse.tables.items()}}
+        return engine.predict(params, self.sparse.feeds(inputs, ids))[engine.output_names[0]]
 
     def run(self) -> dict[str, Any]:
         """Joins, trains and leaves (see the module docstring); returns the result (also reported as "done")."""
@@ -374,7 +364,7 @@ class Trainer:
         self.report("start", {
             "worker": plan.worker_index, "worker_id": client.worker_id, "mode": self.mode,
             "shards": client.num_shards, "workers": plan.num_workers, "step": client.step,
-            "clock": tally.start_clock, "resumed": self.resumed, "train_examples": self.share.num_train,
+            "clock": tally.start_clock, "resumed": self.resumed, "train_examples": self.part.num_rows,
             "batch_size": plan.batch_size, "batches_per_epoch": self.batches_per_epoch,
             "target_steps": plan.steps, "epochs": plan.epochs})
         started = time.monotonic()
@@ -481,7 +471,10 @@ class Trainer:
 
     def _begin(self, tally: _Tally) -> None:
         """Before the first step: where in the data this run starts (a restarted worker continues at its clock)."""
-        self._data = self._batches(tally.start_clock)
+        self._data = self.part.batches(self.plan.batch_size, start=tally.start_clock, seed=self.plan.seed)
+        row = tally.start_clock * self.plan.batch_size
+        log.info("reading its part of the training data (%d rows) from row %d, epoch %d", self.part.num_rows, row,
+                 row // self.part.num_rows, extra={"data_row": row, "part_rows": self.part.num_rows})
         self._upcoming = next(self._data)
         # sparse tables: (ids, rows) of the upcoming batch, rows None when the last PushPull did not read them
         self._prefetched: tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None] | None = None
@@ -496,8 +489,8 @@ class Trainer:
         if self._done(tally):
             return _Step(finished=True)
         client, plan = self.client, self.plan
-        (tally.epoch, x, y), self._upcoming = self._upcoming, next(self._data)
-        batch = {self.input_name: x, "labels": y}
+        (tally.epoch, inputs, y), self._upcoming = self._upcoming, next(self._data)
+        batch = {**{n: inputs[n] for n in self.input_names}, "labels": y}
         ids = None
         if self.sparse.tables:   # the rows this batch touches (docs/protocol.md, "Sparse rows")
             # the rows the last step's PushPull read, at this step's values; else pulled now
@@ -519,7 +512,7 @@ class Trainer:
             rows_names = {t.rows_name for t in self.sparse.tables.values()}
             gradients = {k: v for k, v in gradients.items() if k not in rows_names}
             next_ids = None if self._last_iteration(tally) else \
-                self.sparse.unique_ids({self.input_name: self._upcoming[1], "labels": self._upcoming[2]})
+                self.sparse.unique_ids(self._upcoming[1])
             if next_ids is None:
                 outcome, parameters = client.push_pull({**gradients, **result.state}, **wait,
                                                        row_gradients=row_gradients, names=self.dense_names)

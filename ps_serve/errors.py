@@ -1,0 +1,34 @@
+"""The errors ps-serve answers with, each with its HTTP status (and so its gRPC status).
+
+A `RequestError` is the caller's mistake: a malformed body, an unknown input, a wrong shape,
+datatype or byte count, a missing input (400); `ModelNotFound` names a model or version this
+server does not serve (404). Their messages name the input and the values, and are sent to
+the caller as they are (``{"error": "..."}`` over HTTP, the status details over gRPC). Any
+other exception is the server's own fault (500) and its message is logged, not sent.
+"""
+
+from __future__ import annotations
+
+
+class ServeError(Exception):
+    """An error with an HTTP status; its message is meant for the caller."""
+
+    status = 500
+
+
+class RequestError(ServeError, ValueError):
+    """The request cannot be served as it is (HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+    status = 400
+
+
+class ModelNotFound(ServeError, LookupError):
+    """The request names a model or version this server does not serve (HTTP 404, gRPC NOT_FOUND)."""
+
+    status = 404
+
+
+class Unauthenticated(ServeError, PermissionError):
+    """The request carries no valid bearer token (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+    status = 401

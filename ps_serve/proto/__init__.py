@@ -1,0 +1,1 @@
+"""Generated code of protos/inference/grpc_service.proto."""

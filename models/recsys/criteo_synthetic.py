@@ -35,7 +35,7 @@ true logit, is a function of the observed columns only, the sum of these parts (
 
 with every table drawn from the seed (factors p, q, h standard normal). A hashed field's
 effect belongs to its raw id, so the ids sharing a bucket modulo `HASH_BUCKETS` mix in the
-model's table; a dynamic field's to its key. Each part alone ranks the labels at AUC 0.55-0.66;
+model's table; a dynamic field's to its key. Each part alone ranks the labels at AUC 0.54-0.66;
 together (the logit's standard deviation is 1.6) the true logits rank the test split at about
 0.83: the Bayes AUC, the best any model can do, written to ``meta.json`` (``bayes_auc_test``).
 A model falls short of it by the ids it sees too seldom to learn: with 2 million training rows,

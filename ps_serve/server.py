@@ -96,8 +96,7 @@ class InferenceServer:
         config = self.config
         self._runner = web.AppRunner(self.http.app(), access_log=None, shutdown_timeout=STOP_SECONDS)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, config.host, config.port, ssl_context=self.ssl_context,
-                           shutdown_timeout=STOP_SECONDS)
+        site = web.TCPSite(self._runner, config.host, config.port, ssl_context=self.ssl_context)
         try:
             await site.start()
         except OSError as exc:

@@ -144,6 +144,8 @@ def from_json(spec: TensorSpec, datatype: Any, shape: Any, data: Any) -> np.ndar
             values = np.array(data)
         except ValueError as exc:   # a ragged nested list
             raise RequestError(f"input '{spec.name}': data is a ragged nested list ({exc})") from None
+        if values.dtype.kind in "fO" and dtype.kind in "iu":
+            values = _exact_integers(spec, data, values)
         values = _checked_numbers(spec, values.reshape(-1))
         values = values.astype(dtype, copy=False)
     if values.size != count:
@@ -164,6 +166,19 @@ def _flatten(spec: TensorSpec, data: list) -> list:
         else:
             stack.pop()
     return flat
+
+
+def _exact_integers(spec: TensorSpec, data: list, values: np.ndarray) -> np.ndarray:
+    """JSON integers numpy read as floats or objects (a list mixing values beyond int64 with others), as exact
+    integers in the input's dtype when they all are integers in its range; else the values as they were."""
+    objects = np.array(data, dtype=object).reshape(-1)
+    if not all(type(v) is int for v in objects):   # noqa: E721 - bool is not an integer here
+        return values
+    info = np.iinfo(NUMPY_DTYPES[spec.datatype])
+    for bound in (min(objects), max(objects)):
+        if not info.min <= bound <= info.max:
+            raise RequestError(f"input '{spec.name}' is {spec.datatype}: {bound} is outside {info.min}..{info.max}")
+    return np.array(objects.tolist(), dtype=NUMPY_DTYPES[spec.datatype])
 
 
 def _checked_numbers(spec: TensorSpec, values: np.ndarray) -> np.ndarray:

@@ -19,8 +19,9 @@ changed after it is built.
 
 A state for new weights: ``ModelState.load(path, weights={name: array}, step=N)`` builds a
 session from the same file with those initializers replaced (checked for name, dtype and
-shape against the file's, since onnxruntime does not check them), and ``served.swap(it)``
-serves it. `swap` refuses a state whose inputs or outputs differ from the current one's, so
+shape against the file's, since onnxruntime does not check them), or
+``ModelState.from_model(model_proto, step=N)`` from a model in memory whose initializers
+already hold them; ``served.swap(it)`` serves it. `swap` refuses a state whose inputs or outputs differ from the current one's, so
 the metadata a client read stays true.
 """
 
@@ -79,15 +80,9 @@ class ModelState:
         and ValueError naming a weight whose name, dtype or shape is not the file's.
         """
         path = Path(path)
-        if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
         if not path.is_file():
             raise ModelLoadError(f"model file {str(path)!r} does not exist or is not a file")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.log_severity_level = ORT_LOG_LEVEL
+        options = _session_options(threads)
         frozen: dict[str, np.ndarray] = {}
         handles = []
         if weights:
@@ -102,17 +97,39 @@ class ModelState:
             session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:   # onnxruntime raises its own classes (Fail, InvalidGraph, ...) for a bad file
             raise ModelLoadError(f"onnxruntime cannot load model {str(path)!r}: {_one_line(exc)}") from exc
-        inputs = tuple(_spec(path, "input", arg) for arg in session.get_inputs())
+        return cls._of_session(session, str(path), step=step, weights=frozen, handles=tuple(handles))
+
+    @classmethod
+    def from_model(cls, model: onnx.ModelProto | bytes, *, threads: int = 1, step: int | None = None,
+                   source: str = "") -> "ModelState":
+        """A state from a model in memory (its tensors inside it, under protobuf's 2 GiB), e.g. a file's graph with
+        a job's trained values written into its initializers; `source` names it in logs and errors.
+
+        Raises ModelLoadError when onnxruntime refuses it.
+        """
+        options = _session_options(threads)
+        data = model if isinstance(model, bytes) else model.SerializeToString()
+        where = source or "in memory"
+        try:
+            session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise ModelLoadError(f"onnxruntime cannot load model ({where}): {_one_line(exc)}") from exc
+        return cls._of_session(session, source, step=step)
+
+    @classmethod
+    def _of_session(cls, session: ort.InferenceSession, source: str, *, step: int | None,
+                    weights: Mapping[str, np.ndarray] | None = None, handles: tuple = ()) -> "ModelState":
+        inputs = tuple(_spec(source, "input", arg) for arg in session.get_inputs())
         outputs = []
         for arg in session.get_outputs():
             if datatype_of_onnx(arg.type) is None:
-                log.warning("model %s: output %r is a %s, not a tensor; it is not served", path, arg.name, arg.type)
+                log.warning("model %s: output %r is a %s, not a tensor; it is not served", source, arg.name, arg.type)
                 continue
-            outputs.append(_spec(path, "output", arg))
+            outputs.append(_spec(source, "output", arg))
         if not outputs:
-            raise ModelLoadError(f"model {str(path)!r} has no tensor output to serve")
+            raise ModelLoadError(f"model {source!r} has no tensor output to serve")
         return cls(session=session, inputs=inputs, outputs=tuple(outputs), step=step,
-                   weights=MappingProxyType(frozen), source=str(path), _ort_values=tuple(handles))
+                   weights=MappingProxyType(dict(weights or {})), source=source, _ort_values=handles)
 
     def input_spec(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -216,10 +233,22 @@ class ServedModel:
 # ---------------------------------------------------------------------- helpers
 
 
-def _spec(path: Path, kind: str, arg: Any) -> TensorSpec:
+def _session_options(threads: int) -> ort.SessionOptions:
+    """CPU, `threads` intra-op threads, one inter-op thread, onnxruntime's own logging quiet."""
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = ORT_LOG_LEVEL
+    return options
+
+
+def _spec(source: str, kind: str, arg: Any) -> TensorSpec:
     datatype = datatype_of_onnx(arg.type)
     if datatype is None:
-        raise ModelLoadError(f"model {str(path)!r}: {kind} {arg.name!r} is a {arg.type}, not a tensor; "
+        raise ModelLoadError(f"model {source!r}: {kind} {arg.name!r} is a {arg.type}, not a tensor; "
                              "the inference protocol carries only tensors")
     return TensorSpec(arg.name, datatype, spec_shape(arg.shape))
 

@@ -398,8 +398,9 @@ def certs(tmp_path_factory) -> Path:
     return folder
 
 
-def test_tls_serves_https_that_tritonclient_verifies_with_the_ca(servers, models, certs: Path) -> None:
-    served = servers("mlp", "--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "server.key"))
+def test_tls_serves_https_and_grpc_that_tritonclient_verifies_with_the_ca(servers, models, certs: Path) -> None:
+    served = servers("mlp", "--tls-cert", str(certs / "server.crt"), "--tls-key", str(certs / "server.key"),
+                     "--grpc-port", "0")
     assert served.ready["tls"] is True and served.ready["url"].startswith("https://")
     client = served.client(ssl=True, ssl_options={"ca_certs": str(certs / "ca.crt")})
     assert client.is_server_ready()
@@ -412,6 +413,11 @@ def test_tls_serves_https_that_tritonclient_verifies_with_the_ca(servers, models
         request(served.address, "GET", "/v2/health/live", context=ssl.create_default_context())
     with pytest.raises((http.client.HTTPException, ConnectionError)):   # plaintext is not served on a TLS port
         request(served.address, "GET", "/v2/health/live")
+    tritongrpc = pytest.importorskip("tritonclient.grpc")
+    secure = tritongrpc.InferenceServerClient(served.ready["grpc"], ssl=True, root_certificates=str(certs / "ca.crt"))
+    assert secure.get_model_metadata("mlp").name == "mlp"
+    with pytest.raises(InferenceServerException):   # a plaintext gRPC client gets no answer from a TLS port
+        tritongrpc.InferenceServerClient(served.ready["grpc"]).get_model_metadata("mlp", client_timeout=5)
 
 
 # ---------------------------------------------------------------------- metrics
@@ -589,3 +595,30 @@ def test_a_swap_during_concurrent_requests_never_answers_with_a_mix_of_two_state
         np.testing.assert_array_equal(y, expected[step]["y"])
         np.testing.assert_array_equal(z, expected[step]["z"])
     assert {step for step, _, _ in answers} == {1, 2}, "the swaps never landed between requests"
+
+
+def test_bytes_and_fp16_tensors_and_gzip_requests_round_trip_through_tritonclient(tmp_path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["text"], ["text_out"]), helper.make_node("Neg", ["half"], ["half_out"])],
+        "strings",
+        [helper.make_tensor_value_info("text", TensorProto.STRING, ["N"]),
+         helper.make_tensor_value_info("half", TensorProto.FLOAT16, ["N", 2])],
+        [helper.make_tensor_value_info("text_out", TensorProto.STRING, ["N"]),
+         helper.make_tensor_value_info("half_out", TensorProto.FLOAT16, ["N", 2])])
+    path = tmp_path / "strings.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    text = np.array(["id-1", "h\u00e9", ""], dtype=object)
+    half = np.array([[0.5, -2.0], [1e4, 0.0], [3.0, -0.25]], np.float16)
+    with BackgroundServer(ServedModel("strings", ModelState.load(path))) as server:
+        client = tritonhttp.InferenceServerClient(server.ready["http"])
+        assert [i["datatype"] for i in client.get_model_metadata("strings")["inputs"]] == ["BYTES", "FP16"]
+        for binary, compression in ((True, None), (False, None), (True, "gzip"), (True, "deflate")):
+            inputs = [tritonhttp.InferInput("text", [3], "BYTES"), tritonhttp.InferInput("half", [3, 2], "FP16")]
+            inputs[0].set_data_from_numpy(text, binary_data=binary)
+            inputs[1].set_data_from_numpy(half, binary_data=binary)
+            result = client.infer("strings", inputs, request_compression_algorithm=compression, outputs=[
+                tritonhttp.InferRequestedOutput(name, binary_data=binary) for name in ("text_out", "half_out")])
+            answered = [v.decode() if isinstance(v, bytes) else v for v in result.as_numpy("text_out")]
+            assert answered == list(text), (binary, compression)
+            assert result.as_numpy("half_out").dtype == np.float16
+            np.testing.assert_array_equal(result.as_numpy("half_out"), -half)

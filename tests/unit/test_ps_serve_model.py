@@ -34,6 +34,19 @@ def test_a_state_built_with_new_weights_answers_with_them(mlp: Path) -> None:
         shifted.weights["fc3.bias"] = np.zeros(10, np.float32)   # the state's weights are read-only
 
 
+def test_a_state_from_a_model_in_memory_answers_with_the_initializers_it_holds(mlp: Path) -> None:
+    model = onnx.load(str(mlp))
+    bias = next(t for t in model.graph.initializer if t.name == "fc3.bias")
+    bias.CopyFrom(numpy_helper.from_array(np.full(10, 100.0, np.float32), "fc3.bias"))
+    state = ModelState.from_model(model, step=12, source="trained mlp")
+    x = np.zeros((2, 64), np.float32)
+    reference = ModelState.load(mlp, weights={"fc3.bias": np.full(10, 100.0, np.float32)}).infer({"x": x})
+    np.testing.assert_array_equal(state.infer({"x": x})["logits"], reference["logits"])
+    assert state.step == 12 and state.source == "trained mlp"
+    with pytest.raises(ModelLoadError, match=r"onnxruntime cannot load model \(broken\)"):
+        ModelState.from_model(b"\x08\x07garbage", source="broken")
+
+
 @pytest.mark.parametrize(("weights", "message"), [
     ({"fc9.bias": np.zeros(10, np.float32)}, "weight 'fc9.bias' is not an initializer of model"),
     ({"fc3.bias": np.zeros(11, np.float32)}, "weight 'fc3.bias' is float32 [11], but model"),

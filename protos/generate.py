@@ -7,7 +7,7 @@ generated modules import each other as `ps_proto.v1.<name>_pb2`.
 
 protos/inference holds the messages of the Open Inference Protocol (KServe v2) that ps-serve
 speaks over gRPC; protoc sees that folder as ps_serve/proto, where its modules are written
-(`ps_serve.proto.grpc_service_pb2`). It declares no service, so it has no ``_pb2_grpc.py``.
+(`ps_serve.proto.grpc_service_pb2`). It declares no service, so it gets no gRPC stub module.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ ServerLive and ServerReady), INTERNAL (a fault of the server).
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -191,11 +192,21 @@ def _metadata(context: grpc.ServicerContext, key: str) -> str | None:
     return None
 
 
+def _check_free(host: str, port: int, address: str) -> None:
+    """OSError naming the address when the port is taken, before gRPC tries (its failure logs a line of its own)."""
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(where)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {address} (gRPC): {exc.strerror or exc}") from exc
+
+
 class GrpcServer:
     """The gRPC server of `InferenceService`, on its own threads."""
 
-    def __init__(self, served: ServedModel, metrics: ServeMetrics, tokens: TokenCheck, executor: Any,
-                 config: Any) -> None:
+    def __init__(self, served: ServedModel, metrics: ServeMetrics, tokens: TokenCheck, config: Any) -> None:
         """Checks the TLS files (ValueError naming one that cannot be used)."""
         self.config = config
         self.service = InferenceService(served, metrics, tokens)
@@ -210,6 +221,8 @@ class GrpcServer:
         server = grpc.server(ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="ps-serve-grpc"),
                              handlers=[self.service.handler()], options=options)
         address = f"[{config.host}]:{config.grpc_port}" if ":" in config.host else f"{config.host}:{config.grpc_port}"
+        if config.grpc_port:
+            _check_free(config.host, config.grpc_port, address)
         try:
             if self.credentials is None:
                 port = server.add_insecure_port(address)

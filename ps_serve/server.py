@@ -88,7 +88,7 @@ class InferenceServer:
         if config.grpc_port is not None:
             from ps_serve.grpc_service import GrpcServer   # grpc only when asked for
 
-            self.grpc = GrpcServer(served, self.metrics, self.tokens, self.executor, config)
+            self.grpc = GrpcServer(served, self.metrics, self.tokens, config)
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> dict[str, Any]:

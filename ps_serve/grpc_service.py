@@ -29,7 +29,7 @@ import numpy as np
 
 from ps_common.access import server_credentials
 from ps_common.tls import AUTH_METADATA_KEY
-from ps_serve.errors import ModelNotFound, RequestError, ServeError, Unauthenticated
+from ps_serve.errors import RequestError, ServeError, Unauthenticated
 from ps_serve.http import EXTENSIONS, SERVER_NAME, server_version
 from ps_serve.metrics import ServeMetrics
 from ps_serve.model import PLATFORM, ModelState, ServedModel

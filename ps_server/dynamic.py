@@ -75,6 +75,7 @@ class DynamicRows:
         self.ids = np.zeros(capacity, np.int64)
         self.used = np.zeros(capacity, bool)
         self.touched = np.zeros(capacity, np.int64)
+        self.updated = np.zeros(capacity, np.int64)   # the first step whose values hold the row's last change
         self.values = np.zeros((capacity, *self.row_shape), self.dtype)
         self.slots = {k: np.zeros((capacity, *self.row_shape), fill.dtype) for k, fill in self._fill.items()}
         self.slots[ROW_STEP] = np.zeros(capacity, np.int64)
@@ -83,7 +84,8 @@ class DynamicRows:
     def _grow(self, need: int) -> None:
         old = len(self.used)
         capacity = max(_MIN_CAPACITY, old * 2, old + need)
-        grown = {"ids": self.ids, "used": self.used, "touched": self.touched, "values": self.values}
+        grown = {"ids": self.ids, "used": self.used, "touched": self.touched, "updated": self.updated,
+                 "values": self.values}
         slots = self.slots
         self._allocate(capacity)
         for attr, array in grown.items():
@@ -132,6 +134,7 @@ class DynamicRows:
             self.slots[ROW_STEP][fresh] = 0
             self.ids[fresh] = created
             self.used[fresh] = True
+            self.updated[fresh] = step   # a new row: changed as of this step
             index.update(new)
             self.created += len(new)
         self.touched[slots] = step
@@ -146,6 +149,15 @@ class DynamicRows:
         """One lazy optimizer update of the rows `ids` (unique) with `grad`; missing rows are created first."""
         slots = self.locate(ids, step)
         self.optimizer.apply_rows(self.values, slots, grad, self.slots)
+        self.updated[slots] = step + 1
+
+    def rows_since(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, copies of the rows) of the live rows created or updated after `step` (every live row for step < 0),
+        sorted by id."""
+        live = self.used if step < 0 else self.used & (self.updated > step)
+        found = np.flatnonzero(live)
+        found = found[np.argsort(self.ids[found], kind="stable")]
+        return self.ids[found].copy(), self.values[found].copy()
 
     def evict(self, step: int) -> int:
         """Evicts every row with step - last touched > evict_after_steps; returns how many."""

@@ -16,7 +16,7 @@ import numpy as np
 from ps_common.shard_map import PartKey
 from ps_server.membership import PushResult
 
-__all__ = ["Push", "PushPullResult", "PushResult", "Read", "Values"]
+__all__ = ["Push", "PushPullResult", "PushResult", "Read", "StateRead", "Values"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,23 @@ class Values:
     step: int
     parts: dict[PartKey, np.ndarray] = field(default_factory=dict)
     rows: list[tuple[str, np.ndarray]] = field(default_factory=list)
+
+
+@dataclass
+class StateRead:
+    """The shard's trained state, or what changed of it after a step, read at one step (Shard.read_state).
+
+    `parts`: whole dense parts (copies); `rows`: (table, global row ids or dynamic keys,
+    copies of the rows) of tables trained by rows; `live_rows`: each dynamic table's live
+    rows now; `state_id` changes when the shard's state is replaced (restart, restore,
+    reset): changes read under another id do not apply.
+    """
+
+    step: int
+    state_id: str
+    parts: dict[PartKey, np.ndarray] = field(default_factory=dict)
+    rows: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
+    live_rows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

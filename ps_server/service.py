@@ -26,7 +26,7 @@ from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.admission import Admission, StreamWatchdog, caller_of
 from ps_server.membership import PushResult
-from ps_server.operations import Push, PushPullResult, Read
+from ps_server.operations import Push, PushPullResult, Read, StateRead
 from ps_server.shared_memory import Segments
 from ps_server.shard import Shard, ShardView
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 #: The ParameterServer rpcs of the data plane: they run on the data-plane pool and take an admission slot
 #: (ps_server/admission.py); the others are control rpcs.
-DATA_PLANE_RPCS = frozenset({"InitParameters", "Push", "Pull", "PullRows", "PushPull", "Barrier"})
+DATA_PLANE_RPCS = frozenset({"InitParameters", "Push", "Pull", "PullRows", "PushPull", "Barrier", "ReadState"})
 #: The ParameterServer rpcs whose requests are taken as raw bytes and walked by the codec.
 RAW_REQUESTS = frozenset({"Push", "InitParameters", "PushPull"})
 #: The ParameterServer rpcs whose responses are bytes serialized by the codec.
@@ -209,6 +209,22 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 timeout=self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining())))
         return pb.PullRowsResponse(step=values.step, tables=[row_values(name, rows) for name, rows in values.rows])
 
+    def ReadState(self, request, context):
+        # A generator handler, as Pull: errors are raised before the first yield.
+        yield from self._read_state(request, context)
+
+    @translate_errors
+    def _read_state(self, request: pb.ReadStateRequest, context) -> list[pb.ReadStateResponse]:
+        # Not a training path: a reader (export, ps-serve --follow) takes a data-plane slot like a pull.
+        with self.admission.enter("ReadState", caller_of(context)):
+            if request.since_step < -1:
+                raise InvalidRequestError(f"ReadState: since_step must be >= -1 (-1: everything), got "
+                                          f"{request.since_step}")
+            read = self.shard.read_state(
+                request.since_step, whole=list(request.whole), min_step=request.min_step,
+                timeout=self.shard.wait_timeout(request.wait_timeout_ms, context.time_remaining()))
+        return read_state_messages(read, self.chunk_bytes)
+
     @translate_errors
     def PushPull(self, request: bytes, context):
         """Push, then the pull the worker needs next, in one message each way (docs/protocol.md, "PushPull")."""
@@ -311,10 +327,37 @@ def push_pull_response(result: PushPullResult, chunk_bytes: int) -> bytes:
                                   rows=[row_values(name, rows) for name, rows in values.rows])
 
 
-def row_values(name: str, values: np.ndarray) -> pb.RowValues:
-    """The rows of one table, as PullRows and PushPull answer them."""
+def read_state_messages(read: StateRead, chunk_bytes: int) -> list[pb.ReadStateResponse]:
+    """ReadState's stream: messages of at most about chunk_bytes of data each, every one with the step and the
+    state id; the first with the dynamic tables' live rows. A table's rows are cut by whole rows."""
+    messages: list[pb.ReadStateResponse] = []
+    size = 0
+
+    def message_for(nbytes: int) -> pb.ReadStateResponse:
+        nonlocal size
+        if not messages or (size and size + nbytes > chunk_bytes):
+            messages.append(pb.ReadStateResponse(step=read.step, state_id=read.state_id))
+            size = 0
+        size += nbytes
+        return messages[-1]
+
+    message_for(0).dynamic_tables.extend(pb.DynamicTableInfo(name=n, rows=r) for n, r in read.live_rows.items())
+    for (name, row_start), value in read.parts.items():
+        for chunk in codec.part_chunks(name, value, row_start=row_start, chunk_bytes=chunk_bytes):
+            message_for(len(chunk.data)).chunks.append(chunk)
+    for name, ids, rows in read.rows:
+        row_bytes = max(1, rows[:1].nbytes)
+        per_message = max(1, chunk_bytes // row_bytes)
+        for start in range(0, max(len(ids), 1), per_message):   # a table with no changed rows still says so
+            cut = rows[start:start + per_message]
+            message_for(cut.nbytes).rows.append(row_values(name, cut, ids[start:start + per_message]))
+    return messages
+
+
+def row_values(name: str, values: np.ndarray, ids: np.ndarray | None = None) -> pb.RowValues:
+    """The rows of one table, as PullRows and PushPull answer them (with their ids, as ReadState does)."""
     dtype, data = codec.rows_to_wire(values)
-    return pb.RowValues(name=name, dtype=dtype, shape=values.shape, data=data)
+    return pb.RowValues(name=name, dtype=dtype, shape=values.shape, data=data, ids=() if ids is None else ids)
 
 
 def wire_dtype(value: int) -> np.dtype | None:

@@ -11,6 +11,7 @@ lock is taken, so a rejected request changes nothing.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +41,7 @@ from ps_server.consistency import ConsistencyPolicy, Decision, PolicyInfo, Polic
 from ps_server.dynamic import DynamicRows
 from ps_server.events import Events
 from ps_server.membership import Membership, PushResult, WorkerRecord
-from ps_server.operations import Push, PushPullResult, Read, Values
+from ps_server.operations import Push, PushPullResult, Read, StateRead, Values
 from ps_server.optimizers import make_optimizer
 from ps_server.rows import RowGrad, check_table_name, checked_ids, dynamic_gradient, owned_parts, split_gradient
 from ps_server.store import ParameterStore, PartKey, PartState, dynamic_key
@@ -148,6 +149,8 @@ class Shard:
         #: Bumped whenever the parts change shape (initialize, reset, restore): what a shared-memory layout
         #: was made for (the boundary compares; an int read is atomic).
         self.generation = 0
+        #: this shard process's random id: with `generation`, the state id a reader of changes compares
+        self.incarnation = secrets.token_hex(6)
         self.policy_host = _Host(self)   # the narrow view every policy call gets
 
     def _default_policy(self) -> ConsistencyPolicy:
@@ -353,6 +356,40 @@ class Shard:
         if values is not None:
             self.events.emit("pull", nbytes=plan.nbytes)
         return PushPullResult(result, values, why)
+
+    def read_state(self, since: int, *, whole: Sequence[str] = (), min_step: int = 0, timeout: float = 0.0
+                   ) -> StateRead:
+        """The trained state (since < 0), or what changed of it after step `since`: dense parts updated since
+        (whole), rows of tables trained by rows updated or created since; tensors named in `whole` whole. Waits
+        for `min_step` first (WaitTimeoutError after timeout s). One locked section: one step's values."""
+        shard_map = self.store.shard_map
+        if shard_map is None:
+            raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet: ReadState before "
+                                      "InitParameters")
+        unknown = [n for n in whole if n not in shard_map.specs]
+        if unknown:
+            raise UnknownTensorError(f"ReadState: tensor(s) {unknown[:5]} are not parameters of this model")
+        whole_set = set(whole)
+        with self._cond:
+            self._check_running()
+            self._wait_for(min_step, "", 0, timeout, f"ReadState on shard {self.config.shard_index}")
+            read = StateRead(self.step, f"{self.incarnation}:{self.generation}")
+            for key, state in self.store.parts.items():
+                name, row_start = key
+                if since >= 0 and name not in whole_set and state.updated <= since:
+                    continue
+                if since >= 0 and name not in whole_set and state.row_updated is not None:
+                    changed = np.flatnonzero(state.row_updated > since)
+                    read.rows.append((name, changed + row_start, state.value[changed].copy()))
+                else:
+                    read.parts[key] = state.value.copy()
+            for name, table in self.store.dynamic.items():
+                ids, rows = table.rows_since(-1 if name in whole_set else since)
+                read.rows.append((name, ids, rows))
+                read.live_rows[name] = table.rows
+        self.events.emit("pull", nbytes=sum(v.nbytes for v in read.parts.values()) +
+                         sum(r.nbytes for _, _, r in read.rows))
+        return read
 
     def _checked(self, push: Push) -> Mapping[PartKey, np.ndarray | RowGrad]:
         """The push's gradients, row gradients cut per part, all checked (before the lock)."""

@@ -31,6 +31,10 @@ class PartState:
     value: np.ndarray
     slots: dict[str, np.ndarray]
     version: int = 0
+    #: the first step whose values hold the last update (0: the initial values); what a reader of changes compares
+    updated: int = 0
+    #: for a part updated by rows (a sparse table): that step per row, made on the first row update
+    row_updated: np.ndarray | None = None
 
 
 class ParameterStore:
@@ -156,11 +160,17 @@ class ParameterStore:
             state = self.parts[key]
             if isinstance(grad, RowGrad):   # sparse: only the touched rows (checked by the shard: not state)
                 self.optimizer.apply_rows(state.value, grad.rows, grad.values, state.slots)
-            elif self.shard_map.specs[key[0]].state:
-                state.value[...] = grad
+                if state.row_updated is None:
+                    state.row_updated = np.full(len(state.value), state.updated, np.int64)
+                state.row_updated[grad.rows] = step + 1
             else:
-                self.optimizer.apply(state.value, grad, state.slots)
+                state.row_updated = None   # the whole part changed: a reader of changes takes it whole
+                if self.shard_map.specs[key[0]].state:
+                    state.value[...] = grad
+                else:
+                    self.optimizer.apply(state.value, grad, state.slots)
             state.version += 1
+            state.updated = step + 1
 
     def evict(self, step: int) -> dict[str, int]:
         """Evicts the dynamic tables' rows untouched for longer than their evict_after_steps; {table: rows evicted}."""

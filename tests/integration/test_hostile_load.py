@@ -80,6 +80,7 @@ def _valid_unary(method: str) -> bytes:
         "ResetParameters": pb.ResetParametersRequest(),
         "OpenSharedMemory": pb.SharedMemoryRequest(worker_id="fuzz"),
         "PullRows": pb.PullRowsRequest(tables=[pb.RowIds(name="w", ids=[0, 3])], worker_id="owner"),
+        "ReadState": pb.ReadStateRequest(since_step=0, whole=["w"], wait_timeout_ms=100),
     }
     if method == "PushPull":   # a whole push from an unregistered worker, and the pull after it
         return _valid_push() + codec.message_field(3, pb.PullAfterPush(wait_timeout_ms=100).SerializeToString())

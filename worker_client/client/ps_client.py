@@ -119,6 +119,24 @@ class ShardStatus:
 
 
 @dataclass
+class ShardState:
+    """One shard's trained state, or what changed of it after a step (PSClient.read_state).
+
+    `parts`: whole dense parts {(name, row_start): values}; `rows`: {table: (ids, rows)} for
+    tables trained by rows (global row ids, or a dynamic table's keys); `live_rows`: each
+    dynamic table's live rows on the shard; `state_id` changes when the shard's state is
+    replaced (restart, restore, reset): changes read under another id do not apply.
+    """
+
+    shard: int
+    step: int
+    state_id: str
+    parts: dict[PartKey, np.ndarray] = field(default_factory=dict)
+    rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    live_rows: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
 class _Membership:
     lease_seconds: float = 10.0
     thread: threading.Thread | None = None
@@ -133,11 +151,12 @@ class PSClient:
                  channel_credentials: grpc.ChannelCredentials | None = None,
                  call_metadata: Sequence[tuple[str, str]] = (),
                  stop: threading.Event | None = None, shared_memory: bool = True,
-                 wire_dtype: str = "float32") -> None:
+                 wire_dtype: str = "float32", channel_options: Sequence[tuple[str, object]] = ()) -> None:
         """`stop`, once set (e.g. by a SIGTERM handler), ends every wait of this client within about
         STOP_POLL_SECONDS with StoppedError: connecting, retry backoffs and barriers. With
         `shared_memory`, push_pull moves its bytes through a shared-memory segment with each
-        shard that shares this host (ps_common/shared_memory.py), and over gRPC otherwise."""
+        shard that shares this host (ps_common/shared_memory.py), and over gRPC otherwise. `channel_options`
+        are added to every channel's (e.g. ``("grpc.ssl_target_name_override", NAME)``)."""
         if not addresses:
             raise ValueError("PSClient needs at least one shard address")
         if wire_dtype not in codec.WIRE_DTYPES:
@@ -159,7 +178,7 @@ class PSClient:
                    ("grpc.enable_retries", 0),   # retries are ours (below): streams outgrow gRPC's retry buffer
                    # a restarted shard is found again within a second or two (gRPC's default backoff grows to 120 s)
                    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]), *channel_options]
         if channel_credentials is None:
             self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         else:
@@ -444,6 +463,50 @@ class PSClient:
             self._place(shard_map, out, parts)
         self.bytes_pulled += sum(p.nbytes for i in targets for p in shard_map.parts_on(i) if p.name in wanted)
         return out
+
+    def read_state(self, shard: int, since: int = -1, *, whole: Sequence[str] = (), min_step: int = 0,
+                   timeout: float | None = None) -> ShardState:
+        """One shard's trained state at one step (since -1), or what changed of it after step `since`
+        (ReadState; the reader role may call it). Waits for `min_step` as `pull` does."""
+        shard_map = self._require_map()
+        wait = self.wait_timeout if timeout is None else timeout
+        request = pb.ReadStateRequest(since_step=since, whole=list(whole), min_step=min_step,
+                                      wait_timeout_ms=int(wait * 1000))
+
+        def call(stub: pb_grpc.ParameterServerStub) -> ShardState:
+            def expected(name: str, row_start: int) -> tuple[np.dtype, tuple[int, ...]]:
+                try:
+                    part = shard_map.part(name, row_start)
+                except KeyError as exc:
+                    raise InvalidTensorError(f"shard {shard} sent {exc.args[0]}") from None
+                return np.dtype(part.dtype), part.shape
+
+            assembler = codec.PartAssembler(expected)
+            read: ShardState | None = None
+            rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+            for message in stub.ReadState(request, timeout=wait + self.rpc_timeout, metadata=self.metadata):
+                if read is None:
+                    read = ShardState(shard, message.step, message.state_id,
+                                      live_rows={t.name: t.rows for t in message.dynamic_tables})
+                for chunk in message.chunks:
+                    assembler.add(chunk)
+                for table in message.rows:
+                    spec = shard_map.specs.get(table.name)
+                    if spec is None:
+                        raise InvalidTensorError(f"shard {shard} sent rows of {table.name!r}, not a tensor of the "
+                                                 "model")
+                    ids = np.array(table.ids, np.int64)
+                    rows.setdefault(table.name, []).append(
+                        (ids, codec.rows_from_wire(table.name, table.dtype, table.data, len(ids), spec.row_shape,
+                                                   want=np.dtype(spec.dtype))))
+            if read is None:
+                raise InvalidTensorError(f"shard {shard} answered ReadState with no message")
+            read.parts = assembler.finish()
+            read.rows = {name: (np.concatenate([i for i, _ in got]), np.concatenate([r for _, r in got]))
+                         for name, got in rows.items()}
+            return read
+
+        return self._call(shard, "ReadState", call)
 
     def push(self, gradients: Mapping[str, np.ndarray], *, clock: int | None = None,
              read_steps: Sequence[int] | None = None,

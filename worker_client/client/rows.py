@@ -20,6 +20,7 @@ from ps_common import codec
 from ps_common.dynamic_ids import DynamicTable, shard_of_ids
 from ps_common.errors import InvalidTensorError
 from ps_common.shard_map import ParamSpec, ShardMap
+from ps_proto.v1 import parameter_server_pb2 as pb
 
 
 def dynamic_table(name: str, row_shape: tuple[int, ...] | list[int], *, dtype: str = "float32",
@@ -31,7 +32,6 @@ def dynamic_table(name: str, row_shape: tuple[int, ...] | list[int], *, dtype: s
                      dynamic=DynamicTable(initializer, int(evict_after_steps), int(seed)))
     spec.dynamic.check(name)
     return spec
-from ps_proto.v1 import parameter_server_pb2 as pb
 
 
 def owners(shard_map: ShardMap, name: str, ids: np.ndarray) -> np.ndarray:

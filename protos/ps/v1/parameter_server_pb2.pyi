@@ -220,16 +220,44 @@ class PullRowsRequest(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[RowIds, _Mapping]]] = ..., min_step: _Optional[int] = ..., worker_id: _Optional[str] = ..., clock: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class RowValues(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "data")
+    __slots__ = ("name", "dtype", "shape", "data", "ids")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReadStateRequest(_message.Message):
+    __slots__ = ("since_step", "whole", "min_step", "wait_timeout_ms")
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    since_step: int
+    whole: _containers.RepeatedScalarFieldContainer[str]
+    min_step: int
+    wait_timeout_ms: int
+    def __init__(self, since_step: _Optional[int] = ..., whole: _Optional[_Iterable[str]] = ..., min_step: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ReadStateResponse(_message.Message):
+    __slots__ = ("step", "chunks", "rows", "state_id", "dynamic_tables")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_TABLES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    rows: _containers.RepeatedCompositeFieldContainer[RowValues]
+    state_id: str
+    dynamic_tables: _containers.RepeatedCompositeFieldContainer[DynamicTableInfo]
+    def __init__(self, step: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[RowValues, _Mapping]]] = ..., state_id: _Optional[str] = ..., dynamic_tables: _Optional[_Iterable[_Union[DynamicTableInfo, _Mapping]]] = ...) -> None: ...
 
 class PullRowsResponse(_message.Message):
     __slots__ = ("step", "tables")

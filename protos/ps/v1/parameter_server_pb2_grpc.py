@@ -91,6 +91,11 @@ class ParameterServerStub:
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryResponse.FromString,
                 _registered_method=True)
+        self.ReadState = channel.unary_stream(
+                '/ps.v1.ParameterServer/ReadState',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ReadStateRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ReadStateResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -204,6 +209,16 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadState(self, request, context):
+        """The shard's trained state, or what changed of it since a step (ReadStateRequest): a
+        stream of messages of at most about 4 MiB of data each. FAILED_PRECONDITION before
+        InitParameters, DEADLINE_EXCEEDED when min_step is not reached in time, NOT_FOUND for an
+        unknown name in `whole`. Needs the reader role (or worker, or admin).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -261,6 +276,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.OpenSharedMemory,
                     request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryResponse.SerializeToString,
+            ),
+            'ReadState': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadState,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.ReadStateRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ReadStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,6 +582,33 @@ class ParameterServer:
             '/ps.v1.ParameterServer/OpenSharedMemory',
             ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.SerializeToString,
             ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ps.v1.ParameterServer/ReadState',
+            ps__proto_dot_v1_dot_parameter__server__pb2.ReadStateRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.ReadStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,17 +7,21 @@ these from its ServerConfig) and a pipeline stage worker's StageExchange server
 certificates. The roles (docs/security.md has the whole table):
 
 - A call's role comes from its token when it presents one (metadata ``authorization:
-  Bearer <token>``): the admin token gives ``admin``, the worker token ``worker``, any
-  other token is refused UNAUTHENTICATED. A server with no tokens ignores tokens.
+  Bearer <token>``): the admin token gives ``admin``, the worker token ``worker``, the
+  reader token ``reader``, any other token is refused UNAUTHENTICATED. A server with no
+  tokens ignores tokens.
 - A call without a token, under mutual TLS, takes its role from the client certificate
-  the handshake verified: ``admin`` when its subject holds ``OU=ps-admin``, ``worker``
-  otherwise. Without mutual TLS it has no role.
-- Every ps.v1 service but Admin (``ps.v1.ParameterServer``, ``ps.v1.StageExchange``) needs
-  ``worker`` (or ``admin``) when a worker token is set. ``ps.v1.Admin`` needs ``admin`` when
-  an admin token is set or mutual TLS is on, else ``worker`` when a worker token is set.
-  Health checks and reflection need nothing, so probes and grpcurl work without credentials.
+  the handshake verified: ``admin`` when its subject holds ``OU=ps-admin``, ``reader`` when
+  it holds ``OU=ps-reader``, ``worker`` otherwise. Without mutual TLS it has no role.
+- The read-only rpcs of ``ps.v1.ParameterServer`` (READ_METHODS: GetClusterInfo, Pull,
+  PullRows, ReadState) need ``reader`` (or higher) when a worker token is set or mutual TLS
+  is on. Every other rpc of the ps.v1 services but Admin (``ps.v1.ParameterServer``,
+  ``ps.v1.StageExchange``) needs ``worker`` (or ``admin``) then. ``ps.v1.Admin`` needs
+  ``admin`` when an admin token is set or mutual TLS is on, else ``worker`` when a worker
+  token is set. Health checks and reflection need nothing, so probes and grpcurl work
+  without credentials.
 - A call without the role its rpc needs gets UNAUTHENTICATED when it has no role at all,
-  PERMISSION_DENIED when it has one (the worker token calling Admin).
+  PERMISSION_DENIED when it has one (the worker token calling Admin, a reader calling Push).
 
 The interceptor decides from the metadata alone when it can, so an allowed call runs its
 handler unwrapped; only the client-certificate case checks the peer inside the call. A
@@ -32,7 +36,7 @@ import ipaddress
 import logging
 import ssl
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -49,8 +53,19 @@ OPEN_SERVICES: frozenset[str] = frozenset({
 })
 #: The operator service; see the role table above.
 ADMIN_SERVICE = "ps.v1.Admin"
+#: The rpcs that only read a shard's state: the reader role may call them (and nothing else but the
+#: open services). Full method names, as gRPC gives them to interceptors.
+READ_METHODS: frozenset[str] = frozenset({
+    "/ps.v1.ParameterServer/GetClusterInfo",
+    "/ps.v1.ParameterServer/Pull",
+    "/ps.v1.ParameterServer/PullRows",
+    "/ps.v1.ParameterServer/ReadState",
+})
 #: Under mutual TLS, a client certificate whose subject has this organizational unit is an admin.
 ADMIN_OU = "ps-admin"
+#: Under mutual TLS, a client certificate whose subject has this organizational unit (and not ADMIN_OU)
+#: is a reader: it may call READ_METHODS only.
+READER_OU = "ps-reader"
 #: The metadata key naming the calling worker, sent with every PSClient call. It proves nothing (the
 #: token or certificate does): a shard uses it to give a registered worker's calls slots of their own
 #: (ps_server/admission.py), so anonymous callers cannot take them.
@@ -61,8 +76,9 @@ class Role(enum.IntEnum):
     """What a caller may do; a higher role may do everything a lower one may."""
 
     NONE = 0
-    WORKER = 1
-    ADMIN = 2
+    READER = 1   # the read-only rpcs (READ_METHODS)
+    WORKER = 2
+    ADMIN = 3
 
 
 def is_loopback(host: str) -> bool:
@@ -145,13 +161,16 @@ def subject_attributes(subject: str, attribute: str) -> list[str]:
 
 
 def certificate_role(auth_context: dict[str, Sequence[bytes]]) -> Role:
-    """The role of a verified client certificate: ADMIN for OU=ps-admin, WORKER for any other, NONE without one."""
+    """The role of a verified client certificate: ADMIN for OU=ps-admin, else READER for OU=ps-reader, else
+    WORKER; NONE without one."""
     subjects = auth_context.get("x509_subject") or []
     if not subjects and not auth_context.get("x509_common_name") and not auth_context.get("x509_pem_cert"):
         return Role.NONE
-    for subject in subjects:
-        if ADMIN_OU in subject_attributes(subject.decode("utf-8", "replace"), "OU"):
-            return Role.ADMIN
+    units = [ou for subject in subjects for ou in subject_attributes(subject.decode("utf-8", "replace"), "OU")]
+    if ADMIN_OU in units:
+        return Role.ADMIN
+    if READER_OU in units:
+        return Role.READER
     return Role.WORKER
 
 
@@ -173,41 +192,56 @@ ALLOW = Verdict(True)
 class AccessPolicy:
     """The role each rpc needs and the role each credential gives (pure: unit-testable without sockets)."""
 
-    worker_token: str | None = None
-    admin_token: str | None = None
+    # The tokens are secrets: kept out of repr(), as in ServerConfig.
+    worker_token: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)
     mutual_tls: bool = False
+    #: Gives the reader role; only meaningful beside a worker token or mutual TLS (ServerConfig checks).
+    reader_token: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, config) -> "AccessPolicy":
-        """The policy of any settings object with ``auth_token``, ``admin_token`` and ``tls_client_ca``."""
-        return cls(config.auth_token, config.admin_token, config.tls_client_ca is not None)
+        """The policy of any settings object with ``auth_token``, ``admin_token``, ``tls_client_ca`` (and
+        optionally ``reader_token``)."""
+        return cls(config.auth_token, config.admin_token, config.tls_client_ca is not None,
+                   getattr(config, "reader_token", None))
 
     @property
     def open(self) -> bool:
-        """True when nothing is ever checked (no tokens, no mutual TLS): no interceptor is needed."""
+        """True when nothing is ever checked (no worker or admin token, no mutual TLS): no interceptor is needed.
+
+        A reader token alone protects nothing (ServerConfig refuses it): reads are open when writes are.
+        """
         return self.worker_token is None and self.admin_token is None and not self.mutual_tls
+
+    @property
+    def _has_tokens(self) -> bool:
+        return self.worker_token is not None or self.admin_token is not None or self.reader_token is not None
 
     def needed(self, method: str) -> Role:
         """The role a full method name (``/package.Service/Method``) needs."""
-        service = method.lstrip("/").partition("/")[0]
+        name = method.lstrip("/")
+        service = name.partition("/")[0]
         if service in OPEN_SERVICES:
             return Role.NONE
         if service == ADMIN_SERVICE:
             if self.admin_token is not None or self.mutual_tls:
                 return Role.ADMIN
             return Role.WORKER if self.worker_token is not None else Role.NONE
-        return Role.WORKER if self.worker_token is not None else Role.NONE
+        if self.worker_token is None and not self.mutual_tls:
+            return Role.NONE
+        return Role.READER if "/" + name in READ_METHODS else Role.WORKER
 
     def token_role(self, token: str) -> Role | None:
-        """The role a presented token gives; None when it is neither token (compared in constant time)."""
+        """The role a presented token gives; None when it is none of the tokens (compared in constant time)."""
         given = token.encode()
-        is_admin = self.admin_token is not None and hmac.compare_digest(given, self.admin_token.encode())
-        is_worker = self.worker_token is not None and hmac.compare_digest(given, self.worker_token.encode())
-        if is_admin:
-            return Role.ADMIN
-        if is_worker:
-            return Role.WORKER
-        return None
+        found = None
+        # Every configured token is compared (no early exit), the highest role first.
+        for role, expected in ((Role.ADMIN, self.admin_token), (Role.WORKER, self.worker_token),
+                               (Role.READER, self.reader_token)):
+            if expected is not None and hmac.compare_digest(given, expected.encode()) and found is None:
+                found = role
+        return found
 
     def decide(self, method: str, authorization: str | None) -> Verdict:
         """The verdict for a call from its method and its ``authorization`` metadata (None: absent)."""
@@ -215,7 +249,7 @@ class AccessPolicy:
         if needed == Role.NONE:
             return ALLOW
         role = Role.NONE
-        if authorization is not None and (self.worker_token is not None or self.admin_token is not None):
+        if authorization is not None and self._has_tokens:
             token = parse_bearer(authorization)
             if token is None:
                 return Verdict(False, grpc.StatusCode.UNAUTHENTICATED,
@@ -244,9 +278,13 @@ class AccessPolicy:
         if role == Role.ADMIN:
             tokens = ["the admin token"] if self.admin_token is not None else []
             certificate = f"a client certificate with OU={ADMIN_OU}" if self.mutual_tls else ""
-        else:
+        elif role == Role.WORKER:
             tokens = [f"the {name} token" for name, t in (("worker", self.worker_token), ("admin", self.admin_token))
                       if t is not None]
+            certificate = f"a client certificate without OU={READER_OU}" if self.mutual_tls else ""
+        else:
+            tokens = [f"the {name} token" for name, t in (("reader", self.reader_token), ("worker", self.worker_token),
+                                                         ("admin", self.admin_token)) if t is not None]
             certificate = "a client certificate" if self.mutual_tls else ""
         ways = []
         if tokens:

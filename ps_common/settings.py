@@ -175,6 +175,12 @@ class ServerSettings:
                                             default_doc="$PS_ADMIN_TOKEN, else none",
                                             help="file holding the admin token (ps.v1.Admin needs it); never a flag "
                                                  "value, so it stays out of process listings")
+    reader_token_file: str | None = _setting(None, "--reader-token-file", scopes=_SERVER, metavar="FILE",
+                                             default_doc="$PS_READER_TOKEN, else none",
+                                             help="file holding the reader token: it may call only the read-only "
+                                                  "rpcs (GetClusterInfo, Pull, PullRows, ReadState), e.g. for "
+                                                  "ps-serve --follow; needs a worker token or mutual TLS "
+                                                  "(docs/security.md)")
     insecure: bool = _setting(False, "--insecure", scopes=frozenset({"server"}),
                               help="allow plaintext gRPC on a non-loopback host (e.g. 0.0.0.0 from TF_CONFIG) "
                                    "without TLS")
@@ -364,8 +370,11 @@ class LaunchSettings:
     """[launch]: the local launcher (`ps-launch`)."""
 
     record: str | None = _setting(None, "--record", scopes=_LAUNCH, metavar="DIR",
-                                  help="write DIR/run.json (summary, settings, events) and DIR/plot.png "
-                                       "(loss and accuracy over steps)")
+                                  help="write DIR/run.json (summary, settings, events), DIR/model.onnx (the "
+                                       "trained model) and DIR/plot.png (loss and accuracy over steps)")
+    export: str | None = _setting(None, "--export", scopes=_LAUNCH, metavar="PATH",
+                                  help="write the trained model to PATH when the job ends: the given ONNX model "
+                                       "with the shards' values (docs/serving.md)")
     timeout: float = _setting(1800.0, "--timeout", scopes=_LAUNCH, positive=True, metavar="SECONDS",
                               help="longest run of the whole job; then everything is stopped")
     ready_timeout: float = _setting(60.0, "--ready-timeout", scopes=_LAUNCH, positive=True, metavar="SECONDS",

@@ -23,6 +23,7 @@ AUTH_SCHEME = "Bearer"
 #: Environment variables a command reads a token from when no token file is given.
 AUTH_TOKEN_ENV = "PS_AUTH_TOKEN"
 ADMIN_TOKEN_ENV = "PS_ADMIN_TOKEN"
+READER_TOKEN_ENV = "PS_READER_TOKEN"
 
 Metadata = tuple[tuple[str, str], ...]
 

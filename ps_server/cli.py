@@ -15,7 +15,7 @@ from types import FrameType
 from ps_common import jobconfig
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.logs import configure_logging
-from ps_common.tls import ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, token_from
+from ps_common.tls import ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, READER_TOKEN_ENV, token_from
 from ps_server.config import ServerConfig
 from ps_server.optimizers import make_optimizer
 from ps_server.server import create_server
@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 def server_config(job: JobConfig, *, env: Mapping[str, str] | None = None) -> ServerConfig:
     """The shard's ServerConfig from the job's settings (ValueError naming a bad value).
 
-    Tokens come from the token files when set, else from $PS_AUTH_TOKEN / $PS_ADMIN_TOKEN
-    in `env` (default os.environ), never from flags.
+    Tokens come from the token files when set, else from $PS_AUTH_TOKEN / $PS_ADMIN_TOKEN /
+    $PS_READER_TOKEN in `env` (default os.environ), never from flags.
     """
     s = job.server
     params = job.optimizer_hyperparameters()
@@ -53,7 +53,8 @@ def server_config(job: JobConfig, *, env: Mapping[str, str] | None = None) -> Se
         checkpoint_every_seconds=s.checkpoint_every_seconds, checkpoint_keep=s.checkpoint_keep,
         metrics_port=s.metrics_port, log_json=job.job.log_json, tls_cert=s.tls_cert, tls_key=s.tls_key,
         tls_client_ca=s.tls_client_ca, auth_token=token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV, environ=env),
-        admin_token=token_from(s.admin_token_file, env_var=ADMIN_TOKEN_ENV, environ=env), insecure=s.insecure,
+        admin_token=token_from(s.admin_token_file, env_var=ADMIN_TOKEN_ENV, environ=env),
+        reader_token=token_from(s.reader_token_file, env_var=READER_TOKEN_ENV, environ=env), insecure=s.insecure,
         max_receive_message_bytes=s.max_receive_message_bytes, max_concurrent_rpcs=s.max_concurrent_rpcs,
         data_plane_calls=s.data_plane_calls, stream_idle_seconds=s.stream_idle_seconds,
         max_shard_bytes=s.max_shard_bytes, max_name_bytes=s.max_name_bytes, max_id_bytes=s.max_id_bytes,

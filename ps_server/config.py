@@ -62,6 +62,7 @@ class ServerConfig:
     # The tokens are secrets: kept out of repr(), so a logged config never shows them.
     auth_token: str | None = field(default=None, repr=False)   # worker token: ps.v1.ParameterServer needs it
     admin_token: str | None = field(default=None, repr=False)  # admin token: ps.v1.Admin needs it
+    reader_token: str | None = field(default=None, repr=False)  # reader token: the read-only rpcs only
     insecure: bool = False              # allow plaintext on a non-loopback host (logged as a warning)
     max_receive_message_bytes: int = MAX_MESSAGE_BYTES  # larger requests get RESOURCE_EXHAUSTED
     max_concurrent_rpcs: int | None = None  # more at once get RESOURCE_EXHAUSTED; None: 4 x max_workers + control
@@ -171,7 +172,7 @@ class ServerConfig:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError(f"Invalid tls_client_ca: {self.tls_client_ca!r} needs tls_cert and tls_key "
                              "(mutual TLS is TLS plus client certificates)")
-        for name in ("auth_token", "admin_token"):
+        for name in ("auth_token", "admin_token", "reader_token"):
             token = getattr(self, name)
             # The value is a secret: messages give its length, never the value.
             if token is not None and (not isinstance(token, str) or not token
@@ -181,6 +182,17 @@ class ServerConfig:
                                  "ASCII without spaces")
         if self.auth_token is not None and self.auth_token == self.admin_token:
             raise ValueError("Invalid admin_token: it equals auth_token, so every worker would be an admin")
+        if self.reader_token is not None:
+            for name, role in (("auth_token", "a worker"), ("admin_token", "an admin")):
+                if self.reader_token == getattr(self, name):
+                    raise ValueError(f"Invalid reader_token: it equals {name}, so every reader would be {role} "
+                                     "(give readers a token of their own)")
+            if self.auth_token is None and self.tls_client_ca is None:
+                raise ValueError(
+                    "Invalid reader_token: it needs auth_token (the worker token: --auth-token-file, "
+                    "$PS_AUTH_TOKEN) or mutual TLS (tls_client_ca, --tls-client-ca); without either, "
+                    "ps.v1.ParameterServer is open to every caller, so the reader token would grant nothing an "
+                    "anonymous caller lacks and would restrict no one")
         if not MAX_MESSAGE_BYTES <= self.max_receive_message_bytes <= 2**31 - 1:
             raise ValueError(f"Invalid max_receive_message_bytes: {self.max_receive_message_bytes} "
                              f"(must be >= {MAX_MESSAGE_BYTES}, the largest message the protocol sends, "

@@ -17,6 +17,8 @@ from ps_common.access import (  # noqa: F401 - re-exported: the shard's security
     ADMIN_SERVICE,
     ALLOW,
     OPEN_SERVICES,
+    READ_METHODS,
+    READER_OU,
     AccessPolicy,
     AuthInterceptor,
     Role,
@@ -52,7 +54,7 @@ def check_bind(config: ServerConfig) -> None:
         log.warning("shard %d serves PLAINTEXT gRPC on %s, a non-loopback address (insecure mode): anyone who can "
                     "reach it can read the traffic%s", config.shard_index, where,
                     "" if config.auth_token or config.admin_token else " and call every rpc")
-    for name in ("auth_token", "admin_token"):
+    for name in ("auth_token", "admin_token", "reader_token"):
         token = getattr(config, name)
         if token is not None and len(token) < WEAK_TOKEN_CHARS:
             log.warning("shard %d: %s has only %d characters; use %d or more random ones (openssl rand -hex 32)",
@@ -74,8 +76,13 @@ def describe(config: ServerConfig) -> str:
         role = policy.needed(method)
         return "no credential" if role == Role.NONE else f"the {role.name.lower()} role"
 
-    return (f"{transport}; ps.v1.ParameterServer needs {needs('/ps.v1.ParameterServer/Push')}, "
-            f"ps.v1.Admin needs {needs('/ps.v1.Admin/Shutdown')}; health checks and reflection need none")
+    writes, reads = needs("/ps.v1.ParameterServer/Push"), needs(min(READ_METHODS))
+    read_only = ", ".join(sorted(m.rpartition("/")[2] for m in READ_METHODS))
+    server = f"ps.v1.ParameterServer needs {writes}"
+    if reads != writes:
+        server += f" (its read-only rpcs {read_only} need {reads})"
+    return (f"{transport}; {server}, ps.v1.Admin needs {needs('/ps.v1.Admin/Shutdown')}; "
+            "health checks and reflection need none")
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:

@@ -1,6 +1,6 @@
 """The `ps-certs` command: a development CA, server and client certificates and two tokens for a secured job.
 
-    ps-certs [-o DIR] [-s SAN]... [-d DAYS] [-f]
+    ps-certs [-o DIR] [-s SAN]... [-d DAYS] [-f] [--reader]
 
 It writes into DIR (default ./certs; existing files are refused unless -f):
 
@@ -16,6 +16,10 @@ It writes into DIR (default ./certs; existing files are refused unless -f):
 ``worker.token``,              random bearer tokens (--auth-token-file, --admin-token-file)
 ``admin.token``
 =============================  ============================================================
+
+With --reader it also writes ``reader.crt``, ``reader.key`` (a client certificate with
+OU=ps-reader: the read-only reader role under mutual TLS) and ``reader.token``
+(--reader-token-file), for ps-serve --follow and ps-ctl export.
 
 Keys and tokens are written mode 0600, certificates 0644. EC P-256 keys without a
 passphrase, one CA for everything: for development and tests; use your own PKI in
@@ -48,6 +52,8 @@ DEFAULT_SANS = ("DNS:localhost", "IP:127.0.0.1", "IP:::1")
 #: Every file written, in order.
 FILES = ("ca.crt", "ca.key", "server.crt", "server.key", "worker.crt", "worker.key", "admin.crt", "admin.key",
          "worker.token", "admin.token")
+#: The files --reader adds: the read-only reader role's certificate (OU=ps-reader), key and token.
+READER_FILES = ("reader.crt", "reader.key", "reader.token")
 #: The organization of every subject.
 ORGANIZATION = "onnx-ps dev"
 
@@ -136,8 +142,9 @@ def _pem_cert(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def make_files(sans: Sequence[str] = (), days: int = 365) -> dict[str, bytes]:
-    """Every file's bytes, by name (FILES), for a server certificate naming DEFAULT_SANS and `sans`."""
+def make_files(sans: Sequence[str] = (), days: int = 365, *, reader: bool = False) -> dict[str, bytes]:
+    """Every file's bytes, by name (FILES, and READER_FILES when `reader`), for a server certificate naming
+    DEFAULT_SANS and `sans`."""
     if days < 1:
         raise CertsError(f"invalid -d {days}: a whole number of days >= 1")
     names = [parse_san(s) for s in (*DEFAULT_SANS, *sans)]
@@ -146,12 +153,15 @@ def make_files(sans: Sequence[str] = (), days: int = 365) -> dict[str, bytes]:
     server = make_leaf(ca, "ps-server", ExtendedKeyUsageOID.SERVER_AUTH, days, now, names)
     worker = make_leaf(ca, "ps-worker", ExtendedKeyUsageOID.CLIENT_AUTH, days, now)
     admin = make_leaf(ca, "ps-admin", ExtendedKeyUsageOID.CLIENT_AUTH, days, now)
+    leaves = [("server", server), ("worker", worker), ("admin", admin)]
+    if reader:
+        leaves.append(("reader", make_leaf(ca, "ps-reader", ExtendedKeyUsageOID.CLIENT_AUTH, days, now)))
     files = {"ca.crt": _pem_cert(ca.cert), "ca.key": _pem_key(ca.key)}
-    for role, issued in (("server", server), ("worker", worker), ("admin", admin)):
+    for role, issued in leaves:
         files[f"{role}.crt"] = _pem_cert(issued.cert)
         files[f"{role}.key"] = _pem_key(issued.key)
-    files["worker.token"] = (secrets.token_hex(32) + "\n").encode()
-    files["admin.token"] = (secrets.token_hex(32) + "\n").encode()
+    for role in ("worker", "admin", "reader") if reader else ("worker", "admin"):
+        files[f"{role}.token"] = (secrets.token_hex(32) + "\n").encode()
     return files
 
 
@@ -194,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                         + ", ".join(DEFAULT_SANS) + ")")
     p.add_argument("-d", "--days", type=int, default=365, help="validity of every certificate in days (default: 365)")
     p.add_argument("-f", "--force", action="store_true", help="overwrite files that exist (default: refuse)")
+    p.add_argument("--reader", action="store_true",
+                   help="also write reader.crt, reader.key (OU=ps-reader) and reader.token: the read-only reader role")
     return p
 
 
@@ -201,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out)
     try:
-        write_files(out, make_files(args.san, args.days), force=args.force)
+        files = make_files(args.san, args.days, reader=args.reader)
+        write_files(out, files, force=args.force)
     except CertsError as exc:
         print(f"ps-certs: {exc}", file=sys.stderr)
         return 2
@@ -209,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps-certs: cannot write to {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     names = ", ".join((*DEFAULT_SANS, *args.san))
-    print(f"ps-certs: wrote {' '.join(FILES)} to {out} (server names: {names}; valid {args.days} days)")
+    print(f"ps-certs: wrote {' '.join(files)} to {out} (server names: {names}; valid {args.days} days)")
     return 0
 
 

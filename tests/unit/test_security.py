@@ -207,7 +207,8 @@ def test_under_mutual_tls_a_call_without_enough_token_role_is_decided_by_its_cer
 def test_mutual_tls_restricts_admin_to_the_admin_role_even_without_tokens():
     policy = AccessPolicy(mutual_tls=True)
     assert policy.needed(ADMIN_RPCS[0]) == Role.ADMIN
-    assert policy.needed(PUSH) == Role.NONE
+    # Every verified certificate is at least a reader (OU=ps-reader), so writes need the worker role.
+    assert policy.needed(PUSH) == Role.WORKER
 
 
 def test_a_client_certificate_with_ou_ps_admin_is_an_admin_and_any_other_a_worker():

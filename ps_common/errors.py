@@ -288,6 +288,13 @@ class ProcessStartError(PSError, RuntimeError):
     status, reason = None, "PROCESS_START"
 
 
+class ExportError(PSError, ValueError):
+    """A trained model that cannot be exported (ps_tools/export.py): a model that does not match the shards, a
+    partial checkpoint set, a step that is gone; one line naming the thing and the values (the tools exit 2)."""
+
+    status, reason = None, "EXPORT"
+
+
 class LaunchError(PSError, RuntimeError):
     """ps-launch could not run the job to the end; the message names the process and what happened."""
 

@@ -1,4 +1,6 @@
-"""The `ps-ctl` command: `ps-ctl status ADDRESS[,ADDRESS...]` prints the cluster's shards and workers.
+"""The `ps-ctl` command: `ps-ctl status ADDRESS[,ADDRESS...]` prints the cluster's shards and workers;
+`ps-ctl export --model USER.onnx --out PATH --servers ADDRS | --checkpoint-dir DIR` writes the trained
+model (ps_tools/export.py; docs/serving.md).
 
 It asks every address for GetClusterInfo concurrently, each call bounded by --timeout,
 and prints one table of shards and one of workers (or the same as JSON with --json).
@@ -7,9 +9,9 @@ shards that answered are still printed.
 
 It takes the workers' TLS and token settings, so it can ask a secured job: --tls-ca
 (turns TLS on), --tls-cert/--tls-key (mutual TLS), --tls-server-name (when the address is
-not a name the certificate holds), and a token: --admin-token-file or --auth-token-file
-(else $PS_ADMIN_TOKEN, else $PS_AUTH_TOKEN). GetClusterInfo needs the worker role, which
-the admin token also gives.
+not a name the certificate holds), and a token: --admin-token-file, --auth-token-file or
+--reader-token-file (else $PS_ADMIN_TOKEN, else $PS_AUTH_TOKEN, else $PS_READER_TOKEN).
+GetClusterInfo and ReadState need only the reader role, which every token gives.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import grpc
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_common.cluster_info import owned_parts_and_bytes
-from ps_common.tls import ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, Metadata, bearer_metadata, token_from
+from ps_common.errors import ExportError
+from ps_common.tls import (ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, READER_TOKEN_ENV, Metadata, bearer_metadata,
+                           channel_credentials, token_from)
 from ps_tools.health import open_channel
 
 #: Seconds to wait for each shard's answer unless --timeout says otherwise.
@@ -140,9 +144,10 @@ def format_table(summary: dict[str, Any]) -> str:
 
 #: What to check, by status, when a shard refuses the call.
 HINTS = {
-    grpc.StatusCode.UNAUTHENTICATED: "the shard wants a token: --auth-token-file or --admin-token-file "
-                                     "(or $PS_AUTH_TOKEN / $PS_ADMIN_TOKEN)",
-    grpc.StatusCode.PERMISSION_DENIED: "the token or certificate lacks the role: use the worker or admin token",
+    grpc.StatusCode.UNAUTHENTICATED: "the shard wants a token: --reader-token-file, --auth-token-file or "
+                                     "--admin-token-file (or $PS_READER_TOKEN / $PS_AUTH_TOKEN / $PS_ADMIN_TOKEN)",
+    grpc.StatusCode.PERMISSION_DENIED: "the token or certificate lacks the role: use the reader, worker or admin "
+                                       "token",
 }
 
 
@@ -170,16 +175,8 @@ def collect(addresses: Sequence[str], timeout: float, connection: Connection | N
 
 # ---------------------------------------------------------------------- command line
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ps-ctl", description="Inspect a running parameter-server job.")
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("status", help="print the shards and workers of a job")
-    s.add_argument("addresses", metavar="ADDRESS[,ADDRESS...]",
-                   help="shard addresses host:port, comma-separated (one or more arguments)", nargs="+")
-    s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    s.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help=f"seconds to wait for each shard (default {DEFAULT_TIMEOUT:g})")
-    tls = s.add_argument_group("a secured job (docs/security.md): the workers' settings")
+def _add_security(p: argparse.ArgumentParser) -> None:
+    tls = p.add_argument_group("a secured job (docs/security.md): the workers' settings")
     tls.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA bundle (the shards' issuer)")
     tls.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (with --tls-key)")
     tls.add_argument("--tls-key", metavar="PEM", help="the private key of the client certificate")
@@ -190,6 +187,41 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--admin-token-file", metavar="FILE",
                      help=f"file holding the admin token, sent instead of the worker token (default "
                           f"${ADMIN_TOKEN_ENV})")
+    tls.add_argument("--reader-token-file", metavar="FILE",
+                     help=f"file holding the read-only reader token (default ${READER_TOKEN_ENV})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ps-ctl", description="Inspect a running parameter-server job; export its "
+                                                           "trained model.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("status", help="print the shards and workers of a job")
+    s.add_argument("addresses", metavar="ADDRESS[,ADDRESS...]",
+                   help="shard addresses host:port, comma-separated (one or more arguments)", nargs="+")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    s.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"seconds to wait for each shard (default {DEFAULT_TIMEOUT:g})")
+    _add_security(s)
+    e = sub.add_parser("export", help="write the trained model: the given ONNX model with the job's values",
+                       description="Writes the model the job trained: MODEL with every trained initializer and "
+                                   "running statistic replaced, from the live shards (--servers, at one step) or "
+                                   "from their checkpoint folders (--checkpoint-dir, no shard running). Prints one "
+                                   "JSON line; exit 2 with one line on stderr when it cannot.")
+    e.add_argument("--model", required=True, metavar="USER.onnx", help="the model the job was given")
+    e.add_argument("--out", required=True, metavar="PATH", help="where to write the trained model (.onnx)")
+    source = e.add_mutually_exclusive_group(required=True)
+    source.add_argument("--servers", metavar="ADDRESS[,ADDRESS...]",
+                        help="the job's shard addresses, in shard order (the reader role suffices)")
+    source.add_argument("--checkpoint-dir", metavar="DIR", action="append",
+                        help="a shard's checkpoint folder, once per shard (or the one folder holding "
+                             "shard0, shard1, ... as ps-launch --checkpoint-dir writes them)")
+    e.add_argument("--step", type=int, metavar="N",
+                   help="export this step (default: the newest one every shard holds)")
+    e.add_argument("--external-data", action="store_true",
+                   help="keep the tensors in a data file beside the model (default: only above 1 GiB)")
+    e.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to reach the shards and read them at one step (default 60)")
+    _add_security(e)
     return p
 
 
@@ -202,8 +234,11 @@ def connection_from(args: argparse.Namespace) -> Connection:
         token = token_from(args.admin_token_file)
     elif args.auth_token_file is not None:
         token = token_from(args.auth_token_file)
+    elif args.reader_token_file is not None:
+        token = token_from(args.reader_token_file)
     else:
-        token = token_from(env_var=ADMIN_TOKEN_ENV) or token_from(env_var=AUTH_TOKEN_ENV)
+        token = (token_from(env_var=ADMIN_TOKEN_ENV) or token_from(env_var=AUTH_TOKEN_ENV)
+                 or token_from(env_var=READER_TOKEN_ENV))
     for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if path is not None:
             try:
@@ -214,9 +249,41 @@ def connection_from(args: argparse.Namespace) -> Connection:
     return Connection(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, bearer_metadata(token))
 
 
+def export_main(args: argparse.Namespace) -> int:
+    """ps-ctl export: 0 and one JSON line when the model is written; 2 and one line on stderr when it cannot be."""
+    from ps_tools import export
+
+    try:
+        connection = connection_from(args)
+        if args.timeout <= 0:
+            raise ExportError(f"Invalid --timeout: {args.timeout} (must be > 0)")
+        if args.servers is not None:
+            addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
+            if not addresses:
+                raise ExportError("--servers names no address")
+            credentials = (channel_credentials(connection.tls_ca, connection.tls_cert, connection.tls_key)
+                           if connection.tls_ca or connection.tls_cert else None)
+            state = export.read_servers(addresses, channel_credentials=credentials,
+                                        call_metadata=connection.metadata, server_name=connection.server_name,
+                                        step=args.step, timeout=args.timeout)
+        else:
+            state = export.read_checkpoints(args.checkpoint_dir, step=args.step)
+        path = export.export(args.model, state, args.out, external_data=True if args.external_data else None)
+    except (ExportError, ValueError) as exc:
+        print(f"ps-ctl export: {exc}", file=sys.stderr)
+        return 2
+    files = [path, *path.parent.glob(f"{path.name}.*.data")]
+    print(json.dumps({"exported": str(path), "model": args.model, "step": state.step, "shard_steps": state.steps,
+                      "mode": state.mode, "source": state.source, "bytes": sum(f.stat().st_size for f in files),
+                      "dynamic_tables": {n: len(ids) for n, (ids, _) in state.dynamic.items()}}), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 when every address answered, 1 when one did not, 2 for bad arguments."""
     args = build_parser().parse_args(argv)
+    if args.command == "export":
+        return export_main(args)
     addresses = [a.strip() for arg in args.addresses for a in arg.split(",") if a.strip()]
     if not addresses:
         print("ps-ctl: no addresses given", file=sys.stderr)

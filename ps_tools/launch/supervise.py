@@ -39,6 +39,8 @@ from ps_common.process import ChildProcess, Output
 from ps_common.scratch import ScratchDir
 from ps_models.datasets import Dataset
 from ps_server.cli import READY_PREFIX
+from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
+from ps_tools import export
 from ps_tools.launch.children import Child, shard_argv, stage_argv, worker_argv
 from ps_tools.launch.display import LEVELS, PLAIN, Display, Progress, display_level, format_number
 from ps_tools.launch.pipeline_evaluation import PipelineEvaluations
@@ -138,6 +140,11 @@ class Launcher:
                 check_port_free(base + i, f"shard {i}'s metrics endpoint (--metrics-port {base} + {i})")
         if c.worker.tensorboard:
             self.tensorboard = JobScalars(c.worker.tensorboard)
+        if c.launch.export:
+            out = Path(c.launch.export)
+            if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
+                raise JobConfigError(f"Invalid --export {c.launch.export!r}: give a file name in an existing folder "
+                                     "(e.g. runs/model.onnx)")
 
     # ------------------------------------------------------------------ processes
 
@@ -416,6 +423,35 @@ class Launcher:
             self.tensorboard.close()
         self._scratch.cleanup()
 
+    def export_model(self, addresses: list[str]) -> list[Path]:
+        """Writes the trained model (ps_tools/export.py) to --export and to --record's model.onnx, read from the
+        live shards at one step (every stage's shards, for a pipeline job). LaunchError when it cannot."""
+        c = self.config
+        targets = [Path(p) for p in (c.launch.export, c.launch.record and str(Path(c.launch.record) / "model.onnx"))
+                   if p]
+        if not targets:
+            return []
+        assert self.model_path is not None
+        credentials, metadata = client_security(c.worker.tls_ca, c.worker.tls_cert, c.worker.tls_key,
+                                                token_from(c.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
+        groups = [addresses[k * c.job.shards:(k + 1) * c.job.shards] for k in range(c.job.stages)]
+        job = json.dumps({"model": c.worker.model, "data": c.worker.data, "mode": c.job.mode, "shards": c.job.shards,
+                          "workers": c.job.workers, "stages": c.job.stages, "optimizer": c.server.optimizer,
+                          "lr": c.server.lr})
+        try:
+            state = export.TrainedState.merged([
+                export.read_servers(group, channel_credentials=credentials, call_metadata=metadata,
+                                    timeout=c.job.wait_timeout) for group in groups])
+            model = export.build_model(self.model_path, state, job=job)
+            for target in targets:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                export.write_model(model, target)
+        except (PSError, ValueError, OSError) as exc:
+            raise LaunchError(f"cannot export the trained model to {', '.join(map(str, targets))}: {exc}") from exc
+        self._say(f"trained model at step {state.step} written to {', '.join(map(str, targets))}", always=True,
+                  exported=[str(t) for t in targets], step=state.step)
+        return targets
+
     def _run(self) -> int:
         received: list[int] = []
 
@@ -435,6 +471,7 @@ class Launcher:
         try:
             addresses = self.start_shards()
             self.run_workers(addresses)
+            self.export_model(addresses)
         except LaunchError as exc:
             self.display.close()
             self._say(str(exc), "ERROR")

@@ -2,13 +2,16 @@
 
     ps-serve --model PATH [--name NAME] [--host 127.0.0.1] [--port 0] [--threads 1]
              [--tls-cert PEM --tls-key PEM] [--auth-token-file FILE] [--insecure] [--grpc-port N]
+             [--follow ADDRESS[,ADDRESS...] [--follow-interval S] [--follow-token-file FILE] ...]
 
 Once it listens it prints one line on stdout, ``PS_SERVE_READY {json}`` (``http``:
 HOST:PORT, ``url``, ``model``, ``version``, ``step``, ``tls``, ``token``, and ``grpc`` when
 served), which `ps_common.process.ChildProcess(..., ready_prefix="PS_SERVE_READY")` reads.
 A bad argument -- a missing model file, a model onnxruntime cannot load, a port in use, TLS
-files that cannot be read -- ends it with one line naming the thing, and exit status 2.
-docs/serving.md describes the endpoints, security and metrics.
+files that cannot be read, a job to follow that cannot be read or does not match the model --
+ends it with one line naming the thing, and exit status 2. With --follow the served weights
+follow a running job's shards (ps_serve/follow.py). docs/serving.md describes the endpoints,
+security, metrics and following.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from pathlib import Path
 from prometheus_client import disable_created_metrics
 
 from ps_common.logs import configure_logging
+from ps_common.tls import AUTH_TOKEN_ENV, READER_TOKEN_ENV, client_security, token_from
+from ps_serve.follow import Follower, FollowError
+from ps_serve.metrics import FollowCollector
 from ps_serve.model import ModelState, ServedModel
 from ps_serve.security import load_token
 from ps_serve.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_WORKERS, InferenceServer, ServeConfig
@@ -62,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer <token>' with the token in FILE on every endpoint but the "
                         "health checks (default: $PS_AUTH_TOKEN when set, else no token)")
     p.add_argument("--insecure", action="store_true", help="allow plaintext on a non-loopback --host")
+    f = p.add_argument_group("following a running job (docs/serving.md)")
+    f.add_argument("--follow", metavar="ADDRESS[,ADDRESS...]",
+                   help="keep the weights fresh from the job whose shards are here (in shard order): only what "
+                        "changed is read, each new step swapped in whole")
+    f.add_argument("--follow-interval", type=float, default=0.25, metavar="SECONDS",
+                   help="at least this long between two swaps (default 0.25)")
+    f.add_argument("--follow-token-file", metavar="FILE",
+                   help=f"the token to present to the shards; the reader token suffices (default ${READER_TOKEN_ENV}, "
+                        f"else ${AUTH_TOKEN_ENV})")
+    f.add_argument("--follow-tls-ca", metavar="PEM", help="the shards serve TLS: trust this CA bundle")
+    f.add_argument("--follow-tls-cert", metavar="PEM", help="client certificate for the shards' mutual TLS")
+    f.add_argument("--follow-tls-key", metavar="PEM", help="the private key of --follow-tls-cert")
+    f.add_argument("--follow-tls-server-name", metavar="NAME", help="the name the shards' certificate holds")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--log-json", action="store_true", help="log one JSON object per line on stderr")
     return p
@@ -77,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         server = _server(args)
-    except ValueError as exc:
+        follower = _follower(args, server)
+    except ValueError as exc:   # FollowError and ModelLoadError are ValueErrors
         print(f"ps-serve: {exc}", file=sys.stderr)
         return 2
     try:
@@ -86,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps-serve: {exc.strerror or exc}", file=sys.stderr)
         return 2
     finally:
+        if follower is not None:
+            follower.stop()
         _wait_for_workers()
 
 
@@ -96,11 +118,48 @@ def _server(args: argparse.Namespace) -> InferenceServer:
     if args.step is not None and args.step < 0:
         raise ValueError(f"--step must be 0 or more, got {args.step}")
     name = args.name if args.name is not None else Path(args.model).stem
+    if args.step is None:
+        args.step = exported_step(args.model)
     config = ServeConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, workers=args.workers,
                          max_request_bytes=args.max_request_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          token=load_token(args.auth_token_file), insecure=args.insecure)
     state = ModelState.load(args.model, threads=args.threads, step=args.step)
     return InferenceServer(ServedModel(name, state), config)
+
+
+def exported_step(path: str) -> int | None:
+    """The step an exported model holds (its onnx_ps.step metadata), None for any other model or file."""
+    import onnx
+
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 -- the model's own load reports an unreadable file, by name
+        return None
+    value = next((p.value for p in model.metadata_props if p.key == "onnx_ps.step"), None)
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _follower(args: argparse.Namespace, server: InferenceServer) -> Follower | None:
+    """With --follow: the follower, started (the job read whole and its step served); FollowError when it cannot."""
+    if args.follow is None:
+        return None
+    from worker_client.engine.load import read_model
+
+    addresses = [a.strip() for a in args.follow.split(",") if a.strip()]
+    if not addresses:
+        raise FollowError("--follow names no shard address")
+    if (args.follow_tls_cert is None) != (args.follow_tls_key is None):
+        raise FollowError("--follow-tls-cert and --follow-tls-key go together: give both or neither")
+    token = token_from(args.follow_token_file) if args.follow_token_file else (
+        token_from(env_var=READER_TOKEN_ENV) or token_from(env_var=AUTH_TOKEN_ENV))
+    credentials, metadata = client_security(args.follow_tls_ca, args.follow_tls_cert, args.follow_tls_key, token)
+    follower = Follower(server.served, read_model(args.model), addresses, channel_credentials=credentials,
+                        call_metadata=metadata, server_name=args.follow_tls_server_name,
+                        interval=args.follow_interval, threads=args.threads)
+    follower.start()
+    server.metrics.registry.register(FollowCollector(server.served.name, follower))
+    log.info("following the job at %s: serving step %s", ",".join(addresses), server.served.current().step)
+    return follower
 
 
 async def _serve(server: InferenceServer) -> int:

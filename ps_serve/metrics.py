@@ -10,6 +10,12 @@ Metric names (all prefixed ``ps_serve_``, all with the ``model`` label):
   inference_duration_seconds                histogram of the model runs alone (onnxruntime), successful ones
   step                                      the training step the served model holds; absent while unknown
                                             (read at scrape time, so it follows every swap)
+
+With --follow (ps_serve/follow.py), also:
+
+  follow_swaps_total                        new steps swapped in from the job
+  follow_failures_total                     reads of the job's shards that failed (the last good step stays served)
+  follow_shard_step{shard}                  each shard's step in the served state
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the HTTP endpoint
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ps_serve.model import ServedModel
@@ -54,6 +60,29 @@ class ServeMetrics:
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
         return generate_latest(self.registry)
+
+
+class FollowCollector(Collector):
+    """The follower's counters, read at scrape time (`follower`: a ps_serve.follow.Follower)."""
+
+    def __init__(self, model: str, follower) -> None:
+        self.model = model
+        self.follower = follower
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        swaps = CounterMetricFamily("ps_serve_follow_swaps", "New steps of the followed job swapped in",
+                                    labels=["model"])
+        swaps.add_metric([self.model], float(self.follower.swaps))
+        yield swaps
+        failures = CounterMetricFamily("ps_serve_follow_failures", "Failed reads of the followed job's shards",
+                                       labels=["model"])
+        failures.add_metric([self.model], float(self.follower.failures))
+        yield failures
+        steps = GaugeMetricFamily("ps_serve_follow_shard_step", "Each shard's step in the served state",
+                                  labels=["model", "shard"])
+        for shard, step in enumerate(self.follower.served_steps):
+            steps.add_metric([self.model, str(shard)], float(step))
+        yield steps
 
 
 class _StepCollector(Collector):

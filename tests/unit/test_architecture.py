@@ -15,6 +15,7 @@ PACKAGES = {
     "ps_server": "ps_server",
     "worker_client": "worker_client",
     "ps_tools": "ps_tools",
+    "ps_serve": "ps_serve",
     "protos/ps": "ps_proto",
     "models": "ps_models",
     "bench": "ps_bench",

@@ -23,7 +23,8 @@ def top_level_names() -> set[str]:
 def test_the_distribution_installs_only_the_projects_own_import_names() -> None:
     names = top_level_names()
     assert not names & USER_FOLDER_NAMES, f"top-level names a user's folder would collide with: {names & USER_FOLDER_NAMES}"
-    assert names == {"ps_proto", "ps_models", "ps_bench", "ps_common", "ps_server", "ps_tools", "worker_client"}
+    assert names == {"ps_proto", "ps_models", "ps_bench", "ps_common", "ps_server", "ps_tools", "worker_client",
+                     "ps_serve"}
 
 
 def imported_modules(package: Path) -> dict[str, set[str]]:
@@ -41,9 +42,12 @@ def imported_modules(package: Path) -> dict[str, set[str]]:
 
 
 @pytest.mark.parametrize(("package", "forbidden"), [
-    ("ps_server", {"worker_client", "ps_tools"}),
-    ("ps_common", {"ps_server", "worker_client", "ps_tools"}),
-    ("worker_client", {"ps_server", "ps_tools"}),
+    ("ps_server", {"worker_client", "ps_tools", "ps_serve"}),
+    ("ps_common", {"ps_server", "worker_client", "ps_tools", "ps_serve"}),
+    ("worker_client", {"ps_server", "ps_tools", "ps_serve"}),
+    # the inference server reads a job as a reader (worker_client's PSClient, ps_tools.export), never a shard's code
+    ("ps_serve", {"ps_server"}),
+    ("ps_tools", {"ps_serve"}),
 ])
 def test_a_package_imports_nothing_from_the_layers_above_it(package: str, forbidden: set[str]) -> None:
     offenders = {path: sorted(names & forbidden) for path, names in imported_modules(REPO_ROOT / package).items()
@@ -53,7 +57,8 @@ def test_a_package_imports_nothing_from_the_layers_above_it(package: str, forbid
 
 #: The folders that install as packages, and the import name each installs as (pyproject's package-dir).
 PACKAGE_ROOTS = {"protos/ps": "ps_proto", "models": "ps_models", "bench": "ps_bench", "ps_common": "ps_common",
-                 "ps_server": "ps_server", "worker_client": "worker_client", "ps_tools": "ps_tools"}
+                 "ps_server": "ps_server", "worker_client": "worker_client", "ps_tools": "ps_tools",
+                 "ps_serve": "ps_serve"}
 
 
 def test_every_package_folder_is_listed_in_pyproject_so_the_wheel_carries_it() -> None:

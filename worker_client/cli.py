@@ -70,7 +70,7 @@ def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None
                         steps=w.steps, epochs=w.epochs, seed=job.job.seed, eval_every=w.eval_every,
                         progress_every=w.progress_every, start_timeout=w.start_timeout,
                         wait_timeout=job.job.wait_timeout, dynamic_initializer=w.dynamic_initializer,
-                        evict_after_steps=w.evict_after_steps)
+                        evict_after_steps=w.evict_after_steps, overlap=w.overlap)
     log.info("worker %d of %d (%s): model %s, %s, shards %s", w.index, plan.num_workers, w.worker_id,
              prepared.model_path, dataset.describe(), w.servers,
              extra={"worker": w.index, "model": str(prepared.model_path), "servers": w.servers})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,3 +143,64 @@ def test_events_are_json_lines_with_the_fields_the_launcher_reads(start: Any, mo
     progress = next(e for e in events if e["event"] == "progress")
     assert {"step", "loss", "samples_per_second", "stale_drops", "worker"} <= set(progress)
 
+
+
+class _Recorder:
+    """Wraps a client's push_pull and an engine's step, noting each call's interval and the steps a push read."""
+
+    def __init__(self, client: PSClient, engine: GradientEngine) -> None:
+        self.pushes: list[tuple[float, float, list[int]]] = []
+        self.steps: list[tuple[float, float]] = []
+        push_pull, step = client.push_pull, engine.step
+
+        def recorded_push_pull(*args: Any, **kwargs: Any):
+            began = time.monotonic()
+            reads = list(kwargs.get("read_steps") or client.steps)
+            try:
+                return push_pull(*args, **kwargs)
+            finally:
+                self.pushes.append((began, time.monotonic(), reads))
+
+        def recorded_step(*args: Any, **kwargs: Any):
+            began = time.monotonic()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self.steps.append((began, time.monotonic()))
+
+        client.push_pull = recorded_push_pull   # type: ignore[method-assign]
+        engine.step = recorded_step             # type: ignore[method-assign]
+
+    def overlapped(self) -> int:
+        """How many pushes ran while a gradient was being computed."""
+        return sum(any(a < d and c < b for c, d in self.steps) for a, b, _ in self.pushes)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_async_overlaps_each_push_with_the_next_gradient_adding_exactly_one_step_of_staleness(
+        start: Any, model: Path, digits: Dataset, overlap: bool) -> None:
+    shard, client = start
+    server = shard(mode="async")
+    worker = trainer(client(server, "w0"), model, digits, steps=12, overlap=overlap)
+    recorder = _Recorder(worker.client, worker.engine)
+    result = worker.run()
+    assert (result["steps"], result["iterations"], result["dropped"]) == (12, 12, 0)
+    # one worker: push t (1-based) read the step its gradient was computed at
+    reads = [r[0] for _, _, r in sorted(recorder.pushes)]
+    if overlap:
+        assert reads == [0, 0, *range(1, 11)]   # t - 2 (the first two on the initial values)
+        assert recorder.overlapped() >= 5        # most pushes ran beside the next gradient
+    else:
+        assert reads == list(range(12))          # t - 1
+        assert recorder.overlapped() == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_sync_and_ssp_never_overlap(start: Any, model: Path, digits: Dataset, mode: str) -> None:
+    shard, client = start
+    server = shard(mode=mode, **({"staleness": 1} if mode == "ssp" else {"replicas_to_aggregate": 1,
+                                                                         "total_replicas": 1}))
+    worker = trainer(client(server, "w0"), model, digits, steps=8, overlap=True)
+    recorder = _Recorder(worker.client, worker.engine)
+    assert worker.run()["iterations"] == 8
+    assert recorder.overlapped() == 0

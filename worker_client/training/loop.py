@@ -26,6 +26,13 @@ returns) and pulls a shard that lost progress it saw (restarted from an older ch
 as it is. The loop (`_train`) is the same for every kind of worker; what one step does is
 `_step`'s: a data-parallel step here, a pipeline stage's step in worker_client/pipeline/worker.py.
 
+Overlap (async, no sparse table, `plan.overlap`): a step's PushPull runs on a thread of its
+own while the next gradient is computed on the parameters the step before it read, so the
+wire and the shard's work hide behind the computation. It adds exactly one step of
+staleness to the worker's own updates: the gradient of iteration t is computed on
+parameters that hold the worker's pushes up to t - 2 (not t - 1), and others' as they
+were when that read happened. SSP and sync never overlap (their bounds stay exact).
+
 Worker 0 also evaluates every `eval_every` global steps. Progress, evaluations and the
 result are reported as events (`JsonLinesSink` for launchers, `TextSink` for people).
 Every wait is bounded: start_timeout for joining, wait_timeout for one pull in all and for
@@ -40,6 +47,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +89,7 @@ class TrainingPlan:
     wait_timeout: float = 300.0       # one pull's wait (sync step, SSP hold), and worker 0's wait at the end
     dynamic_initializer: str = "normal:0.01"   # how the shards create a dynamic table's unseen rows
     evict_after_steps: int = 0        # a dynamic table's rows untouched this many steps are evicted; 0: never
+    overlap: bool = True              # async, dense: a step's push/pull overlaps the next gradient (module docstring)
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_index < self.num_workers:
@@ -156,13 +165,16 @@ class _Tally:
 class _Step:
     """What one step of the loop did (`Trainer._step`): its push's report and the parameters for the next step
     (None: pull them), its loss; or that the run is over (`finished`), or `stop` was set while it waited
-    (`stopped`). A step abandoned before its push (a pipeline neighbour gone) has no outcome."""
+    (`stopped`). A step abandoned before its push (a pipeline neighbour gone) has no outcome, and so has the first
+    overlapped step, whose push is still in flight (`pending`: its report comes with the next step)."""
 
     outcome: PushReport | None = None
     parameters: dict[str, np.ndarray] | None = None
     loss: float | None = None
     finished: bool = False
     stopped: bool = False
+    pending: bool = False
+    read_steps: list[int] | None = None   # overlapped: the steps `parameters` were read at
 
 
 class Trainer:
@@ -201,6 +213,10 @@ class Trainer:
         self.evaluations: list[dict[str, Any]] = []
         self._last_eval_bucket = -1
         self._eval_window = _Window()
+        #: async overlap (module docstring): the PushPull in flight and its step's loss
+        self._in_flight: tuple[Future, float] | None = None
+        self._overlap_pool: ThreadPoolExecutor | None = None
+        self._read_steps: list[int] = []   # ... the steps the parameters of the next gradient were read at
 
     # ------------------------------------------------------------------ joining
 
@@ -335,7 +351,8 @@ class Trainer:
         for inputs, y in self.dataset.test_batches(self.engine.batch_size if self.sparse.tables else TEST_BATCH):
             outputs.append(self._predict(parameters, inputs))
             labels.append(y)
-        self.client.bytes_pulled = counted
+        if self.sparse.tables:   # only then does an evaluation pull (and no overlapped push is in flight)
+            self.client.bytes_pulled = counted
         metrics = metrics_of(np.concatenate(outputs), np.concatenate(labels), self.dataset.num_classes,
                              kind=self.output_kind)
         record = {"worker": plan.worker_index, "step": step, "train_loss": train_loss, **metrics,
@@ -374,6 +391,7 @@ class Trainer:
             stopped = True
         finally:
             seconds = time.monotonic() - started
+            self._drain_quietly()
             client.deregister()   # at once, so no sync step waits for this worker
         final: dict[str, Any] | None = None
         if not stopped and plan.is_chief:
@@ -408,9 +426,11 @@ class Trainer:
     def _done(self, tally: _Tally) -> bool:
         """True once the shards reached `steps` or this worker finished its `epochs`."""
         plan = self.plan
-        if plan.steps is not None and self.client.step >= plan.steps:
+        in_flight = self._in_flight is not None   # an overlapped push on its way moves the step by one more
+        if plan.steps is not None and self.client.step + in_flight >= plan.steps:
             return True
-        return plan.epochs is not None and tally.start_clock + tally.iterations >= plan.epochs * self.batches_per_epoch
+        pushed = tally.iterations + in_flight
+        return plan.epochs is not None and tally.start_clock + pushed >= plan.epochs * self.batches_per_epoch
 
     def _last_iteration(self, tally: _Tally) -> bool:
         """Whether the step being pushed is plainly this worker's last (sync: the step it completes is
@@ -480,6 +500,66 @@ class Trainer:
         self._prefetched: tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None] | None = None
         self._wait_steps: list[int] | None = None   # sync: the steps the next rows must be read at
 
+    def _overlapping(self) -> bool:
+        return self.plan.overlap and self.mode == "async" and not self.sparse.tables
+
+    def _overlapped(self, client: PSClient, gradients: dict[str, np.ndarray], loss: float,
+                    parameters: dict[str, np.ndarray], wait: dict[str, Any]) -> _Step:
+        """Waits for the step before this one (its push and the read after it, on the overlap thread), then sends
+        this step's on that thread and returns the one before: its report and the parameters it read, which the
+        next gradient is computed on while this step's push travels. The first step returns no report (`pending`)
+        and `parameters` for the next.
+
+        Each push says the steps its gradient's parameters were read at (`read_steps`), not the client's latest:
+        the shards judge its staleness by them."""
+        if self._overlap_pool is None:
+            self._overlap_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap")
+            self._read_steps = list(client.steps)   # nothing in flight yet: the steps `parameters` were read at
+        read_steps = self._read_steps
+        previous, self._in_flight = self._in_flight, None
+        done = self._finish(previous) if previous is not None else None
+        if done is not None and done.parameters is None:   # stopped while it read: nothing more is sent
+            return _Step(stopped=True)
+
+        def exchange() -> tuple[PushReport, dict[str, np.ndarray] | None, list[int]]:
+            outcome, read = client.push_pull(gradients, read_steps=read_steps, **wait)
+            if read is None:
+                read = self._pull(outcome)
+            return outcome, read, list(client.steps)   # the steps `read` belongs to, taken on this thread
+
+        self._in_flight = (self._overlap_pool.submit(exchange), loss)
+        if done is None:
+            return _Step(None, parameters, loss, pending=True)
+        self._read_steps = done.read_steps
+        return done
+
+    @staticmethod
+    def _finish(in_flight: tuple[Future, float]) -> _Step:
+        future, loss = in_flight
+        outcome, read, steps = future.result()
+        return _Step(outcome, read, loss, read_steps=steps)
+
+    def _drain_quietly(self) -> None:
+        """Waits for an overlapped push still in flight when the run ends early (stop, an error): its failure is
+        logged, not raised over the run's own outcome."""
+        try:
+            self._drain()
+        except (ServerError, StoppedError, TrainingError) as exc:
+            log.warning("the overlapped push in flight when the run ended failed: %s", exc)
+
+    def _drain(self) -> _Step | None:
+        """The PushPull still in flight, waited for (the loop's last step, or before leaving); None if none."""
+        in_flight, self._in_flight = self._in_flight, None
+        step = None
+        if in_flight is not None:
+            step = self._finish(in_flight)
+            if step.parameters is None:
+                step = _Step(stopped=True)
+        if self._overlap_pool is not None:
+            self._overlap_pool.shutdown(wait=True)
+            self._overlap_pool = None
+        return step
+
     def _step(self, tally: _Tally, parameters: dict[str, np.ndarray]) -> _Step:
         """One batch: gradients at `parameters`, pushed in one round trip per shard with the pull the mode needs
         next (at most RECHECK_SECONDS of waiting; past that `_pull` takes over). The push carries the running
@@ -487,7 +567,8 @@ class Trainer:
         in the push, and the pull reads the dense tensors and the next batch's rows (unless this is plainly the
         last step)."""
         if self._done(tally):
-            return _Step(finished=True)
+            last = self._drain()   # an overlapped push still in flight is the run's last step: count it
+            return last if last is not None else _Step(finished=True)
         client, plan = self.client, self.plan
         (tally.epoch, inputs, y), self._upcoming = self._upcoming, next(self._data)
         batch = {**{n: inputs[n] for n in self.input_names}, "labels": y}
@@ -505,6 +586,8 @@ class Trainer:
         gradients = result.gradients
         wait = dict(wait_for_step=self.mode == "sync", ssp=self.mode == "ssp", wait=RECHECK_SECONDS)
         self._prefetched = None
+        if ids is None and self._overlapping():
+            return self._overlapped(client, {**gradients, **result.state}, result.loss, parameters, wait)
         if ids is None:
             outcome, parameters = client.push_pull({**gradients, **result.state}, **wait)
         else:

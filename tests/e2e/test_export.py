@@ -1,6 +1,6 @@
 """End to end: the trained model comes out. ps-launch --record writes model.onnx, the user's graph with the trained
 values; onnxruntime alone, fed the job's test split, reproduces the test accuracy, loss and AUC the job reported, for
-the bundled models, a PyTorch model with BatchNorm and Dropout in training mode, the factorization machine with
+the bundled models (one trained as a 2-stage pipeline), a PyTorch model with BatchNorm and Dropout in training mode, the factorization machine with
 sparse tables and with dynamic tables (LabelEncoder), and from the checkpoint folders after the shards are gone."""
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ FIXTURE = REPO_ROOT / "tests" / "fixtures" / "torch" / "bn_dropout_train.onnx"
 CASES = {
     "mlp-sync": ["--model", "mlp", "--data", "digits", "--mode", "sync", "--shards", "2", "--workers", "2",
                  "--steps", "120"],
+    "mlp-pipeline": ["--model", "mlp", "--data", "digits", "--stages", "2", "--workers", "1", "--shards", "1",
+                     "--steps", "60"],
     "lenet-async": ["--model", "lenet", "--data", "digits", "--mode", "async", "--shards", "2", "--workers", "2",
                     "--steps", "120", "--optimizer", "momentum", "--lr", "0.05"],
     "transformer-ssp": ["--model", "transformer", "--data", "synthetic:ids?n=1500&vocab=1000&bag=8&classes=2&signal=0.3",

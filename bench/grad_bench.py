@@ -1,15 +1,30 @@
-"""Median gradient-step time of GradientEngine against torch autograd on the torch fixtures."""
+"""One gradient step of GradientEngine against torch autograd, on the same batch and threads.
+
+Two kinds of model: the small torch fixtures of the engine's tests (``mlp``, ``cnn``,
+``embedding_bag``, ``transformer``: tests/fixtures/torch), and the models users train from
+`ps_bench.torch_models` (``resnet18``: ResNet-18 for 32x32 images with training-mode BatchNorm;
+``transformer_cls``: its ``transformer``, a 4-layer text classifier with Dropout), exported with the
+documented recipe into ``--export-dir``. A step is forward, cross-entropy (mse for
+``embedding_bag``) and backward, the gradients handed out as numpy arrays; torch runs the module in
+training mode (BatchNorm on batch statistics, Dropout on), the engine draws its Dropout masks itself
+as a worker's step does. Both sides start from the same weights.
+
+JSON lines (ps_bench.harness.emit): per model ``grad_step_ms_NAME`` of each system (the median
+step) and ``grad_step_speedup_NAME`` of ``torch/onnx-ps``: torch's time over the engine's, above 1
+when the engine is faster, with the batch, the threads and the load average when the model was done.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -26,18 +41,40 @@ except ImportError as exc:  # torch is a benchmark-only dependency
                      "`python -m venv .venv-bench && .venv-bench/bin/pip install -e . torch && "
                      ".venv-bench/bin/python -m ps_bench.grad_bench`") from exc
 
+from ps_bench import harness, torch_models
 from worker_client import GradientEngine
 
 #: Timed steps per block of one system's steps (see bench_model).
 BLOCK = 5
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "torch"
 #: fixture name -> (torch class in make_torch_fixtures.py, graph input name)
-MODELS: dict[str, tuple[str, str]] = {
+FIXTURE_MODELS: dict[str, tuple[str, str]] = {
     "mlp": ("MLP", "x"),
     "cnn": ("CNN", "image"),
     "embedding_bag": ("EmbeddingBag", "ids"),
     "transformer": ("TransformerBlock", "ids"),
 }
+#: this benchmark's name -> the ps_bench.torch_models name
+USER_MODELS: dict[str, str] = {"resnet18": "resnet18", "transformer_cls": "transformer"}
+MODELS = [*FIXTURE_MODELS, *USER_MODELS]
+#: what runs when --models is not given
+DEFAULT_MODELS = ["mlp", "resnet18", "transformer_cls"]
+#: timed steps per system and untimed warm-up steps when not given: a user model's step takes a
+#: good part of a second on one thread, a fixture's a millisecond or less
+DEFAULT_STEPS = {"fixture": (300, 20), "user": (30, 3)}
+
+
+@dataclass
+class Case:
+    """One model on both sides: the ONNX file, the torch module holding the same weights, the
+    engine's inputs (with "labels"), torch's input and labels, and the loss."""
+
+    onnx_path: Path
+    module: torch.nn.Module
+    inputs: dict[str, np.ndarray]
+    torch_input: torch.Tensor
+    torch_labels: torch.Tensor
+    loss: str
 
 
 def _fixture_module() -> ModuleType:
@@ -60,39 +97,50 @@ def _median_ms(samples: Sequence[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def bench_model(name: str, *, batch: int, threads: int, steps: int, warmup: int,
-                cache_dir: Path | None) -> list[dict[str, object]]:
-    """Interleaved engine / torch gradient steps on one fixture; returns the JSON records."""
-    fixtures = _fixture_module()
-    class_name, input_name = MODELS[name]
+def fixture_case(name: str, batch: int) -> Case:
+    """A test fixture: its .onnx, its torch class loaded with the file's initializers, its batch tiled."""
+    class_name, input_name = FIXTURE_MODELS[name]
     data = np.load(FIXTURES / f"{name}.npz")
-    kind = str(data["loss_kind"])
     inputs = {input_name: _tile(data[f"input:{input_name}"], batch),
               "labels": _tile(data["labels"], batch)}
-
-    engine = GradientEngine(FIXTURES / f"{name}.onnx", batch_size=batch, loss=kind,
-                            intra_op_threads=threads, inter_op_threads=1,
-                            cache_dir=cache_dir)
-    parameters = engine.parameters()
-
-    module = getattr(fixtures, class_name)()
+    module = getattr(_fixture_module(), class_name)()
     initializers = {t.name: numpy_helper.to_array(t)
                     for t in onnx.load(FIXTURES / f"{name}.onnx").graph.initializer}
     module.load_state_dict({k: torch.from_numpy(initializers[k].copy())
                             for k in module.state_dict()})
-    module.train()
-    torch_inputs = torch.from_numpy(inputs[input_name])
-    torch_labels = torch.from_numpy(inputs["labels"])
+    return Case(FIXTURES / f"{name}.onnx", module.train(), inputs,
+                torch.from_numpy(inputs[input_name]), torch.from_numpy(inputs["labels"]),
+                str(data["loss_kind"]))
+
+
+def user_case(name: str, batch: int, export_dir: Path) -> Case:
+    """A ps_bench.torch_models model: exported once into `export_dir`, built with the same weights."""
+    model = USER_MODELS[name]
+    path = torch_models.export(model, export_dir)
+    data, labels = torch_models.example_batch(model, batch, seed=1)
+    return Case(path, torch_models.build(model), {**data, "labels": labels},
+                torch_models.torch_inputs(model, data), torch.from_numpy(labels), "cross_entropy")
+
+
+def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, warmup: int,
+                cache_dir: Path | None) -> list[dict[str, object]]:
+    """Interleaved engine / torch gradient steps on one model; emits and returns the JSON records."""
+    engine = GradientEngine(case.onnx_path, batch_size=batch, loss=case.loss,
+                            intra_op_threads=threads, inter_op_threads=1, cache_dir=cache_dir)
+    # what a worker holds: the parameters and the state, fed back every step
+    parameters = {**engine.parameters(), **engine.state()}
+    inputs = case.inputs
+    module = case.module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
-        F.cross_entropy if kind == "cross_entropy" else F.mse_loss)
+        F.cross_entropy if case.loss == "cross_entropy" else F.mse_loss)
 
     def engine_step() -> None:
-        engine.gradients(parameters, inputs)
+        engine.step(parameters, inputs)
 
     def torch_step() -> None:
         for parameter in module.parameters():
             parameter.grad = None
-        loss_fn(module(torch_inputs), torch_labels).backward()
+        loss_fn(module(case.torch_input), case.torch_labels).backward()
         # hand the gradients out as numpy arrays, as the engine does
         {k: p.grad.numpy() for k, p in module.named_parameters()}  # noqa: B018
 
@@ -103,52 +151,66 @@ def bench_model(name: str, *, batch: int, threads: int, steps: int, warmup: int,
     # order flipping every round. The first step of each block is not timed -- the other
     # system's idle worker threads may still be spinning on the same cores then. The ratio
     # is the median over rounds of the two blocks' median ratio: a pair of blocks runs
-    # within milliseconds, so load from other processes that comes and goes cancels out.
+    # within seconds, so load from other processes that comes and goes cancels out.
+    block_steps = min(BLOCK, steps)
     timings: dict[str, list[float]] = {"onnx-ps": [], "torch": []}
     ratios: list[float] = []
     order = [("onnx-ps", engine_step), ("torch", torch_step)]
-    for round_ in range(-(-steps // BLOCK)):
+    for round_ in range(-(-steps // block_steps)):
         block: dict[str, list[float]] = {"onnx-ps": [], "torch": []}
         for system, step in (order if round_ % 2 == 0 else order[::-1]):
             step()
-            for _ in range(BLOCK):
+            for _ in range(block_steps):
                 start = time.perf_counter()
                 step()
                 block[system].append(time.perf_counter() - start)
             timings[system] += block[system]
-        ratios.append(statistics.median(block["onnx-ps"]) / statistics.median(block["torch"]))
+        ratios.append(statistics.median(block["torch"]) / statistics.median(block["onnx-ps"]))
 
-    size_mb = round(sum(v.nbytes for v in parameters.values()) / 1e6, 4)
-    records: list[dict[str, object]] = [
-        {"system": system, "metric": f"grad_step_ms_{name}", "size_mb": size_mb,
-         "value": round(_median_ms(samples), 4), "unit": "ms"}
-        for system, samples in timings.items()]
-    records.append({"system": "onnx-ps/torch", "metric": f"grad_step_ratio_{name}",
-                    "size_mb": size_mb, "value": round(statistics.median(ratios), 3),
-                    "unit": "x"})
+    size_mb = round(sum(v.nbytes for v in engine.parameters().values()) / 1e6, 4)
+    context = {"batch": batch, "threads": threads, "steps": len(timings["torch"]),
+               "loadavg": harness.machine()["loadavg"]}
+    records = [harness.emit(system, f"grad_step_ms_{name}", size_mb, _median_ms(samples), "ms",
+                            **context)
+               for system, samples in timings.items()]
+    records.append(harness.emit("torch/onnx-ps", f"grad_step_speedup_{name}", size_mb,
+                                statistics.median(ratios), "x", **context))
     return records
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ps_bench.grad_bench", description=__doc__)
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
-    parser.add_argument("--batch", type=int, default=64,
-                        help="batch size (the fixture batch, tiled) [64]")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="onnxruntime intra-op threads = torch.set_num_threads [2]")
-    parser.add_argument("--steps", type=int, default=300, help="timed steps per system [300]")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first [20]")
+    parser = argparse.ArgumentParser(prog="python -m ps_bench.grad_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=DEFAULT_MODELS,
+                        help=f"models to run [{' '.join(DEFAULT_MODELS)}]")
+    parser.add_argument("--batch", type=int, default=32,
+                        help="batch size (a fixture's batch is tiled to it) [32]")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="onnxruntime intra-op threads = torch.set_num_threads [1]")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per system [300 for a fixture, 30 for resnet18 and "
+                             "transformer_cls]")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps first [20 for a fixture, 3 for the others]")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="gradient-model cache [$ONNX_PS_CACHE or ~/.cache/onnx-ps]")
+    parser.add_argument("--export-dir", type=Path,
+                        default=Path(tempfile.gettempdir()) / "onnx-ps-bench-models",
+                        help="where resnet18 and transformer_cls are exported once [%(default)s]")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     warnings.simplefilter("ignore", UserWarning)
+    harness.log(f"grad_bench: batch {args.batch}, {args.threads} thread(s), {harness.machine()}")
     for name in args.models:
-        for record in bench_model(name, batch=args.batch, threads=args.threads,
-                                  steps=args.steps, warmup=args.warmup,
-                                  cache_dir=args.cache_dir):
-            print(json.dumps(record), flush=True)
+        kind = "fixture" if name in FIXTURE_MODELS else "user"
+        steps, warmup = DEFAULT_STEPS[kind]
+        case = (fixture_case(name, args.batch) if kind == "fixture"
+                else user_case(name, args.batch, args.export_dir))
+        bench_model(name, case, batch=args.batch, threads=args.threads,
+                    steps=args.steps if args.steps is not None else steps,
+                    warmup=args.warmup if args.warmup is not None else warmup,
+                    cache_dir=args.cache_dir)
     return 0
 
 

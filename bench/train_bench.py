@@ -1,24 +1,40 @@
-"""Training steps/s of the MLP 784-256-10 (batch 64, SGD, synthetic data): onnx-ps against PyTorch RPC.
+"""Training steps/s of onnx-ps against its peers at their best: PyTorch RPC (two variants, two transports), DDP.
 
-For each worker count (1, 2) and mode (sync with N = workers, ssp with b = 1, async) it
-runs a whole job of real processes on 127.0.0.1 -- one shard (`python -P -m ps_server`)
-and the workers (`python -P -m ps_bench.train_worker`: the real `Trainer` loop) -- and
-then the same shape in PyTorch RPC (`ps_bench.torch_rpc`: one PS process, TensorPipe over
-TCP, torch autograd workers), with the same warm-up and timed step counts, the order of
-the two flipping every repeat. A worker's rate is its timed steps over its timed window
-(start-up, warm-up and the end are outside it); a run's steps/s is the sum over its
-workers (one step: one batch's gradient computed and pushed, and a pull).
+For each model, worker count and mode (sync with N = workers, ssp with b = 1, async) it
+runs whole jobs of real processes -- the shards (`python -P -m ps_server`) and the workers
+(`python -P -m ps_bench.train_worker`: the real `Trainer` loop on the model's ONNX file) --
+once per data path of ours (`--paths`: ``shm``, through shared memory on one host; ``grpc``,
+every byte through gRPC as between hosts), then the same shape in PyTorch RPC
+(`ps_bench.torch_rpc`: one PS process per shard holding the same parts, torch autograd
+workers on the same torch module and batches) once per variant and transport
+(`--torch-variants`: ``two-call/tcp``, ``fused/tcp``, ``fused/shm``), and in sync mode DDP
+(`ps_bench.ddp`, gloo all-reduce, no parameter server); the order of the systems flips
+every repeat. A worker's rate is its timed steps over its timed window (start-up, warm-up
+and the end are outside it); a run's steps/s is the sum over its workers (one step: one
+batch's gradient computed and pushed, and a pull), its samples/s that times the batch.
 
-Prints one JSON line per measurement, ``{"system", "metric": "steps_per_s", "size_mb",
-"value", "unit", "workers", "mode", "runs"}`` (the median over repeats, each repeat in
-"runs"), and a ratio line ``{"system": "onnx-ps/torch-rpc", "metric": "steps_per_s_ratio",
-...}`` per pair: the median of the repeats' ratios, ours over theirs (above 1: we are faster).
+The models (`--models`, `ps_bench.peers.MODELS`): ``mlp`` (784-256-10), ``fm`` (the
+recommendation example, tables by rows), ``transformer`` and ``resnet18``
+(`ps_bench.torch_models`, exported to ONNX; they need torch). ``--peers`` runs the
+comparison of docs/benchmarks.md, "Peers at their best": every model, 2 shards, 2
+workers, batch 32, async and sync, both paths. ``--netns`` runs the shards (and the
+peers' servers, and DDP's rank 0) in one network namespace and the workers in another,
+joined by a veth pair shaped to ``--netns-rate`` (`ps_bench.netns`; needs root): only
+the wire paths and TCP transports run there.
 
-Without torch in this environment it runs our side only and says so on stderr.
-``--profile`` also times one step of ours (1 worker, async and sync) part by part
-(`ps_bench.train_worker --profile` and `ps_bench.profiled_shard`): compute, client
-encode/decode, wire, server decode/apply/encode, waiting, the loop; JSON lines with
-``"metric": "profile_ms"`` and a table on stderr. docs/benchmarks.md says more.
+Prints one JSON line per system, ``{"system", "metric": "steps_per_s", "size_mb", "value",
+"unit", "model", "workers", "mode", "path" | "variant", "transport" | "backend",
+"samples_per_s", "runs", "machine", ...}`` (the median over repeats, each repeat in
+"runs"), and ratio lines ``{"system": "onnx-ps/torch-rpc" | "onnx-ps/torch-ddp", "metric":
+"steps_per_s_ratio", "path", "against", "scope", ...}``: per path of ours, the median of
+the repeats' ratios against the fastest peer of the path's scope (``one-host`` paths meet
+every PyTorch RPC variant, ``wire`` paths those over TCP), above 1 we are faster.
+
+Without torch in this environment it runs our side only (the models that need no torch to
+exist) and says so on stderr. ``--profile`` also times one step of ours (the MLP, 1
+worker, async and sync) part by part (`ps_bench.train_worker --profile` and
+`ps_bench.profiled_shard`); JSON lines with ``"metric": "profile_ms"`` and a table on
+stderr. docs/benchmarks.md says more.
 """
 
 from __future__ import annotations
@@ -29,12 +45,16 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ps_common.modes import MODES
-from ps_bench import harness, mlp
+from ps_common.process import start_and_wait_ready
+from ps_bench import harness, mlp, peers
 from ps_bench.harness import SYSTEM, TORCH, Proc, emit, log
+from ps_bench.netns import Network
+from ps_bench.peers import DDP, OURS, ModelCase, System
 from ps_bench.profiled_shard import OUT_ENV
 from ps_bench.train_worker import RESULT_PREFIX
 
@@ -42,10 +62,51 @@ from ps_bench.train_worker import RESULT_PREFIX
 STALENESS = 1
 #: The shards' learning rate (SGD).
 LR = 0.01
+#: What --peers sets (each flag given explicitly wins).
+PEERS_PRESET = {"models": "mlp,fm,transformer,resnet18", "shards": 2, "workers": "2", "batch": 32,
+                "modes": "async,sync", "paths": "shm,grpc"}
+#: The defaults without --peers: the MLP table of docs/benchmarks.md.
+CLASSIC = {"models": "mlp", "shards": 1, "workers": "1,2", "batch": mlp.BATCH, "modes": ",".join(MODES),
+           "paths": "shm"}
 
 
-def shard_flags(mode: str, workers: int) -> list[str]:
-    flags = ["--mode", mode, "--workers", str(workers), "--optimizer", "sgd", "--lr", str(LR)]
+@dataclass
+class Case:
+    """One comparison: a model, its files, a job shape, a mode, a network."""
+
+    model: ModelCase
+    onnx: Path
+    data: Path
+    cache: Path
+    tables: list[str]
+    size_mb: float
+    shards: int
+    workers: int
+    mode: str
+    batch: int
+    warmup: int
+    steps: int
+    threads: int
+    net: Network | None = None
+
+    @property
+    def timeout(self) -> float:
+        """The longest a run may take: start-up plus the model's allowance per step of every worker."""
+        return 120.0 + self.model.step_allowance * (self.warmup + self.steps) * self.workers
+
+    @property
+    def network(self) -> str:
+        return "loopback" if self.net is None else f"netns veth tbf {self.net.rate}"
+
+    def fields(self) -> dict[str, Any]:
+        return {"model": self.model.name, "workers": self.workers, "shards": self.shards, "mode": self.mode,
+                "batch": self.batch, "warmup": self.warmup, "steps": self.steps, "threads": self.threads,
+                "network": self.network}
+
+
+def shard_flags(mode: str, workers: int, *, index: int = 0, shards: int = 1) -> list[str]:
+    flags = ["--mode", mode, "--workers", str(workers), "--optimizer", "sgd", "--lr", str(LR),
+             "--shard-index", str(index), "--shards", str(shards)]
     if mode == "sync":
         flags += ["--replicas-to-aggregate", str(workers)]
     if mode == "ssp":
@@ -53,68 +114,152 @@ def shard_flags(mode: str, workers: int) -> list[str]:
     return flags
 
 
-def run_timeout(args: argparse.Namespace, workers: int) -> float:
-    """The longest a run may take: start-up plus a generous 50 ms per step of every worker."""
-    return 120.0 + 0.05 * (args.warmup + args.steps) * workers
+def start_shards(case: Case, *, module: str = "ps_server", env: dict[str, str] | None = None) -> list:
+    """The case's shards, after their READY lines: on 127.0.0.1, or bound to the server namespace's address."""
+    shards: list = []
+    try:
+        for i in range(case.shards):
+            flags = shard_flags(case.mode, case.workers, index=i, shards=case.shards)
+            if case.net is None:
+                shards.append(harness.start_shard(flags, module=module, env=env))
+            else:
+                argv = case.net.exec_argv("server", module, ["--host", case.net.server_address, "--port", "0",
+                                                             "--insecure", "--log-level", "WARNING", *flags])
+                shards.append(start_and_wait_ready(f"shard {i} ({case.net.server_ns})", argv, harness.SHARD_READY,
+                                                   timeout=harness.SHARD_START_TIMEOUT, env=harness.child_env(env)))
+    except BaseException:
+        harness.stop_all(shards)
+        raise
+    return shards
 
 
-def run_ours(args: argparse.Namespace, workers: int, mode: str, work: Path, *,
-             profile_out: Path | None = None) -> list[dict[str, Any]]:
+def proc(case: Case, name: str, side: str, module: str, args: list, env: dict[str, str] | None = None) -> Proc:
+    """A child running `module`: here, or inside `side`'s namespace."""
+    if case.net is None:
+        return Proc(name, module, args, env=env)
+    return Proc(name, "ps_bench.netns", ["exec", case.net.namespace(side), module, *args], env=env)
+
+
+def wait_results(case: Case, procs: list[Proc]) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + case.timeout
+    return [p.wait_for(RESULT_PREFIX, max(1.0, deadline - time.monotonic())) for p in procs]
+
+
+def run_ours(case: Case, path: str, *, profile_out: Path | None = None) -> list[dict[str, Any]]:
     """One job of ours; the workers' results."""
     children: list = []
     try:
-        shard = harness.start_shard(shard_flags(mode, workers),
-                                    module="ps_bench.profiled_shard" if profile_out else "ps_server",
-                                    env={OUT_ENV: str(profile_out)} if profile_out else None)
-        children.append(shard)
-        common = ["--servers", shard.ready["address"], "--workers", workers, "--mode", mode, "--batch", args.batch,
-                  "--warmup", args.warmup, "--steps", args.steps, "--threads", args.threads,
-                  "--model", work / "mlp.onnx", "--cache-dir", work / "cache"]
-        procs = [Proc(f"{SYSTEM} worker {i}", "ps_bench.train_worker",
-                      [*common, "--index", i, *(["--profile"] if profile_out else [])]) for i in range(workers)]
+        children += start_shards(case, module="ps_bench.profiled_shard" if profile_out else "ps_server",
+                                 env={OUT_ENV: str(profile_out)} if profile_out else None)
+        common = ["--servers", ",".join(s.ready["address"] for s in children), "--workers", case.workers,
+                  "--mode", case.mode, "--batch", case.batch, "--warmup", case.warmup, "--steps", case.steps,
+                  "--threads", case.threads, "--model", case.onnx, "--data", case.data, "--cache-dir", case.cache,
+                  "--data-path", path, "--wait-timeout", case.timeout]
+        if case.model.sparse_tables:
+            common += ["--sparse-tables", ",".join(case.model.sparse_tables)]
+        procs = [proc(case, f"{SYSTEM} worker {i}", "worker", "ps_bench.train_worker",
+                      [*common, "--index", i, *(["--profile"] if profile_out else [])]) for i in range(case.workers)]
         children += procs
-        deadline = time.monotonic() + run_timeout(args, workers)
-        results = [p.wait_for(RESULT_PREFIX, max(1.0, deadline - time.monotonic())) for p in procs]
+        results = wait_results(case, procs)
     finally:
         harness.stop_all(children)   # the shard's SIGTERM writes its profile
+    if path == "shm" and case.net is None and any(r["shared_memory_segments"] < case.shards for r in results):
+        log(f"train_bench: {case.model.name}: a worker moved its bytes through shared memory with only "
+            f"{min(r['shared_memory_segments'] for r in results)} of {case.shards} shard(s), over gRPC with the "
+            f"rest{' (a step with tables trained by rows goes over gRPC)' if case.tables else ''}")
     return results
 
 
-def run_torch(args: argparse.Namespace, workers: int, mode: str, work: Path) -> list[dict[str, Any]]:
+def tp_env(case: Case, side: str) -> dict[str, str] | None:
+    """Where TensorPipe and gloo listen: the namespace's veth end (loopback: harness.child_env's "lo")."""
+    if case.net is None:
+        return None
+    dev = case.net.device(side)
+    return {"TP_SOCKET_IFNAME": dev, "GLOO_SOCKET_IFNAME": dev}
+
+
+def run_torch(case: Case, variant: str, transport: str) -> list[dict[str, Any]]:
     """The same job in PyTorch RPC; the workers' results."""
     port = harness.free_port()
-    common = ["--port", port, "--workers", workers, "--mode", mode, "--aggregate", workers, "--staleness", STALENESS]
+    host = case.net.server_address if case.net is not None else "127.0.0.1"
+    common = ["--port", port, "--host", host, "--transport", transport, "--variant", variant, "--shards", case.shards,
+              "--workers", case.workers, "--mode", case.mode, "--aggregate", case.workers, "--staleness", STALENESS,
+              "--model-name", case.model.name, "--model", case.onnx, "--tables", ",".join(case.tables)]
     children: list = []
     try:
-        children.append(Proc(f"{TORCH} ps", "ps_bench.torch_rpc",
-                             ["train-ps", *common, "--lr", LR, "--model", work / "mlp.onnx"]))
-        procs = [Proc(f"{TORCH} worker {i}", "ps_bench.torch_rpc",
-                      ["train-worker", *common, "--index", i, "--batch", args.batch, "--warmup", args.warmup,
-                       "--steps", args.steps, "--threads", args.threads]) for i in range(workers)]
+        children += [proc(case, f"{TORCH} ps{i}", "server", "ps_bench.torch_rpc",
+                          ["train-ps", *common, "--index", i, "--lr", LR], env=tp_env(case, "server"))
+                     for i in range(case.shards)]
+        procs = [proc(case, f"{TORCH} worker {i}", "worker", "ps_bench.torch_rpc",
+                      ["train-worker", *common, "--index", i, "--data", case.data, "--batch", case.batch,
+                       "--warmup", case.warmup, "--steps", case.steps, "--threads", case.threads],
+                      env=tp_env(case, "worker")) for i in range(case.workers)]
         children += procs
-        deadline = time.monotonic() + run_timeout(args, workers)
-        results = [p.wait_for(RESULT_PREFIX, max(1.0, deadline - time.monotonic())) for p in procs]
+        results = wait_results(case, procs)
     finally:
         harness.stop_all(children)
     return results
+
+
+def run_ddp(case: Case) -> list[dict[str, Any]]:
+    """The job as DDP over gloo (sync, no parameter server); rank 0 in the server namespace under --netns."""
+    port = harness.free_port()
+    host = case.net.server_address if case.net is not None else "127.0.0.1"
+    common = ["--world", case.workers, "--host", host, "--port", port, "--model-name", case.model.name,
+              "--model", case.onnx, "--data", case.data, "--tables", ",".join(case.tables), "--lr", LR,
+              "--batch", case.batch, "--warmup", case.warmup, "--steps", case.steps, "--threads", case.threads]
+    procs: list[Proc] = []
+    try:
+        for rank in range(case.workers):
+            side = "server" if rank == 0 else "worker"
+            procs.append(proc(case, f"{DDP} rank {rank}", side, "ps_bench.ddp", [*common, "--rank", rank],
+                              env=tp_env(case, side)))
+        return wait_results(case, procs)
+    finally:
+        harness.stop_all(procs)
 
 
 def rate(results: list[dict[str, Any]]) -> float:
     return sum(r["steps_per_s"] for r in results)
 
 
-def bench_case(args: argparse.Namespace, workers: int, mode: str, work: Path, size_mb: float,
-               with_torch: bool) -> dict[str, list[float]]:
-    def report(repeat: int, runs: dict[str, list[float]]) -> None:
-        log(f"train_bench: {workers} worker(s), {mode}, repeat {repeat + 1}/{args.repeats}: "
-            + ", ".join(f"{s} {v[-1]:.1f} steps/s" for s, v in runs.items() if v))
+def runner(case: Case, system: System):
+    def run() -> float:
+        try:
+            if system.kind == OURS:
+                return rate(run_ours(case, system.path))
+            if system.kind == DDP:
+                return rate(run_ddp(case))
+            return rate(run_torch(case, system.variant, system.transport))
+        except RuntimeError:
+            raise
+        except Exception as exc:   # a child that could not start, a bad answer: this system fails, not the run
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+    return run
 
-    runs, ratios = harness.side_by_side(
-        args.repeats, lambda: rate(run_ours(args, workers, mode, work)),
-        (lambda: rate(run_torch(args, workers, mode, work))) if with_torch else None, report=report)
-    harness.emit_medians(runs, ratios, metric="steps_per_s", ratio_metric="steps_per_s_ratio", size_mb=size_mb,
-                         unit="steps/s", digits=2, workers=workers, mode=mode, batch=args.batch, steps=args.steps,
-                         threads=args.threads)
+
+def bench_case(args: argparse.Namespace, case: Case, systems: list[System]) -> dict[System, list[float]]:
+    where = f"{case.model.name}, {case.workers} worker(s), {case.shards} shard(s), {case.mode}, {case.network}"
+
+    def report(repeat: int, runs: dict[System, list[float]]) -> None:
+        log(f"train_bench: {where}, repeat {repeat + 1}/{args.repeats}: "
+            + ", ".join(f"{s.label} {v[-1] * case.batch:.1f} samples/s" for s, v in runs.items() if v))
+
+    def failed(system: System, exc: Exception) -> None:
+        log(f"train_bench: {where}: {system.label} failed and is left out: {exc}")
+
+    runs = peers.alternate(args.repeats, {s: runner(case, s) for s in systems}, report=report, on_error=failed)
+    machine = harness.machine()
+    for system, values in runs.items():
+        if values:
+            value = peers.median(values)
+            emit(system.kind, "steps_per_s", case.size_mb, value, "steps/s", **case.fields(), **system.fields(),
+                 samples_per_s=round(value * case.batch, 2), runs=[round(v, 2) for v in values], machine=machine)
+    for c in peers.comparisons(runs):
+        if c.ratios:
+            emit(f"{OURS}/{c.peer.kind}", "steps_per_s_ratio", case.size_mb, c.value, "x", **case.fields(),
+                 path=c.ours.path, against=c.peer.label, scope=c.ours.scope, runs=[round(r, 3) for r in c.ratios],
+                 machine=machine)
     return runs
 
 
@@ -123,7 +268,8 @@ def bench_case(args: argparse.Namespace, workers: int, mode: str, work: Path, si
 #: (part, how it is computed) in the order of the table; see docs/benchmarks.md.
 PROFILE_PARTS = ("step", "compute", "push_pull", "server.push_pull", "wire.push_pull", "push", "client.encode",
                  "server.push", "server.receive", "server.decode", "server.domain", "server.apply", "wire.push", "pull",
-                 "server.pull", "server.wait", "server.encode", "server.serialize", "client.decode", "wire.pull", "loop")
+                 "server.pull", "server.wait", "server.encode", "server.serialize", "client.decode", "wire.pull",
+                 "loop")
 
 
 def breakdown(result: dict[str, Any], server_calls: dict[str, list[list[float]]]) -> dict[str, float]:
@@ -149,9 +295,9 @@ def breakdown(result: dict[str, Any], server_calls: dict[str, list[list[float]]]
     return {part: round(ms.get(part, 0.0), 4) for part in PROFILE_PARTS}
 
 
-def profile(args: argparse.Namespace, mode: str, work: Path, size_mb: float, with_torch: bool) -> None:
-    out = work / f"shard-profile-{mode}.json"
-    result = run_ours(args, 1, mode, work, profile_out=out)[0]
+def profile(args: argparse.Namespace, case: Case, with_torch: bool) -> None:
+    out = case.cache.parent / f"shard-profile-{case.mode}.json"
+    result = run_ours(case, "shm", profile_out=out)[0]
     deadline = time.monotonic() + 10
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -159,17 +305,18 @@ def profile(args: argparse.Namespace, mode: str, work: Path, size_mb: float, wit
     if not server_calls:
         log(f"train_bench: the shard wrote no profile to {out}; server parts are 0")
     parts = breakdown(result, server_calls)
-    extra = {"workers": 1, "mode": mode, "batch": args.batch, "steps": args.steps, "threads": args.threads}
+    extra = {"workers": 1, "mode": case.mode, "batch": case.batch, "steps": case.steps, "threads": case.threads}
     for part, value in parts.items():
-        emit(SYSTEM, "profile_ms", size_mb, value, "ms/step", part=part, **extra)
+        emit(SYSTEM, "profile_ms", case.size_mb, value, "ms/step", part=part, **extra)
     torch_parts: dict[str, float] = {}
     if with_torch:
-        torch_result = run_torch(args, 1, mode, work)[0]
-        torch_parts = {"step": 1e3 * torch_result["seconds"] / args.steps, **torch_result["per_step_ms"]}
+        torch_result = run_torch(case, "two-call", "tcp")[0]
+        torch_parts = {"step": 1e3 * torch_result["seconds"] / case.steps, **torch_result["per_step_ms"]}
         torch_parts["loop"] = torch_parts["step"] - sum(torch_parts[k] for k in ("compute", "push", "pull"))
         for part, value in torch_parts.items():
-            emit(TORCH, "profile_ms", size_mb, value, "ms/step", part=part, **extra)
-    log(f"\nprofile of one step, 1 worker, {mode} (ms per step; instrumented, so slower than the plain run):")
+            emit(TORCH, "profile_ms", case.size_mb, value, "ms/step", part=part, variant="two-call", transport="tcp",
+                 **extra)
+    log(f"\nprofile of one step, 1 worker, {case.mode} (ms per step; instrumented, so slower than the plain run):")
     log(f"  {'part':<18}{SYSTEM:>10}{TORCH if torch_parts else '':>12}")
     for part, value in parts.items():
         theirs = f"{torch_parts[part]:>12.3f}" if part in torch_parts else ""
@@ -178,47 +325,116 @@ def profile(args: argparse.Namespace, mode: str, work: Path, size_mb: float, wit
 
 # ---------------------------------------------------------------------------------- main
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ps_bench.train_bench", description=__doc__.splitlines()[0])
-    p.add_argument("--workers", default="1,2", help="worker counts (default 1,2)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"modes (default {','.join(MODES)})")
-    p.add_argument("--batch", type=int, default=mlp.BATCH, help=f"batch size (default {mlp.BATCH})")
-    p.add_argument("--warmup", type=int, default=50, help="untimed steps per worker first (default 50)")
-    p.add_argument("--steps", type=int, default=500, help="timed steps per worker (default 500)")
+    p.add_argument("--peers", action="store_true",
+                   help="the peers-at-their-best comparison: "
+                        + ", ".join(f"--{k} {v}" for k, v in PEERS_PRESET.items()) + " (flags given explicitly win)")
+    p.add_argument("--models", default=None,
+                   help=f"models, of {','.join(peers.MODELS)} (default {CLASSIC['models']})")
+    p.add_argument("--shards", type=int, default=None,
+                   help=f"shards (and peer PS processes) (default {CLASSIC['shards']})")
+    p.add_argument("--workers", default=None, help=f"worker counts (default {CLASSIC['workers']})")
+    p.add_argument("--modes", default=None, help=f"modes (default {CLASSIC['modes']})")
+    p.add_argument("--paths", default=None,
+                   help=f"our data paths, of {','.join(peers.PATHS)} or all (default {CLASSIC['paths']})")
+    p.add_argument("--torch-variants", default=",".join(peers.TORCH_VARIANTS),
+                   help=f"PyTorch RPC's variant/transport pairs, of {','.join(peers.ALL_TORCH_VARIANTS)} or all "
+                        f"(default {','.join(peers.TORCH_VARIANTS)})")
+    p.add_argument("--no-ddp", action="store_true", help="leave DDP out of sync mode")
+    p.add_argument("--netns", action="store_true",
+                   help="shards in one network namespace, workers in another, through a shaped veth pair (root)")
+    p.add_argument("--netns-rate", default="10gbit", help="the veth pair's tbf rate (default 10gbit)")
+    p.add_argument("--batch", type=int, default=None, help=f"batch size per worker (default {CLASSIC['batch']})")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per worker first (default: the model's)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per worker (default: the model's: "
+                   + ", ".join(f"{m.name} {m.steps[1]}" for m in peers.MODELS.values()) + ")")
     p.add_argument("--repeats", type=int, default=3, help="runs of each system per case; medians count (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="compute threads per worker: onnxruntime intra-op = torch.set_num_threads (default 1)")
-    p.add_argument("--profile", action="store_true", help="also profile one step of ours (1 worker, async and sync)")
+    p.add_argument("--profile", action="store_true", help="also profile one step of ours (the MLP, 1 worker)")
     p.add_argument("--profile-only", action="store_true", help="only the profile")
     p.add_argument("--profile-modes", default="async,sync", help="modes of the profile (default async,sync)")
     p.add_argument("--no-torch", action="store_true", help="our side only, even when torch is importable")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.batch < 1:
-        p.error("--steps, --repeats and --batch must be >= 1, --warmup >= 0")
-    workers_list = [int(w) for w in args.workers.split(",")]
-    modes = [m.strip() for m in args.modes.split(",")]
-    profile_modes = [m.strip() for m in args.profile_modes.split(",")]
-    if any(m not in MODES for m in modes + profile_modes) or any(w < 1 for w in workers_list):
-        p.error(f"--modes takes {', '.join(MODES)}; --workers counts >= 1")
+    preset = PEERS_PRESET if args.peers else CLASSIC
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        args.model_list = peers.parse_list(args.models, list(peers.MODELS), "--models")
+        args.path_list = peers.parse_list(args.paths, list(peers.PATHS), "--paths")
+        args.variant_list = peers.parse_list(args.torch_variants, peers.ALL_TORCH_VARIANTS, "--torch-variants")
+        args.mode_list = peers.parse_list(args.modes, MODES, "--modes")
+        args.profile_mode_list = peers.parse_list(args.profile_modes, MODES, "--profile-modes")
+        args.workers_list = [int(w) for w in args.workers.split(",")]
+    except ValueError as exc:
+        p.error(str(exc))
+    if (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0) \
+            or args.repeats < 1 or args.batch < 1 or args.shards < 1 or any(w < 1 for w in args.workers_list):
+        p.error("--steps, --repeats, --batch, --shards and --workers must be >= 1, --warmup >= 0")
+    if args.netns and all(peers.PATHS[p_] == "one-host" for p_ in args.path_list):
+        p.error("--netns runs the wire paths only (shared memory does not cross hosts): add --paths grpc")
+    return args
+
+
+def prepare(args: argparse.Namespace, model: ModelCase, work: Path, workers: int) -> Case:
+    """The model's files and sizes for `workers` workers (its ONNX file, its data, the engine's tables)."""
+    warmup = model.steps[0] if args.warmup is None else args.warmup
+    steps = model.steps[1] if args.steps is None else args.steps
+    onnx_path = peers.model_file(model, work)
+    data = peers.write_data(model, work / f"{model.name}-{workers}w-{args.batch}b-{warmup + steps}.npz",
+                            workers=workers, batch=args.batch, total=warmup + steps)
+    # The gradient model is built once here, so no run's start-up includes building it.
+    from worker_client.engine import GradientEngine
+    from ps_bench.train_worker import SPARSE_MIN_BYTES
+    tables = list(model.sparse_tables or ())
+    engine = GradientEngine(onnx_path, batch_size=args.batch, loss="cross_entropy", cache_dir=work / "cache",
+                            sparse_tables=tables, sparse_min_bytes=None if tables else SPARSE_MIN_BYTES)
+    size_mb = round(sum(v.nbytes for v in engine.server_parameters().values()) / 1e6, 4)   # tables whole
+    return Case(model, onnx_path, data, work / "cache", sorted(engine.sparse.tables), size_mb, args.shards, workers,
+                "", args.batch, warmup, steps, args.threads)
+
+
+def run_all(args: argparse.Namespace, work: Path, with_torch: bool, net: Network | None) -> None:
+    for name in args.model_list:
+        model = peers.MODELS[name]
+        if model.needs_torch and not with_torch:
+            log(f"train_bench: {name} left out: its ONNX file is exported from torch, not importable here")
+            continue
+        for workers in args.workers_list:
+            case = prepare(args, model, work, workers)
+            case.net = net
+            log(f"train_bench: {model.description}; {case.size_mb} MB of parameters; trained by rows: "
+                f"{', '.join(case.tables) or 'none'}; {case.warmup} + {case.steps} steps per worker")
+            if not args.profile_only:
+                for mode in args.mode_list:
+                    case.mode = mode
+                    systems = peers.systems_for(mode, args.path_list, args.variant_list, ddp=not args.no_ddp,
+                                                with_torch=with_torch, netns=net is not None)
+                    bench_case(args, case, systems)
+    if args.profile or args.profile_only:
+        case = prepare(args, peers.MODELS["mlp"], work, 1)
+        case.shards = 1
+        for mode in args.profile_mode_list:
+            case.mode = mode
+            profile(args, case, with_torch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     with_torch = not args.no_torch and harness.torch_available()
     if not with_torch:
         log("train_bench: " + ("--no-torch: " if args.no_torch else "torch is not importable in this environment "
             f"({sys.executable}): ") + "running onnx-ps only (docs/benchmarks.md: the torch environment)")
     log(f"train_bench: machine {json.dumps(harness.machine())}")
     with tempfile.TemporaryDirectory(prefix="ps-train-bench-") as tmp:
-        work = Path(tmp)
-        mlp.write_mlp(work / "mlp.onnx")
-        size_mb = round(sum(v.nbytes for v in mlp.initial_values(work / "mlp.onnx").values()) / 1e6, 4)
-        # The gradient model is built once here, so no run's start-up includes building it.
-        from worker_client.engine import GradientEngine
-        GradientEngine(work / "mlp.onnx", batch_size=args.batch, loss="cross_entropy", cache_dir=work / "cache")
-        if not args.profile_only:
-            for workers in workers_list:
-                for mode in modes:
-                    bench_case(args, workers, mode, work, size_mb, with_torch)
-        if args.profile or args.profile_only:
-            for mode in profile_modes:
-                profile(args, mode, work, size_mb, with_torch)
+        if args.netns:
+            from ps_bench import netns
+            with netns.network(rate=args.netns_rate, log=log) as net:
+                run_all(args, Path(tmp), with_torch, net)
+        else:
+            run_all(args, Path(tmp), with_torch, None)
     log(f"train_bench: loadavg at the end {harness.machine()['loadavg']}")
     return 0
 

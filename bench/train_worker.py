@@ -1,10 +1,17 @@
-"""One worker of the training benchmark (our side): `worker_client.training.Trainer` on the MLP, timed.
+"""One worker of the training benchmark (our side): `worker_client.training.Trainer` on a model, timed.
 
 Run by `ps_bench.train_bench` as ``python -P -m ps_bench.train_worker``. It builds the
 same things `ps-worker` builds (a `GradientEngine`, a `PSClient`, a `TrainingPlan`) and
 runs the real training loop, `Trainer.run()`: join (worker 0 initializes, start
 barrier), then pull per the shards' mode, gradients, push, until its share of the
-synthetic data is done (whole epochs: exactly warmup + steps iterations), deregister.
+data is done (whole epochs: exactly warmup + steps iterations), deregister.
+
+The model is ``--model`` (any ONNX file the engine trains; default: the MLP 784-256-10
+written here) on ``--data`` (a dataset file or spec; default: the MLP's synthetic data),
+with ps-worker's defaults for tables (those of 1 MiB or more train by rows) unless
+``--sparse-tables`` names them. ``--data-path`` picks how bytes reach the shards:
+``shm`` (a shared-memory segment with each shard on this host; gRPC otherwise: ps-worker's
+default) or ``grpc`` (gRPC only, as between hosts: ps-worker's ``--no-shared-memory``).
 
 Timing excludes start-up: the window opens when iteration `warmup` starts (its call of
 `engine.step`) and closes when the parameters after the last iteration are in hand, so it
@@ -35,11 +42,25 @@ import onnxruntime as ort
 from ps_bench import harness, mlp
 from ps_common import codec
 from ps_common.modes import MODES
+from ps_models.datasets import Dataset, load_dataset, num_batches
 from worker_client.client import PSClient
 from worker_client.engine import GradientEngine
 from worker_client.training import Trainer, TrainingPlan
 
 RESULT_PREFIX = "BENCH_RESULT "
+#: ``--data-path``: our ways of moving a step's bytes (see the module docstring).
+DATA_PATHS = ("shm", "grpc")
+#: ps-worker's default: tables of at least this many bytes train by rows.
+SPARSE_MIN_BYTES = 1 << 20
+
+
+def epochs_for(dataset: Dataset, *, workers: int, batch: int, total: int) -> int:
+    """Whole epochs over the smallest worker share that make exactly `total` iterations (ValueError if none do)."""
+    per_epoch = num_batches(dataset.num_train // workers, batch)
+    if total % per_epoch or dataset.num_train % workers:
+        raise ValueError(f"{dataset.name}: {dataset.num_train} rows give {workers} workers shares of {per_epoch} "
+                         f"batches of {batch} per epoch, which whole epochs cannot make {total} iterations of")
+    return total // per_epoch
 
 
 def profile_client(timings: harness.Timings) -> None:
@@ -59,13 +80,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         profile_client(timings)
     with tempfile.TemporaryDirectory(prefix="ps-bench-worker-") as scratch:
         model = Path(args.model) if args.model else mlp.write_mlp(Path(scratch) / "mlp.onnx")
+        tables = [t for t in args.sparse_tables.split(",") if t]
         engine = GradientEngine(model, batch_size=args.batch, loss="cross_entropy", intra_op_threads=args.threads,
-                                inter_op_threads=1, cache_dir=args.cache_dir)
-        dataset = mlp.synthetic_dataset(workers=args.workers, steps_per_worker=total, batch=args.batch, seed=args.seed)
+                                inter_op_threads=1, cache_dir=args.cache_dir, seed=(args.seed, args.index),
+                                sparse_tables=tables, sparse_min_bytes=None if tables else SPARSE_MIN_BYTES)
+        if args.data:
+            dataset = load_dataset(args.data, seed=args.seed)
+            epochs = epochs_for(dataset, workers=args.workers, batch=args.batch, total=total)
+        else:
+            dataset = mlp.synthetic_dataset(workers=args.workers, steps_per_worker=total, batch=args.batch,
+                                            seed=args.seed)
+            epochs = mlp.epochs_for(total)
         plan = TrainingPlan(worker_index=args.index, num_workers=args.workers, batch_size=args.batch,
-                            epochs=mlp.epochs_for(total), seed=args.seed, eval_every=0, start_timeout=120.0,
-                            wait_timeout=120.0)
-        client = PSClient(args.servers.split(","), worker_id=f"bench-worker-{args.index}")
+                            epochs=epochs, seed=args.seed, eval_every=0, start_timeout=120.0,
+                            wait_timeout=args.wait_timeout)
+        client = PSClient(args.servers.split(","), worker_id=f"bench-worker-{args.index}",
+                          shared_memory=args.data_path == "shm", wait_timeout=args.wait_timeout)
         # Iteration boundaries: when each gradient step starts, and when the next parameters are
         # in hand (PushPull returned them, or the pull after it returned).
         starts: list[float] = []
@@ -76,13 +106,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             starts.append(time.monotonic())
             return step(*a, **k)
 
-        push_pull = timings.timed("push_pull", client.push_pull) if args.profile else client.push_pull
+        def timed_or(name, fn):
+            return timings.timed(name, fn) if args.profile else fn
+
+        push_pull = timed_or("push_pull", client.push_pull)
 
         def marked_push_pull(*a, **k):
             report, values = push_pull(*a, **k)
             if values is not None:
                 pulls_done.append(time.monotonic())
             return report, values
+
+        push_pull_rows = timed_or("push_pull", client.push_pull_rows)
+
+        def marked_push_pull_rows(*a, **k):
+            report, values, rows = push_pull_rows(*a, **k)
+            if values is not None:
+                pulls_done.append(time.monotonic())
+            return report, values, rows
 
         pull = timings.timed("pull", client.pull) if args.profile else client.pull
 
@@ -95,11 +136,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.step = marked_step             # type: ignore[method-assign]
         client.pull = marked_pull             # type: ignore[method-assign]
         client.push_pull = marked_push_pull   # type: ignore[method-assign]
+        client.push_pull_rows = marked_push_pull_rows   # type: ignore[method-assign]
         if args.profile:
             client.push = timings.timed("push", client.push)   # type: ignore[method-assign]
         try:
             trainer = Trainer(client, engine, dataset, plan=plan, expected_mode=args.mode)
             result = trainer.run()
+            # how many shards this worker reached through shared memory (what --data-path shm really used)
+            segments = len(client._segments)
         finally:
             client.close()
     if len(starts) != total:
@@ -109,7 +153,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"worker": args.index, "mode": result["mode"], "iterations": len(starts),
                            "timed_steps": args.steps, "seconds": closed - opened,
                            "steps_per_s": args.steps / (closed - opened), "window": [opened, closed],
-                           "accepted": result["accepted"], "dropped": result["dropped"], "loss": result["loss"]}
+                           "accepted": result["accepted"], "dropped": result["dropped"], "loss": result["loss"],
+                           "data_path": args.data_path, "sparse_tables": sorted(engine.sparse.tables),
+                           "shared_memory_segments": segments}
     if args.profile:
         out["calls"] = {name: [c for c in calls if opened <= c[0] <= closed]
                         for name, calls in timings.calls.items()}
@@ -127,7 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None, help="the MLP's .onnx (default: written here)")
+    p.add_argument("--model", default=None, help="the model's .onnx (default: the MLP, written here)")
+    p.add_argument("--data", default=None, help="a dataset file or spec (default: the MLP's synthetic data)")
+    p.add_argument("--sparse-tables", default="",
+                   help="tables trained by rows, comma-separated (default: those of 1 MiB or more)")
+    p.add_argument("--data-path", choices=DATA_PATHS, default="shm",
+                   help="shm: shared memory with shards on this host (else gRPC); grpc: gRPC only (default shm)")
+    p.add_argument("--wait-timeout", type=float, default=120.0, help="longest wait of one pull, seconds")
     p.add_argument("--cache-dir", default=None, help="gradient-model cache (default: the engine's)")
     p.add_argument("--profile", action="store_true", help="time compute, push, pull, encode and decode per call")
     args = p.parse_args(argv)

@@ -1,0 +1,154 @@
+"""The peers benchmark's helpers, without torch and without processes: flags, systems, ratios, data files, JSON lines.
+
+`ps_bench.train_bench` compares ours with PyTorch RPC (variants and transports) and DDP;
+what it runs and how it compares is decided by `ps_bench.peers` and its argument parsing,
+checked here. The runs themselves are benchmarks (tests/integration/test_benchmarks.py
+runs a tiny one of ours).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ps_bench import peers, train_bench
+from ps_bench.peers import DDP, OURS, TORCH, System
+from ps_bench.train_worker import epochs_for
+from ps_models.datasets import load_dataset
+
+
+def test_without_flags_the_benchmark_is_the_mlp_table_and_peers_presets_the_comparison() -> None:
+    classic = train_bench.parse_args([])
+    assert classic.model_list == ["mlp"] and classic.shards == 1 and classic.workers_list == [1, 2]
+    assert classic.batch == 64 and classic.path_list == ["shm"] and classic.mode_list == ["sync", "ssp", "async"]
+    assert classic.variant_list == ["two-call/tcp", "fused/tcp", "fused/shm"]
+    preset = train_bench.parse_args(["--peers"])
+    assert preset.model_list == ["mlp", "fm", "transformer", "resnet18"]
+    assert (preset.shards, preset.workers_list, preset.batch) == (2, [2], 32)
+    assert preset.mode_list == ["async", "sync"] and preset.path_list == ["shm", "grpc"]
+    mine = train_bench.parse_args(["--peers", "--models", "fm", "--batch", "8", "--paths", "all"])
+    assert mine.model_list == ["fm"] and mine.batch == 8 and mine.shards == 2 and mine.path_list == ["shm", "grpc"]
+
+
+@pytest.mark.parametrize("argv", [["--models", "vgg"], ["--paths", "rdma"], ["--torch-variants", "fused/ib"],
+                                  ["--modes", "bsp"], ["--steps", "0"], ["--shards", "0"],
+                                  ["--netns", "--paths", "shm"]])
+def test_bad_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train_bench.parse_args(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_the_systems_of_a_case() -> None:
+    ours_only = peers.systems_for("sync", ["shm", "grpc"], peers.TORCH_VARIANTS, ddp=True, with_torch=False,
+                                  netns=False)
+    assert [s.label for s in ours_only] == ["onnx-ps[shm]", "onnx-ps[grpc]"]
+    sync = peers.systems_for("sync", ["shm", "grpc"], peers.TORCH_VARIANTS, ddp=True, with_torch=True, netns=False)
+    assert [s.label for s in sync] == ["onnx-ps[shm]", "onnx-ps[grpc]", "torch-rpc[two-call/tcp]",
+                                       "torch-rpc[fused/tcp]", "torch-rpc[fused/shm]", "torch-ddp[gloo]"]
+    asynchronous = peers.systems_for("async", ["shm"], peers.TORCH_VARIANTS, ddp=True, with_torch=True, netns=False)
+    assert DDP not in {s.kind for s in asynchronous}   # DDP is synchronous training
+    # across namespaces: no shared memory on either side
+    netns = peers.systems_for("sync", ["shm", "grpc"], peers.ALL_TORCH_VARIANTS, ddp=True, with_torch=True,
+                              netns=True)
+    assert [s.label for s in netns] == ["onnx-ps[grpc]", "torch-rpc[two-call/tcp]", "torch-rpc[fused/tcp]",
+                                        "torch-ddp[gloo]"]
+
+
+def test_a_path_meets_the_fastest_peer_of_its_scope() -> None:
+    shm, grpc = System(OURS, path="shm"), System(OURS, path="grpc")
+    two_tcp = System(TORCH, variant="two-call", transport="tcp")
+    fused_tcp = System(TORCH, variant="fused", transport="tcp")
+    fused_shm, ddp = System(TORCH, variant="fused", transport="shm"), System(DDP)
+    runs = {shm: [100.0, 120.0, 110.0], grpc: [50.0, 60.0, 55.0], two_tcp: [40.0, 40.0, 40.0],
+            fused_tcp: [50.0, 50.0, 50.0], fused_shm: [80.0, 100.0, 90.0], ddp: [200.0, 200.0, 200.0]}
+    assert peers.best_peer(runs, "one-host") == fused_shm
+    assert peers.best_peer(runs, "wire") == fused_tcp   # shared memory is no peer of the wire
+    found = {(c.ours.path, c.peer.label): c for c in peers.comparisons(runs)}
+    assert set(found) == {("shm", "torch-rpc[fused/shm]"), ("shm", "torch-ddp[gloo]"),
+                          ("grpc", "torch-rpc[fused/tcp]"), ("grpc", "torch-ddp[gloo]")}
+    # the ratio is the median of the repeats' own ratios (each pair measured side by side)
+    assert found[("shm", "torch-rpc[fused/shm]")].ratios == pytest.approx([1.25, 1.2, 110 / 90])
+    assert found[("shm", "torch-rpc[fused/shm]")].value == pytest.approx(110 / 90)
+    assert found[("grpc", "torch-rpc[fused/tcp]")].value == pytest.approx(1.1)
+    # a peer that failed every run is no comparison
+    assert peers.best_peer({shm: [1.0], fused_tcp: []}, "one-host") is None
+
+
+def test_systems_alternate_their_order_and_a_failing_one_is_left_out() -> None:
+    a, b, c = System(OURS, path="shm"), System(TORCH, variant="fused", transport="tcp"), System(DDP)
+    calls: list[str] = []
+
+    def run(label: str, fail: bool = False):
+        def go() -> float:
+            calls.append(label)
+            if fail:
+                raise RuntimeError("no")
+            return 1.0
+        return go
+
+    errors: list[str] = []
+    runs = peers.alternate(3, {a: run("a"), b: run("b"), c: run("c", fail=True)},
+                           on_error=lambda system, exc: errors.append(system.label))
+    assert calls == ["a", "b", "c", "b", "a", "a", "b"]
+    assert runs == {a: [1.0] * 3, b: [1.0] * 3, c: []} and errors == ["torch-ddp[gloo]"]
+
+
+def test_bench_case_prints_a_line_per_system_and_ratio_lines_with_the_load(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rates = {"onnx-ps[shm]": [30.0, 32.0], "onnx-ps[grpc]": [12.0, 10.0], "torch-rpc[two-call/tcp]": [10.0, 10.0],
+             "torch-rpc[fused/tcp]": [20.0, 20.0], "torch-rpc[fused/shm]": [15.0, 15.0],
+             "torch-ddp[gloo]": [16.0, 16.0]}
+    monkeypatch.setattr(train_bench, "runner", lambda case, system: lambda: rates[system.label].pop(0))
+    args = train_bench.parse_args(["--peers", "--repeats", "2"])
+    case = train_bench.Case(peers.MODELS["fm"], tmp_path / "m.onnx", tmp_path / "d.npz", tmp_path, ["factors.weight"],
+                            0.68, 2, 2, "sync", 32, 1, 5, 1)
+    systems = peers.systems_for("sync", ["shm", "grpc"], peers.TORCH_VARIANTS, ddp=True, with_torch=True, netns=False)
+    train_bench.bench_case(args, case, systems)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for line in lines:
+        assert {"system", "metric", "size_mb", "value", "unit", "model", "workers", "shards", "mode", "batch",
+                "network", "machine"} <= set(line)
+        assert {"cpus", "loadavg"} <= set(line["machine"])
+    by_label = {(r["system"], r.get("path") or r.get("variant", "") + "/" + r.get("transport", "")): r
+                for r in lines if r["metric"] == "steps_per_s"}
+    assert by_label[("onnx-ps", "shm")]["value"] == 31.0 and by_label[("onnx-ps", "shm")]["samples_per_s"] == 992.0
+    assert by_label[("torch-rpc", "fused/shm")]["runs"] == [15.0, 15.0]
+    ratios = {(r["system"], r["path"]): r for r in lines if r["metric"] == "steps_per_s_ratio"}
+    assert set(ratios) == {("onnx-ps/torch-rpc", "shm"), ("onnx-ps/torch-ddp", "shm"), ("onnx-ps/torch-rpc", "grpc"),
+                           ("onnx-ps/torch-ddp", "grpc")}
+    assert ratios[("onnx-ps/torch-rpc", "shm")]["against"] == "torch-rpc[fused/tcp]"   # faster than fused/shm here
+    assert ratios[("onnx-ps/torch-rpc", "shm")]["value"] == pytest.approx(1.55)
+    assert ratios[("onnx-ps/torch-rpc", "grpc")]["scope"] == "wire"
+    assert ratios[("onnx-ps/torch-ddp", "grpc")]["value"] == pytest.approx(0.6875)
+
+
+@pytest.mark.parametrize("model", ["mlp", "fm"])
+@pytest.mark.parametrize("workers,total", [(1, 7), (2, 60), (2, 550)])
+def test_the_data_file_makes_exactly_the_steps_asked_for(tmp_path: Path, model: str, workers: int, total: int) -> None:
+    case = peers.MODELS[model]
+    path = peers.write_data(case, tmp_path / "d.npz", workers=workers, batch=32, total=total)
+    dataset = load_dataset(str(path))
+    assert dataset.num_train == peers.rows_for(workers, 32, total)
+    assert total % epochs_for(dataset, workers=workers, batch=32, total=total) == 0
+    assert dataset.input_name == ("x" if model == "mlp" else "ids") and dataset.num_classes == case.classes
+    if model == "fm":   # the first rows of synthetic:clicks, as they are
+        clicks = load_dataset("synthetic:clicks")
+        assert np.array_equal(dataset.x_train, clicks.x_train[:dataset.num_train])
+
+
+def test_a_data_file_that_does_not_make_whole_epochs_is_refused(tmp_path: Path) -> None:
+    path = peers.write_data(peers.MODELS["mlp"], tmp_path / "d.npz", workers=2, batch=32, total=10)
+    with pytest.raises(ValueError, match="cannot make 7 iterations"):
+        epochs_for(load_dataset(str(path)), workers=2, batch=32, total=7)
+
+
+def test_shards_get_their_index_and_count_and_the_mode_its_flags() -> None:
+    flags = train_bench.shard_flags("sync", 2, index=1, shards=2)
+    assert flags[flags.index("--shard-index") + 1] == "1" and flags[flags.index("--shards") + 1] == "2"
+    assert flags[flags.index("--replicas-to-aggregate") + 1] == "2"
+    assert "--staleness" in train_bench.shard_flags("ssp", 1)

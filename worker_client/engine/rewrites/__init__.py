@@ -22,6 +22,7 @@ import onnx
 
 from worker_client.engine.rewrites.conv import (
     assign_unique_scatters,
+    flip_unit_stride_transposed_convs,
     gemm_large_kernel_convs,
     resize_window_spreads,
     route_max_pool_adjoints,
@@ -52,6 +53,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     fold_shape_queries(model)           # everything static, so the passes below apply
     gemm_large_kernel_convs(model)
     resize_window_spreads(model)
+    flip_unit_stride_transposed_convs(model)
     route_max_pool_adjoints(model)
     assign_unique_scatters(model)
     canonicalize_layout_ops(model)

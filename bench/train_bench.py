@@ -45,7 +45,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ from ps_bench.harness import SYSTEM, TORCH, Proc, emit, log
 from ps_bench.netns import Network
 from ps_bench.peers import DDP, OURS, ModelCase, System
 from ps_bench.profiled_shard import OUT_ENV
-from ps_bench.train_worker import RESULT_PREFIX
+from ps_bench.train_worker import RESULT_PREFIX, data_channel_supported
 
 #: ssp's staleness bound in the benchmark.
 STALENESS = 1
@@ -64,7 +64,7 @@ STALENESS = 1
 LR = 0.01
 #: What --peers sets (each flag given explicitly wins).
 PEERS_PRESET = {"models": "mlp,fm,transformer,resnet18", "shards": 2, "workers": "2", "batch": 32,
-                "modes": "async,sync", "paths": "shm,grpc"}
+                "modes": "async,sync", "paths": "shm,channel,grpc"}
 #: The defaults without --peers: the MLP table of docs/benchmarks.md.
 CLASSIC = {"models": "mlp", "shards": 1, "workers": "1,2", "batch": mlp.BATCH, "modes": ",".join(MODES),
            "paths": "shm"}
@@ -88,6 +88,14 @@ class Case:
     steps: int
     threads: int
     net: Network | None = None
+    #: ours, async without tables by rows: a step's PushPull overlaps the next gradient (ps-worker's default)
+    overlap: bool = True
+    #: --netns: the MB that crossed the veth pair in each run, by system label
+    traffic: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def overlapping(self) -> bool:
+        return self.overlap and self.mode == "async" and not self.tables
 
     @property
     def timeout(self) -> float:
@@ -154,7 +162,8 @@ def run_ours(case: Case, path: str, *, profile_out: Path | None = None) -> list[
         common = ["--servers", ",".join(s.ready["address"] for s in children), "--workers", case.workers,
                   "--mode", case.mode, "--batch", case.batch, "--warmup", case.warmup, "--steps", case.steps,
                   "--threads", case.threads, "--model", case.onnx, "--data", case.data, "--cache-dir", case.cache,
-                  "--data-path", path, "--wait-timeout", case.timeout]
+                  "--data-path", path, "--wait-timeout", case.timeout,
+                  "--overlap" if case.overlap and not profile_out else "--no-overlap"]
         if case.model.sparse_tables:
             common += ["--sparse-tables", ",".join(case.model.sparse_tables)]
         procs = [proc(case, f"{SYSTEM} worker {i}", "worker", "ps_bench.train_worker",
@@ -163,6 +172,9 @@ def run_ours(case: Case, path: str, *, profile_out: Path | None = None) -> list[
         results = wait_results(case, procs)
     finally:
         harness.stop_all(children)   # the shard's SIGTERM writes its profile
+    if path == "channel" and any(r["data_channels"] < case.shards for r in results):
+        log(f"train_bench: {case.model.name}: a worker had the data channel of only "
+            f"{min(r['data_channels'] for r in results)} of {case.shards} shard(s), gRPC bytes with the rest")
     if path == "shm" and case.net is None and any(r["shared_memory_segments"] < case.shards for r in results):
         log(f"train_bench: {case.model.name}: a worker moved its bytes through shared memory with only "
             f"{min(r['shared_memory_segments'] for r in results)} of {case.shards} shard(s), over gRPC with the "
@@ -225,16 +237,21 @@ def rate(results: list[dict[str, Any]]) -> float:
 
 def runner(case: Case, system: System):
     def run() -> float:
+        sent = case.net.bytes_sent() if case.net is not None else 0
         try:
             if system.kind == OURS:
-                return rate(run_ours(case, system.path))
-            if system.kind == DDP:
-                return rate(run_ddp(case))
-            return rate(run_torch(case, system.variant, system.transport))
+                value = rate(run_ours(case, system.path))
+            elif system.kind == DDP:
+                value = rate(run_ddp(case))
+            else:
+                value = rate(run_torch(case, system.variant, system.transport))
         except RuntimeError:
             raise
         except Exception as exc:   # a child that could not start, a bad answer: this system fails, not the run
             raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+        if case.net is not None:   # the evidence that the bytes went through the veth pair (start-up included)
+            case.traffic.setdefault(system.label, []).append((case.net.bytes_sent() - sent) / 1e6)
+        return value
     return run
 
 
@@ -248,13 +265,18 @@ def bench_case(args: argparse.Namespace, case: Case, systems: list[System]) -> d
     def failed(system: System, exc: Exception) -> None:
         log(f"train_bench: {where}: {system.label} failed and is left out: {exc}")
 
+    case.traffic = {}
     runs = peers.alternate(args.repeats, {s: runner(case, s) for s in systems}, report=report, on_error=failed)
     machine = harness.machine()
     for system, values in runs.items():
         if values:
             value = peers.median(values)
+            mine = {"overlap": case.overlapping} if system.kind == OURS else {}
+            if system.label in case.traffic:
+                mine["veth_mb_per_run"] = round(peers.median(case.traffic[system.label]), 1)
             emit(system.kind, "steps_per_s", case.size_mb, value, "steps/s", **case.fields(), **system.fields(),
-                 samples_per_s=round(value * case.batch, 2), runs=[round(v, 2) for v in values], machine=machine)
+                 **mine, samples_per_s=round(value * case.batch, 2), runs=[round(v, 2) for v in values],
+                 machine=machine)
     for c in peers.comparisons(runs):
         if c.ratios:
             emit(f"{OURS}/{c.peer.kind}", "steps_per_s_ratio", case.size_mb, c.value, "x", **case.fields(),
@@ -342,6 +364,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"PyTorch RPC's variant/transport pairs, of {','.join(peers.ALL_TORCH_VARIANTS)} or all "
                         f"(default {','.join(peers.TORCH_VARIANTS)})")
     p.add_argument("--no-ddp", action="store_true", help="leave DDP out of sync mode")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="ours: no overlap of a step's PushPull with the next gradient in async mode (ps-worker's "
+                        "--no-overlap; by default it overlaps, as ps-worker does)")
     p.add_argument("--netns", action="store_true",
                    help="shards in one network namespace, workers in another, through a shaped veth pair (root)")
     p.add_argument("--netns-rate", default="10gbit", help="the veth pair's tbf rate (default 10gbit)")
@@ -393,10 +418,13 @@ def prepare(args: argparse.Namespace, model: ModelCase, work: Path, workers: int
                             sparse_tables=tables, sparse_min_bytes=None if tables else SPARSE_MIN_BYTES)
     size_mb = round(sum(v.nbytes for v in engine.server_parameters().values()) / 1e6, 4)   # tables whole
     return Case(model, onnx_path, data, work / "cache", sorted(engine.sparse.tables), size_mb, args.shards, workers,
-                "", args.batch, warmup, steps, args.threads)
+                "", args.batch, warmup, steps, args.threads, overlap=not args.no_overlap)
 
 
 def run_all(args: argparse.Namespace, work: Path, with_torch: bool, net: Network | None) -> None:
+    if "channel" in args.path_list and not data_channel_supported():
+        log("train_bench: this version has no data channel: --paths channel left out")
+        args.path_list = [p for p in args.path_list if p != "channel"]
     for name in args.model_list:
         model = peers.MODELS[name]
         if model.needs_torch and not with_torch:

@@ -10,8 +10,12 @@ The model is ``--model`` (any ONNX file the engine trains; default: the MLP 784-
 written here) on ``--data`` (a dataset file or spec; default: the MLP's synthetic data),
 with ps-worker's defaults for tables (those of 1 MiB or more train by rows) unless
 ``--sparse-tables`` names them. ``--data-path`` picks how bytes reach the shards:
-``shm`` (a shared-memory segment with each shard on this host; gRPC otherwise: ps-worker's
-default) or ``grpc`` (gRPC only, as between hosts: ps-worker's ``--no-shared-memory``).
+``shm`` (a shared-memory segment with each shard on this host, else the data channel or
+gRPC: ps-worker's defaults), ``channel`` (the data channel, a TCP connection of its own per
+shard, as between hosts, where this version has it) or ``grpc`` (gRPC bytes only:
+``PSClient(shared_memory=False, data_channel=False)``). In async mode
+without tables by rows a step's PushPull travels while the next gradient is computed
+(``--overlap``, ps-worker's default; ``--no-overlap`` waits for each round trip).
 
 Timing excludes start-up: the window opens when iteration `warmup` starts (its call of
 `engine.step`) and closes when the parameters after the last iteration are in hand, so it
@@ -29,6 +33,7 @@ Prints ``BENCH_RESULT {json}`` on stdout at the end.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import sys
@@ -49,7 +54,22 @@ from worker_client.training import Trainer, TrainingPlan
 
 RESULT_PREFIX = "BENCH_RESULT "
 #: ``--data-path``: our ways of moving a step's bytes (see the module docstring).
-DATA_PATHS = ("shm", "grpc")
+DATA_PATHS = ("shm", "channel", "grpc")
+
+
+def data_channel_supported() -> bool:
+    """True when this version's PSClient has the data channel (a TCP connection of its own per shard)."""
+    return "data_channel" in inspect.signature(PSClient.__init__).parameters
+
+
+def client_settings(path: str) -> dict[str, bool]:
+    """PSClient's keywords for a data path: shm (shared memory on this host, the defaults), channel (the data
+    channel even on this host), grpc (gRPC bytes only); ValueError for channel where there is none."""
+    if path == "shm":
+        return {}
+    if path == "channel" and not data_channel_supported():
+        raise ValueError("this version's PSClient has no data channel (--data-path channel)")
+    return {"shared_memory": False, **({"data_channel": path == "channel"} if data_channel_supported() else {})}
 #: ps-worker's default: tables of at least this many bytes train by rows.
 SPARSE_MIN_BYTES = 1 << 20
 
@@ -93,13 +113,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             epochs = mlp.epochs_for(total)
         plan = TrainingPlan(worker_index=args.index, num_workers=args.workers, batch_size=args.batch,
                             epochs=epochs, seed=args.seed, eval_every=0, start_timeout=120.0,
-                            wait_timeout=args.wait_timeout)
+                            wait_timeout=args.wait_timeout, overlap=args.overlap)
         client = PSClient(args.servers.split(","), worker_id=f"bench-worker-{args.index}",
-                          shared_memory=args.data_path == "shm", wait_timeout=args.wait_timeout)
+                          wait_timeout=args.wait_timeout, **client_settings(args.data_path))
         # Iteration boundaries: when each gradient step starts, and when the next parameters are
-        # in hand (PushPull returned them, or the pull after it returned).
+        # in hand (PushPull returned them, or the pull after it returned), with the number of
+        # iterations started when that call was made (with overlap it returns during the next one).
         starts: list[float] = []
-        pulls_done: list[float] = []
+        pulls_done: list[tuple[int, float]] = []
         step = timings.timed("compute", engine.step) if args.profile else engine.step
 
         def marked_step(*a, **k):
@@ -112,26 +133,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         push_pull = timed_or("push_pull", client.push_pull)
 
         def marked_push_pull(*a, **k):
+            issued = len(starts)
             report, values = push_pull(*a, **k)
             if values is not None:
-                pulls_done.append(time.monotonic())
+                pulls_done.append((issued, time.monotonic()))
             return report, values
 
         push_pull_rows = timed_or("push_pull", client.push_pull_rows)
 
         def marked_push_pull_rows(*a, **k):
+            issued = len(starts)
             report, values, rows = push_pull_rows(*a, **k)
             if values is not None:
-                pulls_done.append(time.monotonic())
+                pulls_done.append((issued, time.monotonic()))
             return report, values, rows
 
         pull = timings.timed("pull", client.pull) if args.profile else client.pull
 
         def marked_pull(*a, **k):
+            issued = len(starts)
             try:
                 return pull(*a, **k)
             finally:
-                pulls_done.append(time.monotonic())
+                pulls_done.append((issued, time.monotonic()))
 
         engine.step = marked_step             # type: ignore[method-assign]
         client.pull = marked_pull             # type: ignore[method-assign]
@@ -142,20 +166,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             trainer = Trainer(client, engine, dataset, plan=plan, expected_mode=args.mode)
             result = trainer.run()
-            # how many shards this worker reached through shared memory (what --data-path shm really used)
+            # how many shards this worker reached through shared memory, and through a data channel:
+            # what its path really used (a path falls back to gRPC bytes where it cannot be had)
             segments = len(client._segments)
+            links = len(getattr(client, "_links", {}))
         finally:
             client.close()
     if len(starts) != total:
         raise SystemExit(f"train_worker: expected {total} iterations, the trainer ran {len(starts)}")
     opened = starts[args.warmup]
-    closed = next(t for t in pulls_done if t > starts[-1])
+    # the first parameters in hand from a call made after the last gradient (worker 0's evaluation pulls later)
+    closed = min(t for issued, t in pulls_done if issued == total)
     out: dict[str, Any] = {"worker": args.index, "mode": result["mode"], "iterations": len(starts),
                            "timed_steps": args.steps, "seconds": closed - opened,
                            "steps_per_s": args.steps / (closed - opened), "window": [opened, closed],
                            "accepted": result["accepted"], "dropped": result["dropped"], "loss": result["loss"],
                            "data_path": args.data_path, "sparse_tables": sorted(engine.sparse.tables),
-                           "shared_memory_segments": segments}
+                           "overlap": args.overlap and result["mode"] == "async" and not engine.sparse.tables,
+                           "shared_memory_segments": segments, "data_channels": links}
     if args.profile:
         out["calls"] = {name: [c for c in calls if opened <= c[0] <= closed]
                         for name, calls in timings.calls.items()}
@@ -178,8 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparse-tables", default="",
                    help="tables trained by rows, comma-separated (default: those of 1 MiB or more)")
     p.add_argument("--data-path", choices=DATA_PATHS, default="shm",
-                   help="shm: shared memory with shards on this host (else gRPC); grpc: gRPC only (default shm)")
+                   help="shm: shared memory with shards on this host (ps-worker's default); channel: the data "
+                        "channel (a TCP connection per shard), even on this host; grpc: gRPC bytes only "
+                        "(default shm)")
     p.add_argument("--wait-timeout", type=float, default=120.0, help="longest wait of one pull, seconds")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="async, no table by rows: a step's PushPull travels while the next gradient is computed "
+                        "(ps-worker's default; --no-overlap: each step waits for its round trip)")
     p.add_argument("--cache-dir", default=None, help="gradient-model cache (default: the engine's)")
     p.add_argument("--profile", action="store_true", help="time compute, push, pull, encode and decode per call")
     args = p.parse_args(argv)

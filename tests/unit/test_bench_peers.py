@@ -28,9 +28,10 @@ def test_without_flags_the_benchmark_is_the_mlp_table_and_peers_presets_the_comp
     preset = train_bench.parse_args(["--peers"])
     assert preset.model_list == ["mlp", "fm", "transformer", "resnet18"]
     assert (preset.shards, preset.workers_list, preset.batch) == (2, [2], 32)
-    assert preset.mode_list == ["async", "sync"] and preset.path_list == ["shm", "grpc"]
-    mine = train_bench.parse_args(["--peers", "--models", "fm", "--batch", "8", "--paths", "all"])
-    assert mine.model_list == ["fm"] and mine.batch == 8 and mine.shards == 2 and mine.path_list == ["shm", "grpc"]
+    assert preset.mode_list == ["async", "sync"] and preset.path_list == ["shm", "channel", "grpc"]
+    mine = train_bench.parse_args(["--peers", "--models", "fm", "--batch", "8", "--paths", "grpc,shm"])
+    assert mine.model_list == ["fm"] and mine.batch == 8 and mine.shards == 2 and mine.path_list == ["grpc", "shm"]
+    assert train_bench.parse_args(["--paths", "all"]).path_list == ["shm", "channel", "grpc"]
 
 
 @pytest.mark.parametrize("argv", [["--models", "vgg"], ["--paths", "rdma"], ["--torch-variants", "fused/ib"],
@@ -152,3 +153,15 @@ def test_shards_get_their_index_and_count_and_the_mode_its_flags() -> None:
     assert flags[flags.index("--shard-index") + 1] == "1" and flags[flags.index("--shards") + 1] == "2"
     assert flags[flags.index("--replicas-to-aggregate") + 1] == "2"
     assert "--staleness" in train_bench.shard_flags("ssp", 1)
+
+
+def test_each_data_path_sets_the_client_as_documented(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ps_bench import train_worker
+    assert train_worker.client_settings("shm") == {}   # ps-worker's defaults
+    monkeypatch.setattr(train_worker, "data_channel_supported", lambda: True)
+    assert train_worker.client_settings("channel") == {"shared_memory": False, "data_channel": True}
+    assert train_worker.client_settings("grpc") == {"shared_memory": False, "data_channel": False}
+    monkeypatch.setattr(train_worker, "data_channel_supported", lambda: False)
+    assert train_worker.client_settings("grpc") == {"shared_memory": False}
+    with pytest.raises(ValueError, match="no data channel"):
+        train_worker.client_settings("channel")

@@ -26,6 +26,7 @@ Shards bound to 10.77.0.1 listen off loopback in plaintext: they need ``--insecu
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -114,6 +115,18 @@ class Network:
         return [["ip", "netns", "del", self.server_ns], ["ip", "netns", "del", self.worker_ns],
                 ["ip", "link", "del", self.server_dev]]   # only if it never left this namespace
 
+    def traffic_command(self, side: str) -> list[str]:
+        """``ip -s -j link show`` of `side`'s veth end (its byte counters, as JSON)."""
+        return ["ip", "-n", self.namespace(side), "-s", "-j", "link", "show", "dev", self.device(side)]
+
+    def bytes_sent(self) -> int:
+        """Bytes both veth ends have sent so far: what crossed the pair, both ways (0 if unreadable)."""
+        total = 0
+        for side in ("server", "worker"):
+            done = _run(self.traffic_command(side), check=False)
+            total += parse_tx_bytes(done.stdout) if done.returncode == 0 else 0
+        return total
+
     def exec_argv(self, side: str, module: str, args: Sequence[object]) -> list[str]:
         """``python -P -m ps_bench.netns exec NS MODULE ARGS``: `module` run inside `side`'s namespace."""
         return [sys.executable, "-P", "-m", __name__, "exec", self.namespace(side), module, *[str(a) for a in args]]
@@ -142,6 +155,14 @@ def parse_link_names(text: str) -> list[str]:
         if len(parts) >= 2 and parts[1].strip():
             names.append(parts[1].strip().split("@")[0])
     return names
+
+
+def parse_tx_bytes(text: str) -> int:
+    """The bytes sent in ``ip -s -j link show DEV``'s output (0 when it says none)."""
+    try:
+        return sum(int(link["stats64"]["tx"]["bytes"]) for link in json.loads(text))
+    except (ValueError, KeyError, TypeError):
+        return 0
 
 
 def pid_alive(pid: int) -> bool:

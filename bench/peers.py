@@ -3,15 +3,16 @@
 The systems of one case (a model, a worker count, a mode, a network):
 
 - ours, one per data path (`PATHS`): ``shm`` (bytes through a shared-memory segment with
-  shards on this host: the default on one host), ``grpc`` (every byte through gRPC, as
-  between hosts: ``PSClient(shared_memory=False)``);
+  shards on this host: the default on one host), ``channel`` (the data channel, a TCP
+  connection of its own per shard: the default between hosts, where this version has it),
+  ``grpc`` (every byte through gRPC: ``PSClient(shared_memory=False, data_channel=False)``);
 - PyTorch RPC (`ps_bench.torch_rpc`), one per variant and transport (`TORCH_VARIANTS`):
   ``two-call/tcp`` and ``fused/tcp`` (TensorPipe's TCP transport only, as between hosts),
   ``fused/shm`` (TensorPipe's defaults, shared memory on one host); ``two-call/shm`` on request;
 - DDP (`ps_bench.ddp`, gloo): sync mode only.
 
 A path's scope says which peers it meets: "one-host" paths (shm) meet every PyTorch RPC
-variant, "wire" paths (grpc) only those over TCP -- each against the fastest of them
+variant, "wire" paths (channel, grpc) only those over TCP -- each against the fastest of them
 (`best_peer`), and DDP in sync mode. Across network namespaces (``--netns``) only wire paths
 and TCP variants run: shared memory does not cross hosts.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 #: Our data paths, and the scope of each (what a peer must use to be compared with it).
-PATHS = {"shm": "one-host", "grpc": "wire"}
+PATHS = {"shm": "one-host", "channel": "wire", "grpc": "wire"}
 #: PyTorch RPC's variant/transport pairs run by default; "two-call/shm" may be asked for too.
 TORCH_VARIANTS = ("two-call/tcp", "fused/tcp", "fused/shm")
 ALL_TORCH_VARIANTS = ("two-call/tcp", "fused/tcp", "two-call/shm", "fused/shm")

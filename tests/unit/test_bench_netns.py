@@ -70,3 +70,11 @@ def test_the_trampoline_enters_only_a_namespace_of_ours() -> None:
     with pytest.raises(SystemExit, match="not a namespace of this module"):
         netns.main(["exec", "some-other-namespace", "ps_server"])
     assert netns.main(["what"]) == 2
+
+
+def test_the_bytes_a_veth_end_sent_are_read_from_ip_s_j() -> None:
+    assert Network(9).traffic_command("worker") == ["ip", "-n", "onnxps-bench-9-w", "-s", "-j", "link", "show", "dev",
+                                                    "psb9w"]
+    shown = '[{"ifname": "psb9w", "stats64": {"rx": {"bytes": 5}, "tx": {"bytes": 1234567, "packets": 10}}}]'
+    assert netns.parse_tx_bytes(shown) == 1234567
+    assert netns.parse_tx_bytes("") == 0 and netns.parse_tx_bytes('[{"ifname": "x"}]') == 0

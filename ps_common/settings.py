@@ -225,6 +225,15 @@ class ServerSettings:
     barrier_retention_seconds: float = _setting(600.0, "--barrier-retention-seconds", scopes=_SERVER,
                                                 positive=True,
                                                 help="a barrier nobody has waited at for this long is forgotten")
+    data_channel: bool = _setting(True, "--data-channel", scopes=_SERVER,
+                                  help="serve PushPull's bytes to workers on other hosts on a TCP port of their "
+                                       "own (the data channel: a one-time ticket from the authenticated gRPC "
+                                       "call, TLS when the shard serves TLS; workers fall back to gRPC bytes "
+                                       "where it cannot be had); --no-data-channel: gRPC bytes only "
+                                       "(docs/protocol.md, \"The data channel between hosts\")")
+    data_channel_port: int = _setting(0, "--data-channel-port", scopes=frozenset({"server"}), minimum=0,
+                                      help="the data channel's port, on the shard's host; 0 picks a free one "
+                                           "(workers learn it from OpenDataChannel; the READY line says which)")
 
 
 @dataclass

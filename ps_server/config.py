@@ -78,6 +78,9 @@ class ServerConfig:
     max_clock_ahead: int = DEFAULT_MAX_CLOCK_AHEAD
     worker_retention_seconds: float = DEFAULT_WORKER_RETENTION_SECONDS
     barrier_retention_seconds: float = DEFAULT_BARRIER_RETENTION_SECONDS
+    # The data channel (docs/protocol.md, "The data channel between hosts"): PushPull's bytes on a TCP port.
+    data_channel: bool = True           # False: gRPC bytes only for workers on other hosts
+    data_channel_port: int = 0          # on `host`; 0: pick a free port (OpenDataChannel tells workers which)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -90,6 +93,8 @@ class ServerConfig:
             raise ValueError(f"Invalid shard_index: {self.shard_index} (must be in [0, {self.num_shards}))")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"Invalid port: {self.port}")
+        if not 0 <= self.data_channel_port <= 65535:
+            raise ValueError(f"Invalid data_channel_port: {self.data_channel_port}")
         if self.mode not in MODES:
             raise ValueError(f"Invalid mode: {self.mode!r} (choose one of {', '.join(MODES)})")
         if self.replicas_to_aggregate < 1:

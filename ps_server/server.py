@@ -1,5 +1,6 @@
 """The composition root of one shard process: builds the Shard, its metrics, checkpoints and services,
-and starts the gRPC server (ps.v1.ParameterServer, ps.v1.Admin, grpc.health.v1.Health, reflection).
+and starts the gRPC server (ps.v1.ParameterServer, ps.v1.Admin, grpc.health.v1.Health, reflection) and
+the data channel's listener (ps_server/data_channel.py), unless it is turned off.
 
 This is the one module that wires things together; nothing imports it but the CLI and tests.
 """
@@ -14,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps_common import data_channel as dc
 from ps_common.codec import MAX_MESSAGE_BYTES
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_server import security, service
@@ -22,6 +24,7 @@ from ps_server.admission import CONTROL_THREADS, Admission, DataPlanePool, Strea
 from ps_server.checkpoints import Checkpointer
 from ps_server.config import ServerConfig
 from ps_server.consistency import ConsistencyPolicy
+from ps_server.data_channel import DataChannelServer
 from ps_server.metrics import ShardMetrics
 from ps_server.service import ParameterServerServicer
 from ps_server.shared_memory import Segments
@@ -65,8 +68,9 @@ class ShardServer:
         self.watchdog = StreamWatchdog(config.stream_idle_seconds)
         admission = Admission(config.data_plane_limit, shard_index=config.shard_index, is_live=self.shard.holds_lease)
         self.segments = Segments(limit=config.max_registered_workers, shard_index=config.shard_index)
-        service.add_to_server(ParameterServerServicer(self.shard, admission=admission, watchdog=self.watchdog,
-                                                      segments=self.segments), self.server)
+        servicer = ParameterServerServicer(self.shard, admission=admission, watchdog=self.watchdog,
+                                           segments=self.segments)
+        service.add_to_server(servicer, self.server)
         service.add_to_server(AdminServicer(self.shard, self.checkpointer, self.stop), self.server, "Admin")
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -83,19 +87,36 @@ class ShardServer:
                           f"not an address of this machine; choose another --port (0 picks a free one) or --host, "
                           f"or stop the process that holds the port")
         self.address = f"{config.host}:{self.port}"
+        #: the data channel's listener (PushPull's bytes from other hosts); None when turned off
+        self.data_channel: DataChannelServer | None = None
+        if config.data_channel:
+            try:
+                self.data_channel = DataChannelServer(
+                    config.host, config.data_channel_port, servicer.push_pull_on_channel,
+                    shard_index=config.shard_index, limit=config.max_registered_workers,
+                    idle_seconds=config.stream_idle_seconds,
+                    tls=dc.server_tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+                    if security.tls_enabled(config) else None)
+            except BaseException:
+                self.server.stop(0)
+                raise
+            servicer.channel = self.data_channel
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
 
     def start(self) -> "ShardServer":
         self.server.start()
+        if self.data_channel is not None:
+            self.data_channel.start()
         self._reaper.start()
         self.watchdog.start()
         if self.checkpointer is not None:
             self.checkpointer.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("shard %d/%d serving on %s, mode %s, optimizer %s", self.config.shard_index, self.config.num_shards,
-                 self.address, self.shard.policy.describe(), self.shard.optimizer.name)
+        log.info("shard %d/%d serving on %s, mode %s, optimizer %s%s", self.config.shard_index, self.config.num_shards,
+                 self.address, self.shard.policy.describe(), self.shard.optimizer.name,
+                 f", data channel on port {self.data_channel.port}" if self.data_channel is not None else "")
         return self
 
     def _reap(self) -> None:
@@ -108,6 +129,8 @@ class ShardServer:
         self.health.enter_graceful_shutdown()
         self._stop.set()
         self.shard.stop()
+        if self.data_channel is not None:
+            self.data_channel.close()   # calls in flight end; their workers go on over gRPC
         self.watchdog.stop()
         if self.checkpointer is not None:
             self.checkpointer.stop()   # the final checkpoint: no push is taken after shard.stop()

@@ -19,12 +19,14 @@ import numpy as np
 
 from ps_common import codec, frames
 from ps_common.boundary import safe_deserializer, translate_errors
+from ps_common.data_channel import DataChannelUnavailableError, FrameBuffer
 from ps_common.errors import InvalidRequestError, UnknownWorkerError
 from ps_common.shard_map import PartKey
 from ps_common.shared_memory import Layout, Segment
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_server.admission import Admission, StreamWatchdog, caller_of
+from ps_server.data_channel import DataChannelServer, Violation
 from ps_server.membership import PushResult
 from ps_server.operations import Push, PushPullResult, Read, StateRead
 from ps_server.shared_memory import Segments
@@ -153,7 +155,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """
 
     def __init__(self, shard: Shard, *, admission: Admission | None = None,
-                 watchdog: StreamWatchdog | None = None, segments: Segments | None = None) -> None:
+                 watchdog: StreamWatchdog | None = None, segments: Segments | None = None,
+                 channel: DataChannelServer | None = None) -> None:
         self.shard = shard
         self.chunk_bytes = shard.config.chunk_bytes
         self.admission = admission or Admission(shard.config.data_plane_limit, shard_index=shard.config.shard_index,
@@ -161,6 +164,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self.watchdog = watchdog
         self.segments = segments or Segments(limit=shard.config.max_registered_workers,
                                              shard_index=shard.config.shard_index)
+        #: the shard's data channel (ps_server/data_channel.py); None: it serves none
+        self.channel = channel
 
     def _stream(self, requests: Iterator[bytes], context, rpc: str) -> Iterator[bytes]:
         return requests if self.watchdog is None else self.watchdog.watch(requests, context, rpc)
@@ -233,8 +238,31 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             segment = self._segment(frame)
             push = self._push(frame.header, _gradients_in(segment) if frame.gradients_in_shared_memory else
                               _assemble(frame.chunks, self.shard.push_layout(), widen=True))
-            result = self.shard.push_pull(push, self._read_after(frame.pull, segment, context))
+            result = self.shard.push_pull(push, self._read_after(frame.pull, segment, context.time_remaining()))
         return push_pull_response(result, self.chunk_bytes)
+
+    def push_pull_on_channel(self, worker_id: str, raw: bytes, memory: FrameBuffer, layout: Layout,
+                             generation: int) -> tuple[bytes, bool]:
+        """PushPull from a frame of the data channel (ps_server/data_channel.py): the same domain call as the
+        rpc, with the connection's buffer standing for a shared-memory segment. (The response header, whether
+        the values were written into the buffer); typed errors are raised for the channel to answer."""
+        with self.admission.enter("PushPull", worker_id):
+            frame = frames.decode_request(raw)
+            if frame.header.worker_id != worker_id:
+                raise Violation(f"a PushPull header for worker {frame.header.worker_id!r} on the data channel of "
+                                f"worker {worker_id!r}")
+            if not (frame.gradients_in_shared_memory and frame.pull.shared_memory):
+                raise InvalidRequestError("PushPull on the data channel: the gradients and the values travel in "
+                                          "the frames (set gradients_in_shared_memory and pull.shared_memory)")
+            self.shard.push_layout()   # FAILED_PRECONDITION before init
+            if generation != self.shard.generation:
+                raise DataChannelUnavailableError(
+                    f"worker {worker_id!r}: the data channel's layout no longer fits shard "
+                    f"{self.shard.config.shard_index}'s parts (re-initialized?): open it again")
+            segment = (memory, layout)
+            push = self._push(frame.header, _gradients_in(segment))
+            result = self.shard.push_pull(push, self._read_after(frame.pull, segment, None))
+        return push_pull_response(result, self.chunk_bytes), result.values is not None
 
     @translate_errors
     def Barrier(self, request, context):
@@ -257,12 +285,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                                                  want=np.dtype(spec.dtype))))
         return Push(header.worker_id, header.clock, header.read_step, grads, row_grads)
 
-    def _read_after(self, pull: pb.PullAfterPush, segment: tuple[Segment, Layout] | None, context) -> Read:
-        """The domain's Read of a PushPull's pull: into the worker's segment when it asks for shared memory."""
+    def _read_after(self, pull: pb.PullAfterPush, segment: tuple[Segment | FrameBuffer, Layout] | None,
+                    remaining: float | None) -> Read:
+        """The domain's Read of a PushPull's pull: into the worker's segment (or data-channel buffer) when it asks
+        for shared memory; `remaining`: the call's time left (None: no deadline)."""
         if pull.wait_timeout_ms < 0:
             raise InvalidRequestError(f"PushPull: wait_timeout_ms must be >= 0, got {pull.wait_timeout_ms}")
-        timeout = 0.0 if pull.wait_timeout_ms == 0 else \
-            self.shard.wait_timeout(pull.wait_timeout_ms, context.time_remaining())
+        timeout = 0.0 if pull.wait_timeout_ms == 0 else self.shard.wait_timeout(pull.wait_timeout_ms, remaining)
         into = None
         if pull.shared_memory:
             memory, layout = segment
@@ -294,6 +323,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def DeregisterWorker(self, request, context):
         self.shard.deregister(request.worker_id)
         self.segments.close(request.worker_id)
+        if self.channel is not None:
+            self.channel.close_worker(request.worker_id)
         return pb.DeregisterWorkerResponse()
 
     @translate_errors
@@ -312,6 +343,23 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         door, ticket = self.segments.offer(request.worker_id, layout, generation, known=known)
         return pb.SharedMemoryResponse(size=layout.size, values_offset=layout.values_offset, door=door,
                                        ticket=ticket)
+
+    @translate_errors
+    def OpenDataChannel(self, request, context):
+        self.shard.check_id("OpenDataChannel: worker_id", request.worker_id)
+        if self.channel is None:
+            raise DataChannelUnavailableError(f"shard {self.shard.config.shard_index} serves no data channel "
+                                              "(--no-data-channel); use gRPC bytes")
+        generation, parts = self.shard.part_layout()
+        known = {w.worker_id for w in self.shard.view().workers}
+        if request.worker_id not in known:
+            raise UnknownWorkerError(f"worker {request.worker_id!r} is not registered on this shard; "
+                                     "call RegisterWorker")
+        layout = Layout.of(parts)
+        ticket = self.channel.offer(request.worker_id, layout, generation, known=known)
+        return pb.DataChannelResponse(port=self.channel.port, ticket=ticket, size=layout.size,
+                                      values_offset=layout.values_offset, tls=self.channel.tls is not None,
+                                      idle_ms=int(self.channel.idle_seconds * 1000))
 
 
 # ---------------------------------------------------------------------- filling responses
@@ -375,7 +423,8 @@ def _row_ids(tables) -> list[tuple[str, np.ndarray]]:
     return [(t.name, np.array(t.ids, dtype=np.int64)) for t in tables]
 
 
-def _gradients_in(segment: tuple[Segment, Layout]) -> dict[PartKey, np.ndarray]:
-    """The gradients a worker wrote into its segment, as views (read by the shard inside the call)."""
+def _gradients_in(segment: tuple[Segment | FrameBuffer, Layout]) -> dict[PartKey, np.ndarray]:
+    """The gradients a worker wrote into its segment (or sent in a data-channel frame), as views (read by the shard
+    inside the call)."""
     memory, layout = segment
     return {slot.key: memory.view(slot) for slot in layout.gradients}

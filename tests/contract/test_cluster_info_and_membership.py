@@ -15,7 +15,7 @@ from ps_common.shard_map import ParamSpec, build_shard_map
 from tests.contract.wire import MODE_NAMES, RPC_TIMEOUT, Target, Workers, expect_status, new_id
 
 RPCS = {"InitParameters", "Push", "Pull", "Barrier", "RegisterWorker", "Heartbeat", "DeregisterWorker", "GetClusterInfo",
-        "PushPull", "OpenSharedMemory", "PullRows", "ReadState"}
+        "PushPull", "OpenSharedMemory", "PullRows", "ReadState", "OpenDataChannel"}
 
 
 def test_every_shard_reports_its_index_the_shard_count_and_one_shared_configuration(target: Target) -> None:

@@ -72,4 +72,4 @@ def test_reflection_lists_the_parameter_server_and_health_services_and_describes
     services = {(f.package, s.name): [m.name for m in s.method] for f in files for s in f.service}
     assert set(services[("ps.v1", "ParameterServer")]) == {
         "InitParameters", "Push", "Pull", "Barrier", "RegisterWorker", "Heartbeat", "DeregisterWorker", "GetClusterInfo",
-        "PushPull", "OpenSharedMemory", "PullRows", "ReadState"}
+        "PushPull", "OpenSharedMemory", "PullRows", "ReadState", "OpenDataChannel"}

@@ -79,6 +79,7 @@ def _valid_unary(method: str) -> bytes:
         "Shutdown": pb.ShutdownRequest(reason="fuzz"),
         "ResetParameters": pb.ResetParametersRequest(),
         "OpenSharedMemory": pb.SharedMemoryRequest(worker_id="fuzz"),
+        "OpenDataChannel": pb.DataChannelRequest(worker_id="fuzz"),
         "PullRows": pb.PullRowsRequest(tables=[pb.RowIds(name="w", ids=[0, 3])], worker_id="owner"),
         "ReadState": pb.ReadStateRequest(since_step=0, whole=["w"], wait_timeout_ms=100),
     }

@@ -331,6 +331,38 @@ class SharedMemoryResponse(_message.Message):
     ticket: bytes
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., values_offset: _Optional[int] = ..., door: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
+class DataChannelRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DataChannelResponse(_message.Message):
+    __slots__ = ("port", "ticket", "size", "values_offset", "tls", "idle_ms")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    size: int
+    values_offset: int
+    tls: bool
+    idle_ms: int
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., size: _Optional[int] = ..., values_offset: _Optional[int] = ..., tls: _Optional[bool] = ..., idle_ms: _Optional[int] = ...) -> None: ...
+
+class DataChannelStatus(_message.Message):
+    __slots__ = ("code", "reason", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    reason: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class BarrierRequest(_message.Message):
     __slots__ = ("name", "participant_id", "participants", "timeout_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]

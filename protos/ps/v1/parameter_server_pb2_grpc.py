@@ -91,6 +91,11 @@ class ParameterServerStub:
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryResponse.FromString,
                 _registered_method=True)
+        self.OpenDataChannel = channel.unary_unary(
+                '/ps.v1.ParameterServer/OpenDataChannel',
+                request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.DataChannelRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.DataChannelResponse.FromString,
+                _registered_method=True)
         self.ReadState = channel.unary_stream(
                 '/ps.v1.ParameterServer/ReadState',
                 request_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.ReadStateRequest.SerializeToString,
@@ -209,6 +214,16 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenDataChannel(self, request, context):
+        """Opens (or reopens) the caller's data channel for PushPull with a shard on another host: a
+        ticket for the shard's channel port (see DataChannelRequest). FAILED_PRECONDITION before
+        InitParameters or when the shard serves no data channel (reason DATA_CHANNEL_UNAVAILABLE),
+        NOT_FOUND for an unregistered worker, RESOURCE_EXHAUSTED past the shard's limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadState(self, request, context):
         """The shard's trained state, or what changed of it since a step (ReadStateRequest): a
         stream of messages of at most about 4 MiB of data each. FAILED_PRECONDITION before
@@ -276,6 +291,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.OpenSharedMemory,
                     request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryResponse.SerializeToString,
+            ),
+            'OpenDataChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDataChannel,
+                    request_deserializer=ps__proto_dot_v1_dot_parameter__server__pb2.DataChannelRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_parameter__server__pb2.DataChannelResponse.SerializeToString,
             ),
             'ReadState': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadState,
@@ -582,6 +602,33 @@ class ParameterServer:
             '/ps.v1.ParameterServer/OpenSharedMemory',
             ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryRequest.SerializeToString,
             ps__proto_dot_v1_dot_parameter__server__pb2.SharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDataChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/OpenDataChannel',
+            ps__proto_dot_v1_dot_parameter__server__pb2.DataChannelRequest.SerializeToString,
+            ps__proto_dot_v1_dot_parameter__server__pb2.DataChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,439 @@
+"""The data channel: PushPull's bytes between a worker and a shard on another host, over a TCP connection of
+their own instead of gRPC messages (docs/protocol.md, "The data channel between hosts").
+
+gRPC Python touches every byte of a message in Python-level code (serialization, a copy into
+and out of its buffers) and moves a 100 MB push and pull at well under half the speed of a plain
+socket. Here the tensors' bytes go from the arrays to the kernel and back with `socket.sendmsg`
+(a list of memoryviews, no join) and `recv_into` (straight into preallocated memory or the
+destination arrays): nothing per byte runs in Python, and no copy is made but the kernel's.
+
+Both sides use the shared-memory `Layout` of the shard's parts (ps_common/shared_memory.py): a
+request's body is the layout's gradient region, an answer's body its values region, padding
+included, so the shard receives into a per-connection buffer laid out like a segment and reuses
+the shared-memory code path (gradients as views of it, values written into it under the lock).
+
+1. The worker asks for a ticket over the authenticated `OpenDataChannel` rpc (`Tickets`: 32
+   random bytes, good once, for TICKET_SECONDS, bound to the worker and the layout it was
+   issued for); the shard answers its channel port, the layout's sizes, and whether the
+   connection is TLS.
+2. The worker connects, sends HELLO (magic, version, ticket) and gets WELCOME_OK, or
+   WELCOME_REFUSED and a closed connection.
+3. Request frames: FRAME (REQUEST_MAGIC, header bytes, body bytes), a serialized
+   PushPullRequest without chunks (ps_common/frames.py), then the gradient region. Answers:
+   REPLY_MAGIC with a PushPullResponse without chunks and the values region when ready, or
+   ERROR_MAGIC with a DataChannelStatus (the status gRPC would have given) and no body.
+
+Everything here is framing and sockets, for both sides; what a frame means is the shard's
+(ps_server/data_channel.py, ps_server/service.py) and the client's
+(worker_client/client/ps_client.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+import mmap
+import os
+import secrets
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ps_common.errors import PSError
+from ps_common.shared_memory import Layout, Slot
+from ps_common.tls import read_pem
+
+#: The hello a worker sends first: magic, version, three zero bytes, the ticket.
+HELLO = struct.Struct("<4sB3x32s")
+HELLO_MAGIC = b"PSDC"
+VERSION = 1
+#: The shard's answer to a hello: WELCOME_OK or WELCOME_REFUSED, then four zero bytes.
+WELCOME = struct.Struct("<4s4x")
+WELCOME_OK, WELCOME_REFUSED = b"PSOK", b"PSNO"
+#: Every frame's prefix: magic, the header's bytes (uint32), the body's bytes (uint64), little-endian.
+FRAME = struct.Struct("<4sIQ")
+REQUEST_MAGIC, REPLY_MAGIC, ERROR_MAGIC = b"PSPQ", b"PSPR", b"PSPE"
+#: Bytes of a ticket.
+TICKET_BYTES = 32
+#: A ticket not used within this long is void (seconds).
+TICKET_SECONDS = 30.0
+#: Tickets outstanding at once (one per worker is the need); more are refused.
+MAX_TICKETS = 4096
+#: Longest wait of either side for the other during the hello, TLS handshake included (seconds).
+HANDSHAKE_SECONDS = 5.0
+#: The largest frame header either side takes (bytes): a PushPullRequest or PushPullResponse without chunks.
+MAX_HEADER_BYTES = 1 << 20
+#: Buffers per sendmsg/recvmsg_into call (Linux's IOV_MAX is 1024).
+MAX_IOV = 512
+
+assert HELLO.size == 40 and WELCOME.size == 8 and FRAME.size == 16
+
+
+class DataChannelUnavailableError(PSError):
+    """A data channel asked for where there is none (the shard serves none, or the connection's layout no longer
+    fits the shard's parts): FAILED_PRECONDITION; the client goes on over gRPC bytes."""
+
+    status, reason = "FAILED_PRECONDITION", "DATA_CHANNEL_UNAVAILABLE"
+
+
+class ProtocolError(Exception):
+    """Bytes on a data channel that break its framing (bad magic, sizes off the layout, a closed connection
+    mid-frame): the connection is closed and nothing of the frame is applied."""
+
+
+# ---------------------------------------------------------------------- regions of a layout
+
+
+def _region(slots: Sequence[Slot], start: int, end: int) -> list[tuple[int, int]]:
+    """(slot index or -1 for padding, bytes) pieces covering [start, end) of a layout, in order."""
+    pieces, at = [], start
+    for i, slot in enumerate(slots):
+        if slot.offset > at:
+            pieces.append((-1, slot.offset - at))
+        pieces.append((i, slot.nbytes))
+        at = slot.offset + slot.nbytes
+    if end > at:
+        pieces.append((-1, end - at))
+    return [(i, n) for i, n in pieces if n]
+
+
+def gradient_bytes(layout: Layout) -> int:
+    """A request body's bytes: the layout's gradient region."""
+    return layout.values_offset
+
+
+def values_bytes(layout: Layout) -> int:
+    """A ready answer's body bytes: the layout's values region."""
+    return layout.size - layout.values_offset
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (no copy)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("a data channel sends and receives C-contiguous arrays only")
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def region_views(slots: Sequence[Slot], start: int, end: int, arrays: Sequence[np.ndarray],
+                 padding: memoryview) -> list[memoryview]:
+    """Byte views of `arrays` (one per slot, its dtype and shape) and of `padding` in the region's order."""
+    views = []
+    for i, n in _region(slots, start, end):
+        if i < 0:
+            views.append(padding[:n])
+            continue
+        array, slot = arrays[i], slots[i]
+        if array.dtype != slot.dtype or tuple(array.shape) != slot.shape:
+            raise ValueError(f"{slot.key}: {array.dtype}{list(array.shape)} does not fit the layout's "
+                             f"{slot.dtype}{list(slot.shape)}")
+        views.append(as_bytes(array))
+    return views
+
+
+# ---------------------------------------------------------------------- moving bytes
+
+
+def _is_tls(sock: socket.socket) -> bool:
+    return isinstance(sock, ssl.SSLSocket)
+
+
+def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
+    """Sends every byte of `views`, in order: sendmsg with up to MAX_IOV buffers a call (TLS: one write each)."""
+    if _is_tls(sock):   # SSLSocket has no sendmsg; its sendall encrypts from the view
+        for view in views:
+            if len(view):
+                sock.sendall(view)
+        return
+    pending = [memoryview(v).cast("B") for v in views if len(v)]
+    while pending:
+        sent = sock.sendmsg(pending[:MAX_IOV])
+        while sent and sent >= len(pending[0]):
+            sent -= len(pending[0])
+            pending.pop(0)
+        if sent:
+            pending[0] = pending[0][sent:]
+
+
+def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fills every byte of `views` from the socket; ProtocolError when the peer closes first."""
+    if _is_tls(sock):   # SSLSocket has no recvmsg_into
+        for view in views:
+            _recv_into(sock, view)
+        return
+    pending = [v for v in views if len(v)]
+    while pending:
+        got = sock.recvmsg_into(pending[:MAX_IOV])[0]
+        if not got:
+            raise ProtocolError(f"the peer closed the connection with {sum(len(v) for v in pending)} bytes "
+                                "of a frame unread")
+        while got and got >= len(pending[0]):
+            got -= len(pending[0])
+            pending.pop(0)
+        if got:
+            pending[0] = pending[0][got:]
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    at = 0
+    while at < len(view):
+        got = sock.recv_into(view[at:])
+        if not got:
+            raise ProtocolError(f"the peer closed the connection with {len(view) - at} bytes of a frame unread")
+        at += got
+
+
+def recv_exactly(sock: socket.socket, n: int, *, at_boundary: bool = False) -> bytes | None:
+    """`n` bytes; ProtocolError when the peer closes first (None when it closes before the first byte and
+    `at_boundary`: a clean end between frames)."""
+    data = bytearray(n)
+    view = memoryview(data)
+    at = 0
+    while at < n:
+        got = sock.recv_into(view[at:])
+        if not got:
+            if at == 0 and at_boundary:
+                return None
+            raise ProtocolError(f"the peer closed the connection after {at} of {n} bytes")
+        at += got
+    return bytes(data)
+
+
+def read_prefix(sock: socket.socket, *, at_boundary: bool = False) -> tuple[bytes, int, int] | None:
+    """A frame's (magic, header bytes, body bytes); None for a clean close between frames (`at_boundary`)."""
+    raw = recv_exactly(sock, FRAME.size, at_boundary=at_boundary)
+    return None if raw is None else FRAME.unpack(raw)
+
+
+class FrameBuffer:
+    """A connection's memory laid out like a shared-memory segment (anonymous pages, made on first touch).
+
+    It has the `view(slot)` of ps_common.shared_memory.Segment, so the shard's shared-memory
+    code path reads gradients from it and writes values into it.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._map = mmap.mmap(-1, max(size, 1))
+        self.buffer = memoryview(self._map)[:size]
+
+    def view(self, slot: Slot) -> np.ndarray:
+        count = slot.nbytes // slot.dtype.itemsize
+        return np.frombuffer(self.buffer, dtype=slot.dtype, count=count, offset=slot.offset).reshape(slot.shape)
+
+    def close(self) -> None:
+        try:
+            self.buffer.release()
+            self._map.close()
+        except (BufferError, ValueError):   # a view still exported: the memory goes with the last one
+            pass
+
+
+# ---------------------------------------------------------------------- tickets
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a ticket opens: a connection for one worker, with the layout of the shard's parts `generation`."""
+
+    worker_id: str
+    layout: Layout
+    generation: int
+
+
+class Tickets:
+    """One-time tickets for data-channel connections: `issue` makes one, `take` uses it up. Thread-safe."""
+
+    def __init__(self, *, seconds: float = TICKET_SECONDS, limit: int = MAX_TICKETS) -> None:
+        self.seconds = seconds
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._tickets: dict[bytes, tuple[float, Grant]] = {}
+
+    def issue(self, grant: Grant) -> bytes:
+        """A fresh ticket for `grant`; OSError when too many are outstanding."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            for old in [t for t, (expiry, _) in self._tickets.items() if expiry < now]:
+                del self._tickets[old]
+            if len(self._tickets) >= self.limit:
+                raise OSError(f"{len(self._tickets)} data-channel tickets outstanding")
+            self._tickets[ticket] = (now + self.seconds, grant)
+        return ticket
+
+    def take(self, ticket: bytes) -> Grant | None:
+        """The grant of a valid ticket, which is then void; None for a wrong, used or expired one. Every known
+        ticket is compared in constant time."""
+        now = time.monotonic()
+        found = None
+        with self._lock:
+            for known in list(self._tickets):
+                if hmac.compare_digest(known, ticket):
+                    found = known
+            if found is None:
+                return None
+            expiry, grant = self._tickets.pop(found)
+        return grant if expiry >= now else None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tickets)
+
+
+# ---------------------------------------------------------------------- TLS
+
+
+def server_tls_context(cert: str, key: str, client_ca: str | None = None) -> ssl.SSLContext:
+    """The shard's side: its certificate and key (the gRPC port's), and client certificates required when
+    `client_ca` is set (mutual TLS). ValueError naming a file that cannot be used."""
+    for path, what in ((cert, "tls_cert"), (key, "tls_key")):
+        read_pem(path, what)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+        if client_ca is not None:
+            read_pem(client_ca, "tls_client_ca")
+            context.load_verify_locations(cafile=client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+    except ssl.SSLError as exc:
+        raise ValueError(f"the data channel cannot use tls_cert {cert!r} and tls_key {key!r}: {exc}") from exc
+    return context
+
+
+def client_tls_context(ca_path: str | os.PathLike[str] | None = None, cert_path: str | os.PathLike[str] | None = None,
+                       key_path: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
+    """The worker's side, from the same files as its gRPC credentials (ps_common.tls.client_security): trust
+    `ca_path` (None: the system's roots), check the shard's host name, and present cert/key when both are
+    given (mutual TLS). Give it to PSClient as `data_channel_tls`."""
+    if (cert_path is None) != (key_path is None):
+        raise ValueError(f"a client certificate needs both cert_path and key_path (got cert_path={cert_path!r}, "
+                         f"key_path={key_path!r})")
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if ca_path is not None:
+        read_pem(ca_path, "CA certificate (tls_ca)")
+        context.load_verify_locations(cafile=os.fspath(ca_path))
+    if cert_path is not None and key_path is not None:
+        read_pem(cert_path, "client certificate (tls_cert)")
+        read_pem(key_path, "client key (tls_key)")
+        context.load_cert_chain(os.fspath(cert_path), os.fspath(key_path))
+    return context
+
+
+def no_delay(sock: socket.socket) -> None:
+    """Frames go out at once (a prefix and a small header must not wait for Nagle's timer)."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------- the worker's side
+
+
+class Link:
+    """A worker's open data channel with one shard: `exchange` sends a frame and receives its answer.
+
+    Not thread-safe: one call in flight per worker and shard, as with shared memory. Any
+    OSError or ProtocolError leaves it closed; the caller goes on over gRPC.
+    """
+
+    def __init__(self, sock: socket.socket, layout: Layout, *, idle_seconds: float) -> None:
+        self.sock = sock
+        self.layout = layout
+        self.idle_seconds = idle_seconds
+        self.closed = False
+        self.frames = 0   # answered frames: a link that never answered one is not reopened at once
+        self._last_used = time.monotonic()
+        self._padding = memoryview(bytearray(64))   # pads are < ALIGN bytes: read into, or sent from, here
+
+    @classmethod
+    def connect(cls, host: str, port: int, ticket: bytes, layout: Layout, *, tls: ssl.SSLContext | None = None,
+                server_hostname: str | None = None, timeout: float = HANDSHAKE_SECONDS,
+                idle_seconds: float = 30.0) -> "Link":
+        """Connects, shows the ticket and waits for the welcome; OSError (ssl.SSLError, a timeout) when the port
+        cannot be reached or TLS fails, ProtocolError when the shard refuses the ticket."""
+        raw = socket.create_connection((host, port), timeout=timeout)
+        sock: socket.socket = raw
+        try:
+            no_delay(raw)
+            if tls is not None:
+                sock = tls.wrap_socket(raw, server_hostname=server_hostname or host)
+            sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, ticket))
+            answer = recv_exactly(sock, WELCOME.size)
+            (magic,) = WELCOME.unpack(answer)
+            if magic != WELCOME_OK:
+                raise ProtocolError(f"the shard refused the ticket ({magic!r}): used, expired, or never issued")
+            return cls(sock, layout, idle_seconds=idle_seconds)
+        except BaseException:
+            sock.close()
+            raise
+
+    def usable(self) -> bool:
+        """Whether a frame may go now: open, used recently enough that the shard has not cut it as idle, and
+        nothing unasked-for waiting to be read (the shard closed it)."""
+        if self.closed:
+            return False
+        margin = min(1.0, self.idle_seconds / 4)
+        if time.monotonic() - self._last_used > self.idle_seconds - margin:
+            return False
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    def exchange(self, header: bytes, gradients: Sequence[np.ndarray], values: Sequence[np.ndarray], *,
+                 timeout: float) -> tuple[bytes, bytes, bool]:
+        """Sends a request frame (`header`, then `gradients`, one per gradient slot of the layout) and reads its
+        answer, its values straight into `values` (one per value slot) when ready.
+
+        Returns (magic, answer header, whether the values were received). OSError or ProtocolError
+        close the link: the frame may or may not have been applied (a resend with the same clock is safe).
+        """
+        layout = self.layout
+        try:
+            self.sock.settimeout(timeout)
+            body = region_views(layout.gradients, 0, layout.values_offset, gradients, self._padding)
+            send_views(self.sock, [FRAME.pack(REQUEST_MAGIC, len(header), gradient_bytes(layout)), header, *body])
+            magic, header_bytes, body_bytes = read_prefix(self.sock)
+            if magic not in (REPLY_MAGIC, ERROR_MAGIC) or header_bytes > MAX_HEADER_BYTES:
+                raise ProtocolError(f"an answer frame with magic {magic!r} and a {header_bytes}-byte header")
+            if body_bytes not in (0, values_bytes(layout)) or (magic == ERROR_MAGIC and body_bytes):
+                raise ProtocolError(f"an answer of {body_bytes} body bytes; the layout's values region holds "
+                                    f"{values_bytes(layout)}")
+            answer = recv_exactly(self.sock, header_bytes)
+            if body_bytes:
+                recv_views(self.sock, region_views(layout.values, layout.values_offset, layout.size, values,
+                                                   self._padding))
+            self._last_used = time.monotonic()
+            self.frames += 1
+            return magic, answer, bool(body_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def endpoint(address: str, channel_options: Sequence[tuple[str, Any]] = ()) -> tuple[str, str]:
+    """(host to connect to, name the shard's certificate must carry) for a shard's gRPC HOST:PORT; the name is
+    gRPC's "grpc.ssl_target_name_override" when given, as for the gRPC channel."""
+    host = address.rpartition(":")[0].strip("[]") or address
+    override = next((str(v) for k, v in channel_options if k == "grpc.ssl_target_name_override"), None)
+    return host, override or host

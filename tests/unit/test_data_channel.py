@@ -1,0 +1,473 @@
+"""The data channel's framing and its listener, with a stand-in for the shard (ps_common/data_channel.py,
+ps_server/data_channel.py): round trips, and every kind of bad input closing the connection with nothing served.
+
+Every server binds 127.0.0.1 port 0; every socket has a timeout; the fuzz test's examples are bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ps_common import data_channel as dc
+from ps_common import frames
+from ps_common.data_channel import FrameBuffer, Grant, Link, ProtocolError, Tickets
+from ps_common.errors import InvalidRequestError, ShuttingDownError
+from ps_common.shared_memory import Layout
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_server.data_channel import DataChannelServer, Violation
+
+PARTS = [(("w", 0), np.float32, (5, 3)), (("b", 0), np.float32, (3,)), (("ids", 0), np.int64, (4,)),
+         (("h", 0), np.float64, (7,))]
+LAYOUT = Layout.of(PARTS)
+TIMEOUT = 5.0
+EXAMPLES = int(os.environ.get("PS_FUZZ_EXAMPLES", "60"))
+
+
+class Stand:
+    """A stand-in for the shard behind the channel: values = 2 x gradients (ints: 0, 1, 2, ...); records calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, pb.PushHeader]] = []
+        self.fail: Exception | None = None
+
+    def __call__(self, worker_id: str, raw: bytes, memory: FrameBuffer, layout: Layout, generation: int):
+        frame = frames.decode_request(raw)
+        if frame.header.worker_id != worker_id:
+            raise Violation(f"header names {frame.header.worker_id!r}")
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append((worker_id, frame.header))
+        grads = {slot.key: memory.view(slot) for slot in layout.gradients}
+        for slot in layout.values:
+            target = memory.view(slot)
+            target[...] = 2 * grads[slot.key] if slot.key in grads else np.arange(target.size).reshape(slot.shape)
+        push = pb.PushResponse(outcome=pb.PUSH_ACCEPTED, step=frame.header.clock + 1, clock=frame.header.clock + 1)
+        ready = frame.pull.wait_timeout_ms != 7   # 7 ms: the stand's "wait ran out"
+        return frames.encode_response(push, ready=ready, step=frame.header.clock + 1 if ready else 0), ready
+
+
+@pytest.fixture
+def stand() -> Stand:
+    return Stand()
+
+
+@pytest.fixture
+def server(stand: Stand) -> Iterator[DataChannelServer]:
+    channel = DataChannelServer("127.0.0.1", 0, stand, idle_seconds=5.0).start()
+    yield channel
+    channel.close()
+
+
+def gradients(seed: float = 1.0) -> list[np.ndarray]:
+    return [np.full(slot.shape, seed * (i + 1), slot.dtype) for i, slot in enumerate(LAYOUT.gradients)]
+
+
+def empty_values() -> list[np.ndarray]:
+    return [np.empty(slot.shape, slot.dtype) for slot in LAYOUT.values]
+
+
+def request(worker_id: str = "w0", clock: int = 0, wait_ms: int = 100) -> bytes:
+    return frames.encode_request(pb.PushHeader(worker_id=worker_id, clock=clock),
+                                 pb.PullAfterPush(wait_timeout_ms=wait_ms, shared_memory=True),
+                                 gradients_in_shared_memory=True)
+
+
+def connect(server: DataChannelServer, worker_id: str = "w0") -> Link:
+    ticket = server.offer(worker_id, LAYOUT, 1, known={worker_id})
+    return Link.connect("127.0.0.1", server.port, ticket, LAYOUT, timeout=TIMEOUT, idle_seconds=5.0)
+
+
+def raw_connection(server: DataChannelServer) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT)
+    return sock
+
+
+def closed_by_peer(sock: socket.socket, timeout: float = TIMEOUT) -> bool:
+    """Whether the server closes the connection (EOF or reset) within `timeout`, whatever it sent before."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 16):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def hello(server: DataChannelServer, worker_id: str = "w0") -> socket.socket:
+    """A raw connection past the hello."""
+    sock = raw_connection(server)
+    sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, server.offer(worker_id, LAYOUT, 1, known={worker_id})))
+    assert dc.recv_exactly(sock, dc.WELCOME.size) == dc.WELCOME.pack(dc.WELCOME_OK)
+    return sock
+
+
+def wait_until(predicate, timeout: float = TIMEOUT) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# ---------------------------------------------------------------------- the layout's regions
+
+
+def test_the_regions_cover_the_layout_with_its_padding() -> None:
+    views = dc.region_views(LAYOUT.gradients, 0, LAYOUT.values_offset, gradients(), memoryview(bytearray(64)))
+    assert sum(len(v) for v in views) == dc.gradient_bytes(LAYOUT) == LAYOUT.values_offset
+    views = dc.region_views(LAYOUT.values, LAYOUT.values_offset, LAYOUT.size, empty_values(),
+                            memoryview(bytearray(64)))
+    assert sum(len(v) for v in views) == dc.values_bytes(LAYOUT)
+    with pytest.raises(ValueError, match="does not fit"):
+        dc.region_views(LAYOUT.gradients, 0, LAYOUT.values_offset, [g.astype(np.float64) for g in gradients()],
+                        memoryview(bytearray(64)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dc.as_bytes(np.zeros((4, 4), np.float32).T[:, :2])
+
+
+def test_send_and_receive_views_move_every_byte_across_many_buffers() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        left.settimeout(TIMEOUT)
+        right.settimeout(TIMEOUT)
+        pieces = [np.arange(n, dtype=np.uint8) for n in [1, 0, 1000, 3] * 300]   # > MAX_IOV buffers
+        into = [np.empty_like(p) for p in pieces]
+        sender = threading.Thread(target=dc.send_views, args=(left, [memoryview(p) for p in pieces]))
+        sender.start()
+        dc.recv_views(right, [memoryview(p) for p in into])
+        sender.join(TIMEOUT)
+        for sent, got in zip(pieces, into):
+            np.testing.assert_array_equal(sent, got)
+        left.close()
+        with pytest.raises(ProtocolError, match="closed"):
+            dc.recv_views(right, [memoryview(bytearray(4))])
+
+
+# ---------------------------------------------------------------------- tickets
+
+
+def test_a_ticket_is_good_once_and_not_after_it_expires() -> None:
+    tickets = Tickets(seconds=0.2)
+    grant = Grant("w0", LAYOUT, 3)
+    ticket = tickets.issue(grant)
+    assert len(ticket) == dc.TICKET_BYTES
+    assert tickets.take(b"\0" * dc.TICKET_BYTES) is None
+    assert tickets.take(ticket) == grant
+    assert tickets.take(ticket) is None                      # used
+    late = tickets.issue(grant)
+    time.sleep(0.3)
+    assert tickets.take(late) is None                        # expired
+    full = Tickets(limit=2)
+    full.issue(grant)
+    full.issue(grant)
+    with pytest.raises(OSError, match="outstanding"):
+        full.issue(grant)
+
+
+# ---------------------------------------------------------------------- round trips
+
+
+def test_a_frame_goes_and_its_answer_comes_back_into_the_destination_arrays(server, stand) -> None:
+    link = connect(server)
+    try:
+        for clock in range(3):
+            values = empty_values()
+            magic, answer, received = link.exchange(request(clock=clock), gradients(clock + 1), values,
+                                                    timeout=TIMEOUT)
+            assert magic == dc.REPLY_MAGIC and received
+            reply = frames.decode_response(answer)
+            assert reply.ready and reply.step == clock + 1 and reply.push.clock == clock + 1
+            for slot, value in zip(LAYOUT.values, values):
+                grads = dict(zip((s.key for s in LAYOUT.gradients), gradients(clock + 1)))
+                expected = 2 * grads[slot.key] if slot.key in grads else np.arange(value.size).reshape(slot.shape)
+                np.testing.assert_array_equal(value, expected)
+        assert [h.clock for _, h in stand.calls] == [0, 1, 2]
+        assert link.usable() and link.frames == 3
+    finally:
+        link.close()
+
+
+def test_an_answer_that_is_not_ready_has_no_body(server) -> None:
+    link = connect(server)
+    try:
+        values = empty_values()
+        magic, answer, received = link.exchange(request(wait_ms=7), gradients(), values, timeout=TIMEOUT)
+        assert magic == dc.REPLY_MAGIC and not received and not frames.decode_response(answer).ready
+        assert link.exchange(request(clock=1), gradients(), values, timeout=TIMEOUT)[2]   # in step still
+    finally:
+        link.close()
+
+
+def test_a_typed_error_comes_back_as_an_error_frame_and_the_connection_stays(server, stand) -> None:
+    link = connect(server)
+    try:
+        stand.fail = InvalidRequestError("push from 'w0' at clock 0: gradient of 'w' holds NaN or inf")
+        magic, answer, received = link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)
+        status = pb.DataChannelStatus.FromString(answer)
+        assert magic == dc.ERROR_MAGIC and not received
+        assert (status.code, status.reason) == ("INVALID_ARGUMENT", "INVALID_REQUEST") and "NaN" in status.message
+        stand.fail = ShuttingDownError("shard 0 is stopping")
+        status = pb.DataChannelStatus.FromString(link.exchange(request(), gradients(), empty_values(),
+                                                               timeout=TIMEOUT)[1])
+        assert (status.code, status.reason) == ("UNAVAILABLE", "SHUTTING_DOWN")
+        stand.fail = None
+        assert link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)[0] == dc.REPLY_MAGIC
+    finally:
+        link.close()
+
+
+def test_a_bug_behind_the_channel_is_internal_and_logged(server, stand, caplog) -> None:
+    link = connect(server)
+    try:
+        stand.fail = KeyError("oops")
+        with caplog.at_level(logging.ERROR, logger="ps_server.data_channel"):
+            status = pb.DataChannelStatus.FromString(link.exchange(request(), gradients(), empty_values(),
+                                                                   timeout=TIMEOUT)[1])
+        assert status.code == "INTERNAL" and "KeyError" in status.message
+        assert any("internal error" in r.getMessage() for r in caplog.records)
+    finally:
+        link.close()
+
+
+def test_a_new_connection_of_the_same_worker_ends_its_old_one(server) -> None:
+    first = connect(server)
+    second = connect(server)
+    try:
+        assert wait_until(lambda: not first.usable())
+        assert second.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)[0] == dc.REPLY_MAGIC
+        assert len(server) == 1
+        server.close_worker("w0")
+        assert wait_until(lambda: not second.usable())
+    finally:
+        first.close()
+        second.close()
+
+
+# ---------------------------------------------------------------------- bad input: closed, nothing served
+
+
+def test_a_wrong_or_used_ticket_is_refused_and_the_connection_closed(server, stand, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="ps_server.data_channel"):
+        with pytest.raises(ProtocolError, match="refused"):
+            Link.connect("127.0.0.1", server.port, b"\1" * dc.TICKET_BYTES, LAYOUT, timeout=TIMEOUT)
+    assert any("wrong, used or expired ticket" in r.getMessage() for r in caplog.records)
+    ticket = server.offer("w0", LAYOUT, 1, known={"w0"})
+    Link.connect("127.0.0.1", server.port, ticket, LAYOUT, timeout=TIMEOUT).close()
+    with pytest.raises(ProtocolError, match="refused"):                  # a replayed hello
+        Link.connect("127.0.0.1", server.port, ticket, LAYOUT, timeout=TIMEOUT)
+    assert stand.calls == []
+
+
+def test_a_frame_before_the_ticket_closes_the_connection(server, stand) -> None:
+    with raw_connection(server) as sock:
+        header = request()
+        sock.sendall(dc.FRAME.pack(dc.REQUEST_MAGIC, len(header), dc.gradient_bytes(LAYOUT)) + header)
+        assert closed_by_peer(sock)
+    assert stand.calls == []
+
+
+@pytest.mark.parametrize("what", ["bad magic", "oversized header", "body off the layout", "truncated body",
+                                  "truncated header", "another worker's header"])
+def test_a_malformed_frame_closes_the_connection_and_nothing_is_served(server, stand, what: str, caplog) -> None:
+    header = request(worker_id="someone-else" if what == "another worker's header" else "w0")
+    body = b"".join(bytes(v) for v in dc.region_views(LAYOUT.gradients, 0, LAYOUT.values_offset, gradients(),
+                                                      memoryview(bytearray(64))))
+    prefix = {"bad magic": dc.FRAME.pack(b"XXXX", len(header), len(body)),
+              "oversized header": dc.FRAME.pack(dc.REQUEST_MAGIC, dc.MAX_HEADER_BYTES + 1, len(body)),
+              "body off the layout": dc.FRAME.pack(dc.REQUEST_MAGIC, len(header), len(body) + 64)}.get(
+        what, dc.FRAME.pack(dc.REQUEST_MAGIC, len(header), len(body)))
+    data = prefix + header + body
+    if what == "truncated body":
+        data = data[:-5]
+    elif what == "truncated header":
+        data = prefix + header[:2]
+    with caplog.at_level(logging.INFO, logger="ps_server.data_channel"), hello(server) as sock:
+        sock.sendall(data)
+        if what.startswith("truncated"):
+            sock.shutdown(socket.SHUT_WR)   # the worker went away mid-frame
+        assert closed_by_peer(sock)
+    assert stand.calls == []
+    assert wait_until(lambda: any("closing the connection" in r.getMessage() for r in caplog.records))
+
+
+def test_an_idle_connection_and_a_stalled_frame_are_cut(stand, caplog) -> None:
+    channel = DataChannelServer("127.0.0.1", 0, stand, idle_seconds=0.3).start()
+    try:
+        with caplog.at_level(logging.INFO, logger="ps_server.data_channel"):
+            with hello(channel) as sock:
+                assert closed_by_peer(sock, timeout=3)                       # no frame at all
+            with hello(channel) as sock:
+                header = request()
+                sock.sendall(dc.FRAME.pack(dc.REQUEST_MAGIC, len(header), dc.gradient_bytes(LAYOUT)) + header)
+                assert closed_by_peer(sock, timeout=3)                       # half a frame, then silence
+        messages = " | ".join(r.getMessage() for r in caplog.records)
+        assert "sent no frame" in messages and "stalled mid-frame" in messages
+        assert stand.calls == []
+        link = Link.connect("127.0.0.1", channel.port, channel.offer("w0", LAYOUT, 1, known={"w0"}), LAYOUT,
+                            timeout=TIMEOUT, idle_seconds=0.3)
+        time.sleep(0.3)
+        assert not link.usable()    # the client knows the shard's idle limit and reopens before it
+        link.close()
+    finally:
+        channel.close()
+
+
+def test_connections_without_a_ticket_are_bounded(server, monkeypatch) -> None:
+    from ps_server import data_channel as server_side
+
+    monkeypatch.setattr(server_side, "MAX_PENDING", 2)
+    silent = [raw_connection(server) for _ in range(2)]
+    try:
+        assert wait_until(lambda: server._pending == 2)
+        with raw_connection(server) as extra:
+            assert closed_by_peer(extra, timeout=2)
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_a_stopped_listener_refuses_connections_and_closes_its_own(server) -> None:
+    link = connect(server)
+    server.close()
+    assert wait_until(lambda: not link.usable())
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+    link.close()
+
+
+def test_a_taken_port_is_named() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(OSError, match="data-channel-port"):
+            DataChannelServer("127.0.0.1", taken.getsockname()[1], Stand())
+
+
+# ---------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def cert_files(tmp_path_factory):
+    from ps_tools.certs import make_files, write_files
+
+    directory = tmp_path_factory.mktemp("certs")
+    write_files(directory, make_files(), force=True)
+    other = tmp_path_factory.mktemp("stranger")
+    write_files(other, make_files(), force=True)
+    return directory, other
+
+
+def test_a_tls_channel_carries_frames_and_a_client_that_does_not_trust_the_shard_is_refused(stand, cert_files):
+    certs, stranger = cert_files
+    context = dc.server_tls_context(str(certs / "server.crt"), str(certs / "server.key"))
+    channel = DataChannelServer("127.0.0.1", 0, stand, tls=context).start()
+    try:
+        trusted = dc.client_tls_context(certs / "ca.crt")
+        link = Link.connect("127.0.0.1", channel.port, channel.offer("w0", LAYOUT, 1, known={"w0"}), LAYOUT,
+                            tls=trusted, timeout=TIMEOUT)
+        values = empty_values()
+        assert link.exchange(request(), gradients(3), values, timeout=TIMEOUT)[2]
+        np.testing.assert_array_equal(values[0], 2 * gradients(3)[0])
+        link.close()
+        with pytest.raises(OSError):   # ssl.SSLCertVerificationError
+            Link.connect("127.0.0.1", channel.port, channel.offer("w0", LAYOUT, 1, known={"w0"}), LAYOUT,
+                         tls=dc.client_tls_context(stranger / "ca.crt"), timeout=TIMEOUT)
+        with pytest.raises((OSError, ProtocolError)):   # plaintext to a TLS port
+            Link.connect("127.0.0.1", channel.port, channel.offer("w0", LAYOUT, 1, known={"w0"}), LAYOUT,
+                         timeout=2)
+    finally:
+        channel.close()
+    assert len(stand.calls) == 1
+
+
+def test_mutual_tls_needs_a_client_certificate_of_the_ca(stand, cert_files):
+    certs, stranger = cert_files
+    context = dc.server_tls_context(str(certs / "server.crt"), str(certs / "server.key"), str(certs / "ca.crt"))
+    channel = DataChannelServer("127.0.0.1", 0, stand, tls=context).start()
+    try:
+        for client_dir, ok in ((certs, True), (stranger, False), (None, False)):
+            tls = dc.client_tls_context(certs / "ca.crt", *(() if client_dir is None else
+                                                            (client_dir / "worker.crt", client_dir / "worker.key")))
+            ticket = channel.offer("w0", LAYOUT, 1, known={"w0"})
+            try:
+                link = Link.connect("127.0.0.1", channel.port, ticket, LAYOUT, tls=tls, timeout=TIMEOUT)
+                link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)
+                link.close()
+                got = True
+            except (OSError, ProtocolError):
+                got = False
+            assert got == ok, client_dir
+    finally:
+        channel.close()
+    assert len(stand.calls) == 1
+
+
+# ---------------------------------------------------------------------- fuzz
+
+
+def _valid_frame() -> bytes:
+    header = request()
+    body = b"".join(bytes(v) for v in dc.region_views(LAYOUT.gradients, 0, LAYOUT.values_offset, gradients(),
+                                                      memoryview(bytearray(64))))
+    return dc.FRAME.pack(dc.REQUEST_MAGIC, len(header), len(body)) + header + body
+
+
+def _mutations(valid: bytes) -> st.SearchStrategy[bytes]:
+    n = len(valid)
+    return st.one_of(
+        st.binary(max_size=64),
+        st.integers(0, n - 1).map(lambda k: valid[:k]),
+        st.tuples(st.integers(0, dc.FRAME.size + 40), st.integers(0, 7)).map(
+            lambda p: valid[:p[0]] + bytes([valid[p[0]] ^ (1 << p[1])]) + valid[p[0] + 1:]),
+        st.tuples(st.integers(0, n), st.binary(min_size=1, max_size=16)).map(lambda p: valid[:p[0]] + p[1] + valid[p[0]:]),
+    )
+
+
+def test_generated_bad_frames_close_the_connection_or_are_answered_and_the_listener_lives(stand) -> None:
+    channel = DataChannelServer("127.0.0.1", 0, stand, idle_seconds=0.5).start()
+    valid = _valid_frame()
+    outcomes: dict[str, int] = {}
+    try:
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(raw=_mutations(valid), with_ticket=st.booleans())
+        def send(raw: bytes, with_ticket: bool) -> None:
+            served = len(stand.calls)
+            sock = hello(channel) if with_ticket else raw_connection(channel)
+            answer = b""
+            with sock:
+                try:   # the listener may close the connection while the bytes still go
+                    sock.sendall(raw)
+                    sock.shutdown(socket.SHUT_WR)
+                    sock.settimeout(3)
+                    while piece := sock.recv(1 << 16):
+                        answer += piece
+                except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+                    assert not isinstance(exc, TimeoutError), "the listener neither answered nor closed"
+            kind = answer[:4].decode("ascii", "replace") if answer else "closed"
+            outcomes[kind] = outcomes.get(kind, 0) + 1
+            if not with_ticket:
+                assert len(stand.calls) == served and answer in (b"", dc.WELCOME.pack(dc.WELCOME_REFUSED))
+            elif len(stand.calls) > served:   # a frame that is still whole and well-formed: answered
+                assert answer.startswith(dc.REPLY_MAGIC)
+            else:
+                assert answer == b"" or answer.startswith(dc.ERROR_MAGIC)
+
+        send()
+        print("outcomes:", outcomes)
+        link = connect(channel)   # the listener still serves
+        assert link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)[0] == dc.REPLY_MAGIC
+        link.close()
+    finally:
+        channel.close()

@@ -4,8 +4,10 @@ It routes every part of every tensor to the shard that owns it (the shard map), 
 all shards concurrently, reassembles tensors split over shards, and retries a call only
 when it fails with UNAVAILABLE (or OVERLOADED), with bounded exponential backoff
 (client/retry.py). Pushes carry the worker's clock, so a retried push is acknowledged by
-the shard, never applied twice. Bytes go through shared memory with shards on this host,
-and over gRPC otherwise; the PushPull frame is ps_common/frames.py's.
+the shard, never applied twice. PushPull's bytes go through shared memory with shards on
+this host, through the data channel (a TCP connection of their own, ps_common/data_channel.py)
+with shards on other hosts, and over gRPC where neither can be had; the PushPull frame is
+ps_common/frames.py's.
 
 Blocking and threads: every method blocks until all shards answered, or raises. A
 client is used by one thread at a time (its heartbeat thread is internal).
@@ -14,6 +16,7 @@ client is used by one thread at a time (its heartbeat thread is internal).
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 import uuid
@@ -26,9 +29,12 @@ import grpc
 import numpy as np
 
 from ps_common import codec, frames, shared_memory
+from ps_common import data_channel as dc
 from ps_common.access import WORKER_ID_KEY
-from ps_common.errors import (InvalidTensorError, NotInitializedError, ServerError, SharedMemoryUnavailableError,
-                              StoppedError, UnknownWorkerError, WaitTimeoutError)
+from ps_common.data_channel import DataChannelUnavailableError, Link, ProtocolError
+from ps_common.errors import (InvalidTensorError, NotInitializedError, OverloadedError, ServerError,
+                              SharedMemoryUnavailableError, StoppedError, UnknownWorkerError, WaitTimeoutError,
+                              error_for_reason)
 from ps_common.modes import DropReason, Mode, step_to_wait_for
 from ps_common.shard_map import ParamSpec, PartKey, ShardMap, build_shard_map
 from ps_common.shared_memory import Layout, Segment
@@ -51,6 +57,9 @@ GRPC_PUSH_PULL_MAX_BYTES = 256 << 10
 #: A shard that gave no shared-memory segment is asked again after this long (seconds): it may have
 #: been restarting; one on another host costs one OpenSharedMemory this often.
 SEGMENT_RETRY_SECONDS = 30.0
+#: A shard whose data channel could not be opened is asked again after this long (seconds); one that broke is
+#: reopened at the next call.
+DATA_CHANNEL_RETRY_SECONDS = 30.0
 #: The longest single wait of `pull_after`; between two it checks `stop` and `lost_progress` (seconds).
 RECHECK_SECONDS = 2.0
 #: Longest single wait of a blocking call: between two, the client checks `stop` (seconds).
@@ -151,12 +160,18 @@ class PSClient:
                  channel_credentials: grpc.ChannelCredentials | None = None,
                  call_metadata: Sequence[tuple[str, str]] = (),
                  stop: threading.Event | None = None, shared_memory: bool = True,
-                 wire_dtype: str = "float32", channel_options: Sequence[tuple[str, object]] = ()) -> None:
+                 wire_dtype: str = "float32", channel_options: Sequence[tuple[str, object]] = (),
+                 data_channel: bool = True, data_channel_tls: ssl.SSLContext | None = None) -> None:
         """`stop`, once set (e.g. by a SIGTERM handler), ends every wait of this client within about
         STOP_POLL_SECONDS with StoppedError: connecting, retry backoffs and barriers. With
         `shared_memory`, push_pull moves its bytes through a shared-memory segment with each
-        shard that shares this host (ps_common/shared_memory.py), and over gRPC otherwise. `channel_options`
-        are added to every channel's (e.g. ``("grpc.ssl_target_name_override", NAME)``)."""
+        shard that shares this host (ps_common/shared_memory.py); with `data_channel`, through a data
+        channel (a TCP connection of their own: ps_common/data_channel.py) with each shard that gave no
+        segment (another host; or this one with shared_memory off, which is how a benchmark measures the
+        wire on one host); over gRPC otherwise. A shard whose channel is TLS needs `data_channel_tls`
+        (ps_common.data_channel.client_tls_context, from the files of the gRPC credentials); without it
+        the bytes go over gRPC. `channel_options` are added to every channel's (e.g.
+        ``("grpc.ssl_target_name_override", NAME)``, also the name a TLS data channel checks)."""
         if not addresses:
             raise ValueError("PSClient needs at least one shard address")
         if wire_dtype not in codec.WIRE_DTYPES:
@@ -197,6 +212,12 @@ class PSClient:
         self.shared_memory = shared_memory
         self._segments: dict[int, tuple[Segment, Layout]] = {}   # shard -> its open segment
         self._no_segment_until: dict[int, float] = {}             # shard -> when to ask it for one again
+        self.data_channel = data_channel
+        self.data_channel_tls = data_channel_tls
+        self._channel_options = list(channel_options)
+        self._links: dict[int, Link] = {}                         # shard -> its open data channel
+        self._no_link_until: dict[int, float] = {}                # shard -> when to ask it for one again
+        self._link_failures_logged: set[int] = set()              # shards whose channel failure was logged
         self._raw_inits = [c.stream_unary("/ps.v1.ParameterServer/InitParameters", request_serializer=None,
                                           response_deserializer=pb.InitResponse.FromString) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="ps-client")
@@ -651,7 +672,8 @@ class PSClient:
             if not names or not all(self._small(shard_map, i, names, rows_by_shard.get(i, ()), wanted_rows.get(i, ()))
                                     for i in range(self.num_shards)):
                 return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None
-        elif not all(self._segment(i) or self._small(shard_map, i) for i in range(self.num_shards)):
+        elif not all(self._segment(i) or self._link(i, gradients) or self._small(shard_map, i)
+                     for i in range(self.num_shards)):
             return self.push(gradients, read_steps=steps), None, None
         wanted = None if names is None else set(names)
         out: dict[str, np.ndarray] = {}
@@ -659,29 +681,16 @@ class PSClient:
 
         def one(shard: int) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
             segment = self._segment(shard) if wanted is None else None
+            link = self._link(shard, gradients) if wanted is None and segment is None else None
             grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
-            reply, segment = self._push_pull_once(shard, shard_map, gradients, clock, steps[shard], segment,
-                                                  wait_for_step, ssp, wait, grads, names, asked)
+            reply, values = self._exchange(shard, shard_map, gradients, clock, steps[shard], segment, link,
+                                           wait_for_step, ssp, wait, grads, names, asked, destination)
             if reply.push.duplicate and reply.push.clock > clock + 1:
                 # The shard restarted and took this worker back at a later clock (see push).
-                reply, segment = self._push_pull_once(shard, shard_map, gradients, reply.push.clock, steps[shard],
-                                                      segment, wait_for_step, ssp, wait, grads, names, asked)
-            if not reply.ready:
-                return reply, {}
-            if segment is None:
-                assembler = codec.PartAssembler(destination=destination)
-                for chunk in reply.chunks:
-                    assembler.add(chunk)
-                return reply, assembler.finish()
-            memory, layout = segment
-            values = {}
-            for slot in layout.values:
-                target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
-                view = memory.view(slot)
-                if target is None:
-                    values[slot.key] = view.copy()   # the segment is rewritten by the next call
-                else:
-                    np.copyto(target, view)
+                segment = self._segments.get(shard) if segment is not None else None
+                link = self._links.get(shard) if link is not None else None
+                reply, values = self._exchange(shard, shard_map, gradients, reply.push.clock, steps[shard], segment,
+                                               link, wait_for_step, ssp, wait, grads, names, asked, destination)
             return reply, values
 
         results = [one(0)] if self.num_shards == 1 else list(self._pool.map(one, range(self.num_shards)))
@@ -700,6 +709,92 @@ class PSClient:
             return report, out, None
         return report, out, self._received_rows(shard_map, rows, wanted_rows,
                                                 {shard: results[shard][0].rows for shard in wanted_rows})
+
+    def _exchange(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray], clock: int,
+                  read_step: int, segment: tuple[Segment, Layout] | None, link: Link | None, wait_for_step: bool,
+                  ssp: bool, wait: float, rows: Sequence[pb.RowGradient], names: Sequence[str] | None,
+                  asked: Sequence[tuple[str, np.ndarray, np.ndarray]], destination,
+                  ) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
+        """One PushPull to one shard by the path given (the data channel, else shared memory or gRPC bytes; a
+        channel that fails hands the call to gRPC): (its reply, the values not already written in place by
+        `destination`; {} when not ready)."""
+        if link is not None:
+            answered = self._push_pull_link(shard, link, shard_map, gradients, clock, read_step, wait_for_step,
+                                            ssp, wait, destination)
+            if answered is not None:
+                return answered
+        reply, segment = self._push_pull_once(shard, shard_map, gradients, clock, read_step, segment, wait_for_step,
+                                              ssp, wait, rows, names, asked)
+        if not reply.ready:
+            return reply, {}
+        if segment is None:
+            assembler = codec.PartAssembler(destination=destination)
+            for chunk in reply.chunks:
+                assembler.add(chunk)
+            return reply, assembler.finish()
+        memory, layout = segment
+        values = {}
+        for slot in layout.values:
+            target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
+            view = memory.view(slot)
+            if target is None:
+                values[slot.key] = view.copy()   # the segment is rewritten by the next call
+            else:
+                np.copyto(target, view)
+        return reply, values
+
+    def _push_pull_link(self, shard: int, link: Link, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
+                        clock: int, read_step: int, wait_for_step: bool, ssp: bool, wait: float, destination,
+                        ) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]] | None:
+        """One PushPull over the shard's data channel: gradients sent from the arrays, values received straight
+        into their destinations. None: the call goes over gRPC instead (the channel broke, the shard is
+        stopping or busy, its layout changed, it forgot this worker); the push may have been applied, and the
+        resend with the same clock is then answered as a duplicate, never applied twice. The errors gRPC would
+        raise are raised as the same classes."""
+        layout = link.layout
+        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step)
+        pull = pb.PullAfterPush(wait_for_step=wait_for_step, ssp=ssp, wait_timeout_ms=max(1, int(wait * 1000)),
+                                shared_memory=True)
+        pieces = []
+        for slot in layout.gradients:
+            array = np.asarray(gradients[slot.key[0]])
+            part = shard_map.part(slot.key[0], slot.key[1])
+            pieces.append(np.ascontiguousarray(array if part.whole else array[part.row_start:part.row_end]))
+        targets, whole = [], {}
+        for slot in layout.values:
+            target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
+            if target is None:
+                target = whole[slot.key] = np.empty(slot.shape, dtype=slot.dtype)
+            targets.append(target)
+        address = self.addresses[shard]
+        try:
+            magic, answer, _ = link.exchange(frames.encode_request(header, pull, gradients_in_shared_memory=True),
+                                             pieces, targets, timeout=wait + self.rpc_timeout)
+        except (OSError, ProtocolError) as exc:
+            # reopened at the next call, unless it never answered a frame (then after a while)
+            self._link_failed(shard, f"the data channel broke ({exc or type(exc).__name__})",
+                              retry_now=link.frames > 0)
+            return None
+        if magic == dc.REPLY_MAGIC:
+            reply = frames.decode_response(answer, shard=shard)
+            return reply, (whole if reply.ready else {})
+        status = pb.DataChannelStatus.FromString(answer)
+        code = getattr(grpc.StatusCode, status.code, grpc.StatusCode.UNKNOWN)
+        error = error_for_reason(status.reason)
+        what = f"PushPull on shard {shard} ({address}) over the data channel"
+        if status.reason == OverloadedError.reason:
+            return None   # gRPC's retries (with backoff) take it; the channel stays
+        if code == grpc.StatusCode.UNAVAILABLE or error is DataChannelUnavailableError:
+            self._link_failed(shard, f"{what}: {code.name}: {status.message}", retry_now=True)
+            return None
+        if error is UnknownWorkerError:
+            # A restarted shard may not know this worker: register again; this call goes over gRPC (not taken).
+            log.info("shard %d forgot worker %s; registering again", shard, self.worker_id)
+            self._call(shard, "RegisterWorker", lambda s: s.RegisterWorker(
+                pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout, metadata=self.metadata))
+            self._drop_link(shard)
+            return None
+        raise ServerError.remote(error)(f"{what} failed: {code.name}: {status.message}", code, address)
 
     def _push_pull_once(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray], clock: int,
                         read_step: int, segment: tuple[Segment, Layout] | None, wait_for_step: bool, ssp: bool,
@@ -833,6 +928,73 @@ class PSClient:
             self._no_segment_until.pop(shard, None)
         return found
 
+    def _link(self, shard: int, gradients: Mapping[str, np.ndarray]) -> Link | None:
+        """The data channel with a shard, opened on first use; None: not for this call (gRPC bytes).
+
+        Only for a call whose gradients cover every trainable part of the shard (the frame
+        carries the layout's whole gradient region). A shard that could not give one is asked
+        again after DATA_CHANNEL_RETRY_SECONDS; one whose channel broke is asked at the next call.
+        The first failure with each shard is logged as a warning, later ones at debug level.
+        """
+        if not self.data_channel:
+            return None
+        found = self._links.get(shard)
+        if found is not None and not found.usable():
+            self._drop_link(shard)   # cut as idle by the shard, or closed: a fresh ticket
+            found = None
+        if found is None and time.monotonic() >= self._no_link_until.get(shard, 0.0):
+            found = self._open_link(shard)
+        if found is None:
+            return None
+        if not all(slot.key[0] in gradients for slot in found.layout.gradients):
+            return None
+        return found
+
+    def _open_link(self, shard: int) -> Link | None:
+        shard_map = self._require_map()
+        layout = Layout.of((p.key, p.dtype, p.shape) for p in shard_map.parts_on(shard))
+        try:
+            answer = self._call(shard, "OpenDataChannel", lambda s: s.OpenDataChannel(
+                pb.DataChannelRequest(worker_id=self.worker_id), timeout=self.rpc_timeout, metadata=self.metadata))
+            if (answer.size, answer.values_offset) != (layout.size, layout.values_offset):
+                raise ValueError(f"layout differs: shard says {answer.size} bytes, values at "
+                                 f"{answer.values_offset}; computed {layout.size}, {layout.values_offset}")
+            if answer.tls and self.data_channel_tls is None:
+                raise ValueError("the shard's data channel is TLS: give PSClient data_channel_tls "
+                                 "(ps_common.data_channel.client_tls_context with the CA of the gRPC credentials)")
+            host, name = dc.endpoint(self.addresses[shard], self._channel_options)
+            link = Link.connect(host, answer.port, answer.ticket, layout,
+                                tls=self.data_channel_tls if answer.tls else None, server_hostname=name,
+                                timeout=min(dc.HANDSHAKE_SECONDS, self.rpc_timeout),
+                                idle_seconds=max(0.001, answer.idle_ms / 1000))
+        except (ServerError, OSError, ValueError, ProtocolError) as exc:
+            code = getattr(getattr(exc, "code", None), "name", "")
+            why = "the shard has no OpenDataChannel (an older version)" if code == "UNIMPLEMENTED" else str(exc)
+            self._link_failed(shard, f"no data channel ({why})")
+            return None
+        log.info("shard %d: PushPull's bytes through the data channel (port %d%s, %d bytes of layout)", shard,
+                 answer.port, ", TLS" if answer.tls else "", layout.size)
+        self._links[shard] = link
+        self._no_link_until.pop(shard, None)
+        return link
+
+    def _link_failed(self, shard: int, why: str, *, retry_now: bool = False) -> None:
+        """Drops the shard's channel and logs why (a warning the first time for this shard, then at debug level):
+        the next call reopens it (`retry_now`) or asks again after DATA_CHANNEL_RETRY_SECONDS."""
+        self._drop_link(shard)
+        if not retry_now:
+            self._no_link_until[shard] = time.monotonic() + DATA_CHANNEL_RETRY_SECONDS
+        level = logging.DEBUG if shard in self._link_failures_logged else logging.WARNING
+        self._link_failures_logged.add(shard)
+        log.log(level, "shard %d: %s; PushPull's bytes go over gRPC%s", shard, why,
+                "" if retry_now else f", asking again in {DATA_CHANNEL_RETRY_SECONDS:g} s")
+
+    def _drop_link(self, shard: int) -> None:
+        """Closes the shard's data channel; the next call opens a new one."""
+        found = self._links.pop(shard, None)
+        if found is not None:
+            found.close()
+
     def _drop_segment(self, shard: int) -> None:
         """Unmaps a segment the shard no longer has; the next call asks for a new one at once."""
         found = self._segments.pop(shard, None)
@@ -928,11 +1090,14 @@ class PSClient:
         return lost
 
     def close(self) -> None:
-        """Stops heartbeats, unmaps shared memory and closes the channels (does not deregister)."""
+        """Stops heartbeats, unmaps shared memory, closes the data channels and the gRPC channels (does not
+        deregister)."""
         self._membership.stop.set()
         self._pool.shutdown(wait=False)
         for shard in list(self._segments):
             self._drop_segment(shard)
+        for shard in list(self._links):
+            self._drop_link(shard)
         for channel in self._channels:
             channel.close()
 

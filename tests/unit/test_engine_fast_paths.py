@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs
+from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
 
 OPSET = 18
 
@@ -79,4 +79,45 @@ def test_transposed_convs_the_flip_does_not_cover_are_left_alone(attributes: dic
     feeds = {"g": rng.standard_normal((2, 5, 6, 6)).astype(np.float32),
              "w": rng.standard_normal((5, channels, 3, 3)).astype(np.float32)}
     count, _ = _rewritten_agrees(model, flip_unit_stride_transposed_convs, feeds)
+    assert count == 0
+
+
+@pytest.mark.parametrize("size, kernel, stride, attributes", [
+    (4, 3, 2, {"pads": [1, 1, 1, 1], "output_shape": [8, 8]}),   # a ResNet downsampling conv's adjoint
+    (4, 3, 2, {"pads": [1, 1, 1, 1], "output_padding": [1, 1]}),  # the same, by output_padding
+    (5, 4, 2, {"pads": [1, 1, 1, 1]}),                            # an even kernel
+    (3, 2, 2, {}),                                                # kernel = stride: no overlap
+    (4, 5, 2, {"pads": [2, 2, 2, 2], "output_shape": [8, 8]}),
+    (3, 3, 3, {"pads": [1, 1, 2, 2]}),                            # stride 3, uneven pads
+    (4, 3, 2, {"pads": [0, 0, 0, 0], "output_shape": [8, 8]}),    # more output than the pads give
+    (4, 3, 2, {"output_shape": [6, 6]}),                          # cropped: a phase cuts its input
+])
+def test_a_strided_transposed_conv_split_into_phase_convs_computes_the_same(
+        size: int, kernel: int, stride: int, attributes: dict) -> None:
+    rng = np.random.default_rng(13)
+    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="adjoint", strides=[stride, stride],
+                            **attributes)
+    model = _model([node], {"g": [2, 5, size, size], "w": [5, 3, kernel, kernel]}, ["y"])
+    feeds = {"g": rng.standard_normal((2, 5, size, size)).astype(np.float32),
+             "w": rng.standard_normal((5, 3, kernel, kernel)).astype(np.float32)}
+    count, changed = _rewritten_agrees(model, split_strided_transposed_convs, feeds)
+    assert count == 1
+    assert "ConvTranspose" not in {n.op_type for n in changed.graph.node}
+
+
+@pytest.mark.parametrize("size, kernel, stride, attributes", [
+    (4, 1, 2, {"output_shape": [8, 8]}),             # a 1x1 projection: phases with no tap
+    (4, 3, 2, {"pads": [1, 1, 1, 1]}),               # 7 x 7 out: not a multiple of the stride
+    (4, 3, 2, {"pads": [1, 1, 1, 1], "output_shape": [8, 8], "group": 5}),
+])
+def test_strided_transposed_convs_the_split_does_not_cover_are_left_alone(
+        size: int, kernel: int, stride: int, attributes: dict) -> None:
+    rng = np.random.default_rng(14)
+    channels = 1 if attributes.get("group") else 3
+    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="adjoint", strides=[stride, stride],
+                            **attributes)
+    model = _model([node], {"g": [2, 5, size, size], "w": [5, channels, kernel, kernel]}, ["y"])
+    feeds = {"g": rng.standard_normal((2, 5, size, size)).astype(np.float32),
+             "w": rng.standard_normal((5, channels, kernel, kernel)).astype(np.float32)}
+    count, _ = _rewritten_agrees(model, split_strided_transposed_convs, feeds)
     assert count == 0

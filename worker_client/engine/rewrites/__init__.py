@@ -26,6 +26,7 @@ from worker_client.engine.rewrites.conv import (
     gemm_large_kernel_convs,
     resize_window_spreads,
     route_max_pool_adjoints,
+    split_strided_transposed_convs,
 )
 from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.grouped import expand_grouped_convs
@@ -54,6 +55,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     gemm_large_kernel_convs(model)
     resize_window_spreads(model)
     flip_unit_stride_transposed_convs(model)
+    split_strided_transposed_convs(model)
     route_max_pool_adjoints(model)
     assign_unique_scatters(model)
     canonicalize_layout_ops(model)

@@ -11,7 +11,10 @@ from onnx import helper
 from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
 
 __all__ = ["assign_unique_scatters", "flip_unit_stride_transposed_convs", "gemm_large_kernel_convs",
-           "resize_window_spreads", "route_max_pool_adjoints"]
+           "resize_window_spreads", "route_max_pool_adjoints", "split_strided_transposed_convs"]
+
+#: Slice's end for a negative step that runs past index 0.
+_BEFORE_START = int(np.iinfo(np.int64).min)
 
 #: Input index of the optional bias of Conv and ConvTranspose.
 _BIAS = 2
@@ -152,7 +155,7 @@ def flip_unit_stride_transposed_convs(model: onnx.ModelProto) -> int:
             helper.make_node("Transpose", [node.input[1]], [swapped], name=swapped,
                              perm=[1, 0] + axes),
             helper.make_node("Slice", [swapped, emit.ints([-1] * spatial),
-                                       emit.ints([np.iinfo(np.int64).min] * spatial),
+                                       emit.ints([_BEFORE_START] * spatial),
                                        emit.ints(axes), emit.ints([-1] * spatial)],
                              [flipped], name=flipped),
             helper.make_node("Conv", [node.input[0], flipped], [node.output[0]],
@@ -162,6 +165,115 @@ def flip_unit_stride_transposed_convs(model: onnx.ModelProto) -> int:
     if replacements:
         _replace(model, replacements, emit)
     return len(replacements)
+
+
+def _head_pads(attributes: dict[str, Any], x: tuple[int, ...], kernel: list[int],
+               y: tuple[int, ...]) -> list[int]:
+    """The padding a ConvTranspose drops before each spatial axis. Given output_shape, the pads
+    attribute is ignored and the total padding the shape implies is split with the odd one at the
+    head (the ONNX rule for auto_pad NOTSET, and onnxruntime's)."""
+    spatial = len(x) - 2
+    pads = list(attributes.get("pads", [0] * 2 * spatial))
+    if "output_shape" not in attributes:
+        return pads[:spatial]
+    strides = list(attributes.get("strides", [1] * spatial))
+    extra = list(attributes.get("output_padding", [0] * spatial))
+    dilations = list(attributes.get("dilations", [1] * spatial))
+    heads = []
+    for axis in range(spatial):
+        total = max(0, strides[axis] * (x[axis + 2] - 1) + extra[axis]
+                    + (kernel[axis] - 1) * dilations[axis] + 1 - y[axis + 2])
+        heads.append(total - total // 2)
+    return heads
+
+
+def split_strided_transposed_convs(model: onnx.ModelProto) -> int:
+    """Rewrite each ungrouped 2-D ConvTranspose of stride s > 1 as s*s Convs, one per output phase.
+
+    The input adjoint of a strided Conv (a ResNet's downsampling convs) is a strided
+    ConvTranspose, which onnxruntime runs as slowly as the unit-stride one
+    (`flip_unit_stride_transposed_convs`). Output pixel (s*m + a, s*q + b) only ever meets the
+    kernel taps k = (a + head) mod s (+ s, + 2s ...) along each axis, so each of the s*s phases
+    is a unit-stride convolution of the input with that sub-kernel, swapped and reversed; the
+    phases are stacked on the channel axis and interleaved by DepthToSpace. The same
+    multiply-adds, on the Conv kernel. Matches bias-free ConvTransposes with group 1, dilation
+    1, the same stride s on both axes, a kernel of at least s, no auto_pad, and a static output
+    whose height and width divide by s. Returns the number rewritten.
+    """
+    shapes = static_shapes(model)
+    emit = Emitter(model, "phase_conv")
+    replacements: dict[int, list[onnx.NodeProto]] = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "ConvTranspose" or (len(node.input) > _BIAS and node.input[_BIAS]):
+            continue
+        x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
+        if x is None or w is None or y is None or len(x) != 4 or len(w) != 4 or len(y) != 4:
+            continue
+        attributes = _attributes(node)
+        strides = list(attributes.get("strides", [1, 1]))
+        stride = strides[0]
+        plain = (attributes.get("group", 1) == 1 and stride > 1 and strides == [stride, stride]
+                 and list(attributes.get("dilations", [1, 1])) == [1, 1]
+                 and attributes.get("auto_pad", b"NOTSET") == b"NOTSET"
+                 and all(k >= stride for k in w[2:])
+                 and all(size % stride == 0 for size in y[2:])
+                 and tuple(y[:2]) == (x[0], w[1]))
+        if not plain:
+            continue
+        heads = _head_pads(attributes, x, list(w[2:]), y)
+        replacements[index] = _phase_convs(node, x, w, y, stride, heads, emit)
+    if replacements:
+        _replace(model, replacements, emit)
+    return len(replacements)
+
+
+def _phase_convs(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], y: tuple[int, ...],
+                 stride: int, heads: list[int], emit: Emitter) -> list[onnx.NodeProto]:
+    swapped = emit.name()
+    nodes = [helper.make_node("Transpose", [node.input[1]], [swapped], name=swapped, perm=[1, 0, 2, 3])]
+    phases = []
+    for a in range(stride):
+        for b in range(stride):
+            # per axis: (first tap, taps, input cut at the start and the end, pads before and after)
+            plans = [_phase_axis(phase, heads[axis], w[axis + 2], x[axis + 2], y[axis + 2] // stride,
+                                 stride) for axis, phase in enumerate((a, b))]
+            kernel, phase_out, lifted = emit.name(), emit.name(), emit.name()
+            starts = [first + stride * (taps - 1) for first, taps, *_ in plans]
+            ends = [start - stride * taps for start, (_, taps, *_) in zip(starts, plans)]
+            nodes.append(helper.make_node(
+                "Slice", [swapped, emit.ints(starts), emit.ints([e if e >= 0 else _BEFORE_START for e in ends]),
+                          emit.ints([2, 3]), emit.ints([-stride, -stride])], [kernel], name=kernel))
+            source = node.input[0]
+            if any(cut_start or cut_end for _, _, cut_start, cut_end, *_ in plans):
+                source = emit.name()
+                nodes.append(helper.make_node(
+                    "Slice", [node.input[0], emit.ints([p[2] for p in plans]),
+                              emit.ints([x[axis + 2] - p[3] for axis, p in enumerate(plans)]),
+                              emit.ints([2, 3])], [source], name=source))
+            pads = [p[4] for p in plans] + [p[5] for p in plans]
+            nodes += [helper.make_node("Conv", [source, kernel], [phase_out], name=phase_out, pads=pads),
+                      helper.make_node("Unsqueeze", [phase_out, emit.ints([2])], [lifted], name=lifted)]
+            phases.append(lifted)
+    stacked = emit.name()
+    to_channels, channels = emit.reshape(stacked, [y[0], y[1] * stride * stride, y[2] // stride,
+                                                   y[3] // stride])
+    nodes += [helper.make_node("Concat", phases, [stacked], name=stacked, axis=2), to_channels,
+              helper.make_node("DepthToSpace", [channels], [node.output[0]],
+                               name=node.name or node.output[0], blocksize=stride, mode="CRD")]
+    return nodes
+
+
+def _phase_axis(phase: int, head: int, kernel: int, size: int, outputs: int,
+                stride: int) -> tuple[int, int, int, int, int, int]:
+    """One axis of one output phase: output s*m + phase (m < outputs) takes input i = m + c - j
+    with tap first + s*j (j < taps); as a unit-stride Conv over the input with the reversed taps,
+    the input cut at its start and end and padded before and after."""
+    first = (phase + head) % stride
+    taps = -(-(kernel - first) // stride)
+    offset = (phase + head - first) // stride
+    before = taps - 1 - offset
+    after = outputs - size - before + taps - 1
+    return first, taps, max(0, -before), max(0, -after), max(0, before), max(0, after)
 
 
 def resize_window_spreads(model: onnx.ModelProto) -> int:

@@ -117,6 +117,20 @@ class ShuttingDownError(PSError):
     status, reason = "UNAVAILABLE", "SHUTTING_DOWN"
 
 
+class NotPrimaryError(PSError):
+    """A replicated shard's replica that may not take this call now: a backup, or a primary that lost its lease or
+    was deposed (docs/replication.md). UNAVAILABLE, so clients retry; the message names the primary it knows."""
+
+    status, reason = "UNAVAILABLE", "NOT_PRIMARY"
+
+
+class ReplayMismatchError(PSError):
+    """A backup replayed its primary's operation to another outcome: it takes a whole state again (never on the
+    wire)."""
+
+    status, reason = None, "REPLAY_MISMATCH"
+
+
 class ResourceExhaustedError(PSError):
     """A request over a configured limit (size, count, concurrent calls): RESOURCE_EXHAUSTED."""
 

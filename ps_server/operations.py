@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from ps_common.shard_map import PartKey
 from ps_server.membership import PushResult
 
-__all__ = ["Push", "PushPullResult", "PushResult", "Read", "StateRead", "Values"]
+__all__ = ["Op", "Push", "PushPullResult", "PushResult", "Read", "ReplicationLog", "StateRead", "Values"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,12 @@ class Push:
     read_step: int
     grads: Mapping[PartKey, np.ndarray]
     row_grads: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()
+
+    def copied(self) -> "Push":
+        """The same push holding copies of its arrays (a replicated push outlives its request's buffers, and a sync
+        step's accumulator may take a gradient over and add into it)."""
+        return Push(self.worker_id, self.clock, self.read_step, {k: np.array(v, copy=True) for k, v in self.grads.items()},
+                    [(name, np.array(ids, copy=True), np.array(rows, copy=True)) for name, ids, rows in self.row_grads])
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,35 @@ class StateRead:
     parts: dict[PartKey, np.ndarray] = field(default_factory=dict)
     rows: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
     live_rows: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One change of a shard's state, in the order the shard made it: what a replicated shard's primary sends its
+    backups, which replay it (Shard.replay) to the same state (ps_server/replication, docs/replication.md).
+
+    `kind`: "init" (`specs`, `values` of this shard's parts), "register" (`worker_id` starting at `clock`),
+    "deregister" (`worker_id`), "push" (`push`, and the `live_count` the policy decided with; `result`:
+    (accepted, step after, the worker's clock after) for the backup to check), "membership" (a change of the
+    live workers let the policy act: `live_count`), "reset".
+    """
+
+    kind: str
+    worker_id: str = ""
+    clock: int = 0
+    push: Push | None = None
+    live_count: int = 0
+    specs: Sequence = ()
+    values: Mapping[PartKey, np.ndarray] | None = None
+    result: tuple[bool, int, int] | None = None
+
+
+class ReplicationLog(Protocol):
+    """Where a replicated shard tells its changes (the primary side of ps_server/replication); called under the shard's lock,
+    in order, so it must not block."""
+
+    def record(self, op: Op) -> int:
+        """Takes `op` for the backups; returns its sequence number."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ from ps_common.errors import (
     InvalidRequestError,
     InvalidTensorError,
     NotInitializedError,
+    ReplayMismatchError,
     ResourceExhaustedError,
     ShuttingDownError,
     UnknownTensorError,
@@ -41,7 +42,7 @@ from ps_server.consistency import ConsistencyPolicy, Decision, PolicyInfo, Polic
 from ps_server.dynamic import DynamicRows
 from ps_server.events import Events
 from ps_server.membership import Membership, PushResult, WorkerRecord
-from ps_server.operations import Push, PushPullResult, Read, StateRead, Values
+from ps_server.operations import Op, Push, PushPullResult, Read, ReplicationLog, StateRead, Values
 from ps_server.optimizers import make_optimizer
 from ps_server.rows import RowGrad, check_table_name, checked_ids, dynamic_gradient, owned_parts, split_gradient
 from ps_server.store import ParameterStore, PartKey, PartState, dynamic_key
@@ -110,7 +111,6 @@ class _Host:
     def __init__(self, shard: "Shard") -> None:
         self.shard_index = shard.config.shard_index
         self._shard = shard
-        self.live_count = shard.membership.live_count
         self.live_clocks = shard.membership.live_clocks
         self.not_live = shard.membership.not_live
         self.apply = lambda grads: shard.store.apply(grads, step=shard.step)   # touches dynamic rows at t
@@ -118,6 +118,11 @@ class _Host:
     @property
     def step(self) -> int:
         return self._shard.step
+
+    def live_count(self) -> int:
+        """The live workers; while a backup replays an operation, the count its primary decided with."""
+        dictated = self._shard._dictated_live
+        return self._shard.membership.live_count() if dictated is None else dictated
 
     def parts(self) -> set[PartKey]:
         return self._shard.store.trainable_keys()
@@ -151,6 +156,13 @@ class Shard:
         self.generation = 0
         #: this shard process's random id: with `generation`, the state id a reader of changes compares
         self.incarnation = secrets.token_hex(6)
+        #: replicated shards (ps_server/replication): told every state change under the lock, in order
+        self.replication: ReplicationLog | None = None
+        #: ... raises NotPrimaryError when this replica may not take calls now (a backup); None: always may
+        self.role_check: Callable[[], None] | None = None
+        #: ... True on a backup: its state changes only by replay (no policy decisions of its own on ticks)
+        self.following = False
+        self._dictated_live: int | None = None   # a backup's replay: the primary's live-worker count
         self.policy_host = _Host(self)   # the narrow view every policy call gets
 
     def _default_policy(self) -> ConsistencyPolicy:
@@ -187,6 +199,11 @@ class Shard:
         """
         record = self.membership.workers.get(worker_id)
         return record is not None and self.membership.is_live(record)
+
+    def check_role(self) -> None:
+        """NotPrimaryError when this replica of a replicated shard may not take calls now."""
+        if self.role_check is not None:
+            self.role_check()
 
     def _check_running(self) -> None:
         if self._stopping:
@@ -230,6 +247,7 @@ class Shard:
 
         Raises InvalidTensorError for an invalid list, InitMismatchError when another list is in place.
         """
+        self.check_role()
         self._check_running()
         self._check_specs(specs)
         with self._cond:
@@ -263,14 +281,18 @@ class Shard:
     def initialize(self, specs: Sequence[ParamSpec], values: Mapping[PartKey, np.ndarray],
                    worker_id: str = "") -> tuple[bool, int, int]:
         """Installs the initial values of this shard's parts; returns (already_initialized, step, parts owned)."""
+        self.check_role()
         self._check_running()
         with self._cond:
             shard_map, already = self.store.plan(specs)   # again: another init may have won the race
             if already:
                 return True, self.step, len(self.store.parts)
+            replicated = None if self.replication is None else {k: np.array(v, copy=True) for k, v in values.items()}
             self.store.install(shard_map, values)
             self.generation += 1
             self._cond.notify_all()
+            seq = self._record(Op("init", specs=tuple(specs), values=replicated))
+        self._confirmed(seq)
         log.info("shard %d initialized by %r: %d tensors, %d parts here (%d bytes)", self.config.shard_index,
                  worker_id, len(specs), len(self.store.parts), self.store.nbytes)
         self.events.emit("init")
@@ -308,15 +330,19 @@ class Shard:
     def push(self, push: Push) -> PushResult:
         """Applies, accumulates or drops one push; answers a retry (a clock below the worker's) with its first
         outcome, never applying it again. Checked whole before the lock: a rejected push changes nothing."""
+        self.check_role()
         grads = self._checked(push)
+        replicated = push.copied() if self.replication is not None else None
         with self._cond:
-            result = self._push_locked(push, grads)
+            result, seq = self._push_locked(push, grads, replicated)
+        self._confirmed(seq)
         self._emit_push(push, result, grads)
         return result
 
     def pull(self, read: Read) -> Values:
         """Waits as `read` says (at most its timeout: WaitTimeoutError), then reads its parts and rows, all at one
         step. The read runs under the lock, so no update lands half-way through it."""
+        self.check_role()
         plan = self._read_plan(read, f"pull by {read.worker_id or 'a client'!r}")
         with self._cond:
             self._check_running()
@@ -337,10 +363,12 @@ class Shard:
         runs out, or new dynamic rows that would pass max_shard_bytes, leave the push applied
         and return no values.
         """
+        self.check_role()
         grads = self._checked(push)
         plan = self._read_plan(read, f"PushPull rows by {push.worker_id!r}")
+        replicated = push.copied() if self.replication is not None else None
         with self._cond:
-            result = self._push_locked(push, grads)
+            result, seq = self._push_locked(push, grads, replicated)
             min_step = step_to_wait_for(result.accepted, result.drop_reason, push.read_step, result.step) \
                 if read.wait_for_step else 0
             try:
@@ -352,6 +380,7 @@ class Shard:
             except ResourceExhaustedError as exc:   # new dynamic rows would pass max_shard_bytes
                 values, why = None, str(exc)
                 log.warning("PushPull by %r: its rows were not read: %s", push.worker_id, exc)
+        self._confirmed(seq)
         self._emit_push(push, result, grads)
         if values is not None:
             self.events.emit("pull", nbytes=plan.nbytes)
@@ -362,6 +391,7 @@ class Shard:
         """The trained state (since < 0), or what changed of it after step `since`: dense parts updated since
         (whole), rows of tables trained by rows updated or created since; tensors named in `whole` whole. Waits
         for `min_step` first (WaitTimeoutError after timeout s). One locked section: one step's values."""
+        self.check_role()
         shard_map = self.store.shard_map
         if shard_map is None:
             raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet: ReadState before "
@@ -412,19 +442,22 @@ class Shard:
                     f"push from {worker_id!r} at clock {clock}: gradient of {name!r} rows from {row_start} holds NaN or inf")
         return grads
 
-    def _push_locked(self, push: Push, grads: Mapping[PartKey, np.ndarray | RowGrad]) -> PushResult:
-        """The push under the lock: the worker's record, the read step, the policy's decision carried out."""
+    def _push_locked(self, push: Push, grads: Mapping[PartKey, np.ndarray | RowGrad],
+                     replicated: Push | None = None) -> tuple[PushResult, int]:
+        """The push under the lock: the worker's record, the read step, the policy's decision carried out; with the
+        sequence number of its replicated operation (0: none, as for a retry or an unreplicated shard)."""
         self._check_running()
         worker_id, clock, read_step = push.worker_id, push.clock, push.read_step
         record = self.membership.get(worker_id)
         if clock < record.clock:
-            return self._duplicate(record, clock)
+            return self._duplicate(record, clock), 0
         if clock > record.clock + self.config.max_clock_ahead:
             raise InvalidRequestError(
                 f"push from {worker_id!r}: clock {clock} is more than max_clock_ahead={self.config.max_clock_ahead} "
                 f"ahead of the shard's clock {record.clock} for it")
         self._check_room([(key[0], g.rows) for key, g in grads.items()
                           if isinstance(g, RowGrad) and g.part_rows is None])
+        live = self.policy_host.live_count()   # what the policy decides with: a backup replays with the same
         if read_step > self.step:
             # Only a shard restored from an older checkpoint can be behind a worker's read.
             decision = Decision.drop(DropReason.STEP_AHEAD, (
@@ -442,7 +475,60 @@ class Shard:
                             aggregated=self.policy.aggregated(), staleness=staleness)
         self.membership.remember(record, clock, result)
         self._cond.notify_all()
-        return result
+        seq = self._record(Op("push", push=replicated or push, live_count=live,
+                              result=(result.accepted, result.step, result.clock)))
+        return result, seq
+
+    # ------------------------------------------------------------------ replication (ps_server/replication)
+
+    def _record(self, op: Op) -> int:
+        """Tells the replication log a change (under the lock, in order); its sequence number, 0 when unreplicated."""
+        return 0 if self.replication is None else self.replication.record(op)
+
+    def _confirmed(self, seq: int) -> None:
+        """Waits (outside the lock) until every in-sync backup has operation `seq`, and this replica may still
+        acknowledge: NotPrimaryError otherwise (the change stays here; the client retries on the new primary)."""
+        if seq and self.replication is not None:
+            self.replication.wait(seq)
+
+    def replay(self, op: Op) -> None:
+        """A backup applies its primary's operation exactly as the primary did: the same code under the lock, the
+        live-worker count the primary decided with. ReplayMismatchError when a push's outcome differs from the
+        primary's (the backup then takes a whole state again)."""
+        grads = self._checked(op.push) if op.kind == "push" and op.push is not None else None
+        with self._cond:
+            self._dictated_live = op.live_count
+            try:
+                self._replay_locked(op, grads)
+            finally:
+                self._dictated_live = None
+                self._cond.notify_all()
+
+    def _replay_locked(self, op: Op, grads: Mapping[PartKey, np.ndarray | RowGrad] | None) -> None:
+        if op.kind == "push":
+            assert op.push is not None and op.result is not None and grads is not None
+            result, _ = self._push_locked(op.push, grads)
+            if (result.accepted, result.step, result.clock) != tuple(op.result):
+                raise ReplayMismatchError(
+                    f"shard {self.config.shard_index}: replaying the push of {op.push.worker_id!r} at clock "
+                    f"{op.push.clock} gave (accepted, step, clock) {(result.accepted, result.step, result.clock)}, "
+                    f"the primary {tuple(op.result)}")
+        elif op.kind == "register":
+            self.membership.register(op.worker_id).clock = op.clock
+        elif op.kind == "deregister":
+            self.membership.deregister(op.worker_id)
+            self._membership_changed(record=False)
+        elif op.kind == "membership":
+            self._membership_changed(record=False)
+        elif op.kind == "init":
+            shard_map, already = self.store.plan(op.specs)
+            if not already:
+                self.store.install(shard_map, op.values or {})
+                self.generation += 1
+        elif op.kind == "reset":
+            self._reset_locked()
+        else:
+            raise ValueError(f"unknown replicated operation {op.kind!r}")
 
     def _emit_push(self, push: Push, result: PushResult, grads: Mapping[PartKey, np.ndarray | RowGrad]) -> None:
         if result.duplicate:
@@ -583,6 +669,7 @@ class Shard:
 
     def register(self, worker_id: str) -> tuple[int, int, float]:
         """(clock to resume at, step, lease seconds)."""
+        self.check_role()
         self.check_id("RegisterWorker: worker_id", worker_id)
         with self._cond:
             self._check_running()
@@ -594,39 +681,56 @@ class Shard:
                         f"max_registered_workers={self.config.max_registered_workers}: {worker_id!r} refused")
             record = self.membership.register(worker_id)
             self._cond.notify_all()
+            seq = self._record(Op("register", worker_id=worker_id, clock=record.clock))
             log.info("worker %r registered on shard %d at clock %d (step %d)", worker_id, self.config.shard_index,
                      record.clock, self.step)
-            return record.clock, self.step, self.membership.lease_seconds
+            answer = record.clock, self.step, self.membership.lease_seconds
+        self._confirmed(seq)
+        return answer
 
     def heartbeat(self, worker_id: str) -> tuple[float, int]:
+        self.check_role()
         self.check_id("Heartbeat: worker_id", worker_id)
         with self._cond:
             self.membership.renew(worker_id)
             return self.membership.lease_seconds, self.step
 
     def deregister(self, worker_id: str) -> None:
+        self.check_role()
+        seq = 0
         with self._cond:
             if self.membership.deregister(worker_id):
                 log.info("worker %r left shard %d", worker_id, self.config.shard_index)
-                self._membership_changed()
+                live = self.policy_host.live_count()
+                self._membership_changed(record=False)
+                seq = self._record(Op("deregister", worker_id=worker_id, live_count=live))
+        self._confirmed(seq)
 
     def tick(self) -> None:
         """Periodic: lets the policy react to expired leases, forgets long-gone workers and idle barriers,
         and wakes waiters to re-check."""
         with self._cond:
+            if self.following:   # a backup's state moves only by its primary's operations
+                return
             for worker_id in self.membership.evict(self.config.worker_retention_seconds):
                 log.info("shard %d forgot worker %r: gone for over %g s (worker_retention_seconds)",
                          self.config.shard_index, worker_id, self.config.worker_retention_seconds)
             self._membership_changed()
         self.barriers.evict(self.config.barrier_retention_seconds)
 
-    def _membership_changed(self) -> None:
+    def _membership_changed(self, *, record: bool = True) -> None:
+        """Lets the policy react to the live workers (a sync step may complete); a step that completes is told to
+        the replication log with the count it was decided with (unless the caller records the cause itself)."""
+        live = self.policy_host.live_count()
         decision = self.policy.on_membership_change(self.policy_host)
         if decision is not None:
             self._carry_out(decision)
+            if record and decision.applied:
+                self._record(Op("membership", live_count=live))
         self._cond.notify_all()
 
     def barrier(self, name: str, participant: str, participants: int, timeout: float) -> tuple[int, int]:
+        self.check_role()
         self._check_running()
         self.check_id("Barrier: name", name)
         self.check_id(f"barrier {name!r}: participant_id", participant)
@@ -649,18 +753,24 @@ class Shard:
         different parameter list, and workers register again. Waiting pulls wake and fail
         with UNAVAILABLE. Returns the step before the reset.
         """
+        self.check_role()
         with self._cond:
             self._check_running()
             before = self.step
-            self.store.clear()
-            self.generation += 1
-            self.membership.clear()
-            self.policy = self._default_policy()
-            self.step = self.dropped = self.applied_gradients = 0
-            self._resets += 1
-            self._cond.notify_all()
+            self._reset_locked()
+            seq = self._record(Op("reset"))
+        self._confirmed(seq)
         self.events.emit("reset", step=before)
         return before
+
+    def _reset_locked(self) -> None:
+        self.store.clear()
+        self.generation += 1
+        self.membership.clear()
+        self.policy = self._default_policy()
+        self.step = self.dropped = self.applied_gradients = 0
+        self._resets += 1
+        self._cond.notify_all()
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
+from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
 
 OPSET = 18
 
@@ -120,4 +121,50 @@ def test_strided_transposed_convs_the_split_does_not_cover_are_left_alone(
     feeds = {"g": rng.standard_normal((2, 5, size, size)).astype(np.float32),
              "w": rng.standard_normal((5, channels, kernel, kernel)).astype(np.float32)}
     count, _ = _rewritten_agrees(model, split_strided_transposed_convs, feeds)
+    assert count == 0
+
+
+def _scatter_sum(indices: Sequence[int], *, index_shape: tuple[int, ...] = (1,),
+                 rows: int = 3) -> onnx.ModelProto:
+    """Sum over `indices` of ScatterND(zeros, [[i]], update_i): onnx-ad's adjoint of a tensor
+    taken apart by Gathers at constant indices of axis 0."""
+    nodes, inputs = [], {}
+    for position, value in enumerate(indices):
+        nodes += [
+            helper.make_node("ConstantOfShape", ["shape"], [f"zeros{position}"],
+                             value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])),
+            helper.make_node("Constant", [], [f"index{position}"],
+                             value=helper.make_tensor("i", TensorProto.INT64, index_shape, [value])),
+            helper.make_node("ScatterND", [f"zeros{position}", f"index{position}", f"update{position}"],
+                             [f"scattered{position}"], reduction="add"),
+        ]
+        inputs[f"update{position}"] = [1] * (len(index_shape) - 1) + [4, 5]
+    nodes.insert(0, helper.make_node("Constant", [], ["shape"], value=helper.make_tensor(
+        "s", TensorProto.INT64, [3], [rows, 4, 5])))
+    nodes.append(helper.make_node("Sum", [f"scattered{p}" for p in range(len(indices))], ["y"]))
+    return _model(nodes, inputs, ["y"])
+
+
+@pytest.mark.parametrize("indices, index_shape", [([0, 1, 2], (1,)), ([2, 0, 1], (1,)),
+                                                  ([1, -1, 0], (1, 1))])
+def test_a_sum_of_scatters_rebuilding_a_tensor_becomes_one_concat(
+        indices: list[int], index_shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(15)
+    model = _scatter_sum(indices, index_shape=index_shape)
+    feeds = {f"update{p}": rng.standard_normal([1] * (len(index_shape) - 1) + [4, 5]).astype(np.float32)
+             for p in range(len(indices))}
+    count, changed = _rewritten_agrees(model, concat_piecewise_scatters, feeds)
+    assert count == 1
+    assert "Concat" in {n.op_type for n in changed.graph.node}
+
+
+@pytest.mark.parametrize("indices, rows", [([0, 2], 3),       # index 1 missing: zeros there
+                                           ([0, 1, 1], 3),    # a repeated index adds
+                                           ([0, 1, 2], 4)])
+def test_scatter_sums_that_do_not_rebuild_the_whole_tensor_are_left_alone(
+        indices: list[int], rows: int) -> None:
+    rng = np.random.default_rng(16)
+    model = _scatter_sum(indices, rows=rows)
+    feeds = {f"update{p}": rng.standard_normal((4, 5)).astype(np.float32) for p in range(len(indices))}
+    count, _ = _rewritten_agrees(model, concat_piecewise_scatters, feeds)
     assert count == 0

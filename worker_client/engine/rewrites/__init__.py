@@ -9,7 +9,10 @@ avoids and why the replacement is exact.
 - `matmul`: batched weight MatMuls flattened to one GEMM (on the forward graph, so that
   onnx-ad's weight adjoint is one GEMM too);
 - `fold`: shape queries on static tensors folded into constants;
-- `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops;
+- `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops; conv input
+  adjoints (ConvTranspose) as Convs;
+- `scatter`: Gather adjoints that rebuild a whole tensor from its pieces (an attention's
+  query, key and value) as one Concat;
 - `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
   those axes;
 - `prune`: nodes and initializers nothing reads, dropped;
@@ -33,6 +36,7 @@ from worker_client.engine.rewrites.grouped import expand_grouped_convs
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
 from worker_client.engine.rewrites.prune import prune
+from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
 
 __all__ = ["rewrite_adjoints", "rewrite_forward"]
 
@@ -58,6 +62,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     split_strided_transposed_convs(model)
     route_max_pool_adjoints(model)
     assign_unique_scatters(model)
+    concat_piecewise_scatters(model)
     canonicalize_layout_ops(model)
     prune(model)
     return model

@@ -15,23 +15,39 @@ JSON line per system and size, ``{"system", "metric": "pushpull_gbps", "size_mb"
 "onnx-ps/torch-rpc", "metric": "pushpull_ratio", ...}``: the median of the repeats' ratios,
 ours over theirs (above 1: we are faster). Without torch here it runs our side only and
 says so on stderr.
+
+`--data-path` picks how our bytes travel, several comma-separated side by side (each with a
+shard of its own, each repeat running them and torch in a rotated order; one line per path,
+told apart by its "data_path" field): push-pull (the training loop's default: shared memory on
+one host), channel (PushPull through the data channel, shared memory off: the bytes cross a TCP
+connection as between hosts), grpc (PushPull with gRPC bytes only; past 256 KiB that is Push
+then Pull streams), streams (Push then Pull). `--data-path channel,grpc` is our wire path next to
+gRPC's "across the wire" on one host. `--raw-tcp` adds a reference with no framework at all: a
+child process that receives the pushed bytes into a buffer and sends the tensor back over a
+plain TCP socket (sendmsg and recv_into on numpy buffers), system "raw-tcp".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 
 import numpy as np
 
 from ps_bench import harness
+from ps_common import data_channel as dc
 from ps_bench.harness import TORCH, Proc, log
 from worker_client.client import PSClient
 
 COLS = 256
 LR = 1e-9
+#: Ours, by how the bytes travel (module docstring).
+DATA_PATHS = ("push-pull", "channel", "grpc", "streams")
+#: The reference without a framework (a plain TCP echo of the bytes), and its child's ready line.
+RAW, RAW_READY = "raw-tcp", "RAW_READY "
 
 
 def shape_for(size_mb: float) -> tuple[int, int]:
@@ -43,7 +59,9 @@ class Ours:
     """One shard and one client of ours, kept for every size and repeat.
 
     `data_path` "push-pull" is what the training loop uses (PSClient.push_pull: one round trip,
-    through shared memory when the shard shares the host); "streams" is Push then Pull over gRPC.
+    through shared memory when the shard shares the host); "channel" is PSClient.push_pull through
+    the data channel (no shared memory); "grpc" is PSClient.push_pull with neither (gRPC bytes, or
+    Push and Pull past 256 KiB); "streams" is Push then Pull over gRPC.
     """
 
     def __init__(self, data_path: str = "push-pull") -> None:
@@ -59,7 +77,8 @@ class Ours:
                 self.client.close()
                 self.restart()
             self.client = PSClient([self.shard.ready["address"]], worker_id="pushpull-bench",
-                                   shared_memory=self.data_path == "push-pull")
+                                   shared_memory=self.data_path == "push-pull",
+                                   data_channel=self.data_path in ("push-pull", "channel"))
             self.client.wait_ready(timeout=30)
             tensor = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
             self.client.initialize({"t": tensor})
@@ -69,13 +88,15 @@ class Ours:
         client = self.client
         assert client is not None
         client.pull()
-        step = self._round if self.data_path == "push-pull" else self._streams
-        step(client)   # one untimed round (and the shared-memory segment opened)
+        step = self._streams if self.data_path == "streams" else self._round
+        step(client)   # one untimed round (and the shared-memory segment or the data channel opened)
         start = time.perf_counter()
         for _ in range(rounds):
             pulled = step(client)
         seconds = time.perf_counter() - start
         assert pulled["t"].shape == shape
+        if self.data_path == "channel" and not client._links:
+            raise RuntimeError("the data channel path ran without a data channel (see the client's warning)")
         return seconds
 
     def _round(self, client: PSClient) -> dict:
@@ -95,6 +116,57 @@ class Ours:
             self.client.deregister()
             self.client.close()
         harness.stop_all([self.shard])
+
+
+class RawTcp:
+    """The floor: a child process (`raw_tcp_child`) that takes the pushed bytes into a buffer and answers as many
+    bytes of its own over one TCP connection (sendmsg, recv_into on numpy buffers), as a framework-free push and
+    pull would."""
+
+    def __init__(self) -> None:
+        self.proc = Proc(f"{RAW} echo", "ps_bench.pushpull_bench", ["--raw-tcp-child"])
+        port = int(self.proc.wait_for(RAW_READY, 60)["port"])
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+        dc.no_delay(self.sock)
+
+    def timed(self, shape: tuple[int, int], rounds: int) -> float:
+        grad = np.full(shape, 1e-3, dtype=np.float32)
+        back = np.empty(shape, dtype=np.float32)
+        prefix = grad.nbytes.to_bytes(8, "little")
+
+        def one() -> None:
+            dc.send_views(self.sock, [prefix, dc.as_bytes(grad)])
+            dc.recv_views(self.sock, [dc.as_bytes(back)])
+
+        one()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            one()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.sock.close()
+        harness.stop_all([self.proc])
+
+
+def raw_tcp_child() -> int:
+    """The echo side of RawTcp: one connection on 127.0.0.1, port 0 (said on stdout as RAW_READY {"port": N})."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(60)
+        print(RAW_READY + json.dumps({"port": listener.getsockname()[1]}), flush=True)
+        conn, _ = listener.accept()
+    dc.no_delay(conn)
+    buffer = answer = np.empty(0, np.uint8)
+    with conn:
+        while True:
+            prefix = dc.recv_exactly(conn, 8, at_boundary=True)
+            if prefix is None:
+                return 0
+            n = int.from_bytes(prefix, "little")
+            if n != buffer.nbytes:
+                buffer, answer = np.empty(n, np.uint8), np.ones(n, np.uint8)
+            dc.recv_views(conn, [dc.as_bytes(buffer)])
+            dc.send_views(conn, [dc.as_bytes(answer)])
 
 
 class Theirs:
@@ -131,47 +203,79 @@ def main(argv: list[str] | None = None) -> int:
                    help="push+pull pairs per timed repeat (default: about 400 MB moved per repeat, 3 to 50)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per system and size; medians (default 5)")
     p.add_argument("--no-torch", action="store_true", help="our side only, even when torch is importable")
-    p.add_argument("--data-path", choices=("push-pull", "streams"), default="push-pull",
-                   help="ours: push-pull (the training loop's PushPull, shared memory on one host; default) "
-                        "or streams (Push then Pull over gRPC)")
+    p.add_argument("--data-path", default="push-pull", metavar="PATH[,PATH...]",
+                   help="ours, one or more of: push-pull (the training loop's PushPull, shared memory on one "
+                        "host; default), channel (PushPull through the data channel, no shared memory), grpc "
+                        "(PushPull over gRPC bytes; Push and Pull past 256 KiB), streams (Push then Pull)")
+    p.add_argument("--raw-tcp", action="store_true", help="also measure a plain TCP echo of the bytes (system "
+                                                          "raw-tcp): the floor without any framework")
+    p.add_argument("--raw-tcp-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.raw_tcp_child:
+        return raw_tcp_child()
     sizes = [float(s) for s in args.sizes_mb.split(",")]
+    paths = args.data_path.split(",")
     if args.repeats < 1 or args.rounds < 0 or any(s <= 0 for s in sizes):
         p.error("--repeats >= 1, --rounds >= 0, sizes > 0")
+    if not paths or any(path not in DATA_PATHS for path in paths) or len(set(paths)) != len(paths):
+        p.error(f"--data-path: one or more of {', '.join(DATA_PATHS)}, each once")
     with_torch = not args.no_torch and harness.torch_available()
     if not with_torch:
         log("pushpull_bench: " + ("--no-torch: " if args.no_torch else "torch is not importable in this environment "
             f"({sys.executable}): ") + "running onnx-ps only (docs/benchmarks.md: the torch environment)")
     log(f"pushpull_bench: machine {json.dumps(harness.machine())}")
-    ours: Ours | None = None
+    ours: dict[str, Ours] = {}
     theirs: Theirs | None = None
+    raw: RawTcp | None = None
     try:
-        ours = Ours(args.data_path)
+        for path in paths:
+            ours[path] = Ours(path)
         theirs = Theirs() if with_torch else None
+        raw = RawTcp() if args.raw_tcp else None
         for size in sizes:
             shape = shape_for(size)
             nbytes = shape[0] * shape[1] * 4
             rounds = args.rounds or min(50, max(3, round(200e6 / nbytes)))
             moved = 2 * nbytes * rounds
             timeout = 120 + moved / 10e6   # at least 10 MB/s, or something is wrong
-            def report(repeat: int, runs: dict[str, list[float]]) -> None:
+            systems: dict[str, object] = {path: (lambda o=o: moved / o.timed(shape, rounds) / 1e9)
+                                          for path, o in ours.items()}
+            if theirs is not None:
+                systems[TORCH] = lambda: moved / theirs.timed(shape, rounds, timeout) / 1e9
+            if raw is not None:
+                systems[RAW] = lambda: moved / raw.timed(shape, rounds) / 1e9
+            runs: dict[str, list[float]] = {name: [] for name in systems}
+            for repeat in range(args.repeats):
+                order = list(systems)
+                shift = repeat % len(order)   # each system goes first in turn: none always meets a warmer machine
+                for name in order[shift:] + order[:shift]:
+                    runs[name].append(systems[name]())
                 log(f"pushpull_bench: {size:g} MB, repeat {repeat + 1}/{args.repeats}: "
-                    + ", ".join(f"{s} {v[-1]:.3f} GB/s" for s, v in runs.items() if v))
-
-            runs, ratios = harness.side_by_side(
-                args.repeats, lambda: moved / ours.timed(shape, rounds) / 1e9,
-                (lambda: moved / theirs.timed(shape, rounds, timeout) / 1e9) if theirs is not None else None,
-                report=report)
-            harness.emit_medians(runs, ratios, metric="pushpull_gbps", ratio_metric="pushpull_ratio", size_mb=size,
-                                 unit="GB/s", digits=4, rounds=rounds, repeats=args.repeats, shape=list(shape),
-                                 data_path=args.data_path)
+                    + ", ".join(f"{'onnx-ps ' + n if n in ours else n} {v[-1]:.3f} GB/s" for n, v in runs.items()))
+            extra = dict(size_mb=size, unit="GB/s", rounds=rounds, repeats=args.repeats, shape=list(shape))
+            for path in ours:
+                emit_median(harness.SYSTEM, runs[path], data_path=path, **extra)
+            for other in (TORCH, RAW):
+                if other not in runs:
+                    continue
+                emit_median(other, runs[other], **extra, **({"data_path": args.data_path} if other == TORCH else {}))
+                for path in ours:
+                    ratios = [a / b for a, b in zip(runs[path], runs[other])]
+                    harness.emit(f"{harness.SYSTEM}/{other}", "pushpull_ratio", size, harness.median(ratios), "x",
+                                 **{k: v for k, v in extra.items() if k not in ("size_mb", "unit")}, data_path=path,
+                                 runs=[round(r, 3) for r in ratios])
     finally:
-        if theirs is not None:
-            theirs.close()
-        if ours is not None:
-            ours.close()
+        for closing in (raw, theirs, *ours.values()):
+            if closing is not None:
+                closing.close()
     log(f"pushpull_bench: loadavg at the end {harness.machine()['loadavg']}")
     return 0
+
+
+def emit_median(system: str, values: list[float], *, size_mb: float, unit: str, **extra: object) -> None:
+    """One JSON line: the median of a system's runs (harness.emit_medians' line)."""
+    harness.emit(system, "pushpull_gbps", size_mb, harness.median(values), unit, **extra,
+                 runs=[round(v, 4) for v in values])
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ from typing import Any
 import numpy as np
 
 from ps_common.errors import PSError
-from ps_common.shared_memory import Layout, Slot
+from ps_common.shard_map import PartKey
+from ps_common.shared_memory import ALIGN, Layout, Slot
 from ps_common.tls import read_pem
 
 #: The hello a worker sends first: magic, version, three zero bytes, the ticket.
@@ -89,6 +90,28 @@ class ProtocolError(Exception):
 
 
 # ---------------------------------------------------------------------- regions of a layout
+
+
+def wire_layout(parts: Sequence[tuple[PartKey, np.dtype, tuple[int, ...]]], narrow: np.dtype | None = None) -> Layout:
+    """The layout of a shard's parts as they travel on a connection: ps_common.shared_memory.Layout's (the same
+    slots, in the same order), with float32 parts in `narrow` (the job's half-size wire) when it is set."""
+    base = Layout.of(parts)
+    if narrow is None:
+        return base
+
+    def slots(of: Sequence[Slot], offset: int) -> tuple[list[Slot], int]:
+        made = []
+        for slot in of:
+            dtype = np.dtype(narrow) if slot.dtype == np.float32 else slot.dtype
+            nbytes = int(np.prod(slot.shape, dtype=np.int64)) * dtype.itemsize
+            made.append(Slot(slot.key, dtype, slot.shape, offset, nbytes))
+            offset = -(-(offset + nbytes) // ALIGN) * ALIGN
+        return made, offset
+
+    gradients, values_offset = slots(base.gradients, 0)
+    values, end = slots(base.values, values_offset)
+    return Layout(tuple(gradients), tuple(values), values_offset, max(end, ALIGN))
+
 
 
 def _region(slots: Sequence[Slot], start: int, end: int) -> list[tuple[int, int]]:
@@ -240,11 +263,13 @@ class FrameBuffer:
 
 @dataclass(frozen=True)
 class Grant:
-    """What a ticket opens: a connection for one worker, with the layout of the shard's parts `generation`."""
+    """What a ticket opens: a connection for one worker, with the layout of the shard's parts `generation` (float32
+    parts in `narrow`, the job's half-size wire, when set)."""
 
     worker_id: str
     layout: Layout
     generation: int
+    narrow: np.dtype | None = None
 
 
 class Tickets:

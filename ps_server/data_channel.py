@@ -25,6 +25,8 @@ import ssl
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
 from ps_common import data_channel as dc
 from ps_common.boundary import status_of
 from ps_common.data_channel import DataChannelUnavailableError, FrameBuffer, Grant, ProtocolError, Tickets
@@ -39,8 +41,9 @@ MAX_PENDING = 64
 #: How long `close` waits for the accepting thread (seconds).
 CLOSE_SECONDS = 2.0
 
-#: serve(worker_id, raw request header, buffer, layout, generation) -> (response header, values ready)
-Serve = Callable[[str, bytes, FrameBuffer, Layout, int], tuple[bytes, bool]]
+#: serve(grant, raw request header, buffer) -> (response header, the answer's body: the layout's values region as
+#: byte views, or None when the values are not ready)
+Serve = Callable[[Grant, bytes, FrameBuffer], tuple[bytes, "list[memoryview] | None"]]
 
 
 class Violation(Exception):
@@ -94,9 +97,10 @@ class DataChannelServer:
 
     # ------------------------------------------------------------------ tickets
 
-    def offer(self, worker_id: str, layout: Layout, generation: int, *, known: set[str]) -> bytes:
-        """A one-time ticket for `worker_id`'s connection with `layout` (the shard's parts `generation`); closes
-        the connections of workers no longer `known`."""
+    def offer(self, worker_id: str, layout: Layout, generation: int, *, known: set[str],
+              narrow: np.dtype | None = None) -> bytes:
+        """A one-time ticket for `worker_id`'s connection with `layout` (the shard's parts `generation`, float32
+        parts in `narrow` when set); closes the connections of workers no longer `known`."""
         if self._stop.is_set():
             raise DataChannelUnavailableError(f"shard {self.shard_index} is stopping")
         with self._lock:
@@ -107,7 +111,7 @@ class DataChannelServer:
         for worker in gone:
             self.close_worker(worker)
         try:
-            return self.tickets.issue(Grant(worker_id, layout, generation))
+            return self.tickets.issue(Grant(worker_id, layout, generation, narrow))
         except OSError as exc:
             raise ResourceExhaustedError(f"shard {self.shard_index}: {exc}") from exc
 
@@ -215,7 +219,6 @@ class DataChannelServer:
     def _frames(self, conn: _Connection, grant: Grant, buffer: FrameBuffer) -> None:
         layout = grant.layout
         gradients = buffer.buffer[:dc.gradient_bytes(layout)]
-        values = buffer.buffer[layout.values_offset:layout.size]
         while not self._stop.is_set():
             conn.sock.settimeout(self.idle_seconds)
             try:
@@ -241,10 +244,12 @@ class DataChannelServer:
                 raise ProtocolError(f"stalled mid-frame for {self.idle_seconds:g} s (stream_idle_seconds)") from exc
             close_after = False
             try:
-                answer, ready = self.serve(grant.worker_id, header, buffer, layout, grant.generation)
-                frame = [dc.FRAME.pack(dc.REPLY_MAGIC, len(answer), len(values) if ready else 0), answer]
-                if ready:
-                    frame.append(values)
+                answer, body = self.serve(grant, header, buffer)
+                body = body or []
+                if body and sum(len(v) for v in body) != dc.values_bytes(layout):
+                    raise RuntimeError(f"an answer of {sum(len(v) for v in body)} value bytes for a values region "
+                                       f"of {dc.values_bytes(layout)}")
+                frame = [dc.FRAME.pack(dc.REPLY_MAGIC, len(answer), sum(len(v) for v in body)), answer, *body]
             except Violation as exc:
                 raise ProtocolError(str(exc)) from exc
             except PSError as exc:

@@ -18,8 +18,9 @@ import grpc
 import numpy as np
 
 from ps_common import codec, frames
+from ps_common import data_channel as dc
 from ps_common.boundary import safe_deserializer, translate_errors
-from ps_common.data_channel import DataChannelUnavailableError, FrameBuffer
+from ps_common.data_channel import DataChannelUnavailableError, FrameBuffer, Grant
 from ps_common.errors import InvalidRequestError, UnknownWorkerError
 from ps_common.shard_map import PartKey
 from ps_common.shared_memory import Layout, Segment
@@ -241,11 +242,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             result = self.shard.push_pull(push, self._read_after(frame.pull, segment, context.time_remaining()))
         return push_pull_response(result, self.chunk_bytes)
 
-    def push_pull_on_channel(self, worker_id: str, raw: bytes, memory: FrameBuffer, layout: Layout,
-                             generation: int) -> tuple[bytes, bool]:
+    def push_pull_on_channel(self, grant: Grant, raw: bytes, memory: FrameBuffer) -> tuple[bytes, list | None]:
         """PushPull from a frame of the data channel (ps_server/data_channel.py): the same domain call as the
-        rpc, with the connection's buffer standing for a shared-memory segment. (The response header, whether
-        the values were written into the buffer); typed errors are raised for the channel to answer."""
+        rpc, with the connection's buffer standing for a shared-memory segment (the gradients are read from it,
+        the values written into it). On a half-size wire (`grant.narrow`) the gradients are widened and the
+        values read narrowed, as over gRPC. Returns the response header and the answer's body (None: not
+        ready); typed errors are raised for the channel to answer."""
+        worker_id, layout = grant.worker_id, grant.layout
         with self.admission.enter("PushPull", worker_id):
             frame = frames.decode_request(raw)
             if frame.header.worker_id != worker_id:
@@ -254,15 +257,29 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if not (frame.gradients_in_shared_memory and frame.pull.shared_memory):
                 raise InvalidRequestError("PushPull on the data channel: the gradients and the values travel in "
                                           "the frames (set gradients_in_shared_memory and pull.shared_memory)")
+            if wire_dtype(frame.pull.wire_dtype) != grant.narrow:
+                raise InvalidRequestError(f"PushPull on the data channel: wire_dtype {pb.DType.Name(frame.pull.wire_dtype)} "
+                                          f"is not the connection's ({grant.narrow or 'float32'})")
             self.shard.push_layout()   # FAILED_PRECONDITION before init
-            if generation != self.shard.generation:
+            if grant.generation != self.shard.generation:
                 raise DataChannelUnavailableError(
                     f"worker {worker_id!r}: the data channel's layout no longer fits shard "
                     f"{self.shard.config.shard_index}'s parts (re-initialized?): open it again")
             segment = (memory, layout)
-            push = self._push(frame.header, _gradients_in(segment))
-            result = self.shard.push_pull(push, self._read_after(frame.pull, segment, None))
-        return push_pull_response(result, self.chunk_bytes), result.values is not None
+            grads = _gradients_in(segment)
+            if grant.narrow is not None:   # the half-size wire: float32 master values take float32 gradients
+                grads = {key: g.astype(np.float32) if g.dtype == grant.narrow else g for key, g in grads.items()}
+            push = self._push(frame.header, grads)
+            result = self.shard.push_pull(push, self._read_after(frame.pull, None if grant.narrow else segment, None))
+        answer = push_pull_response(result, self.chunk_bytes)
+        if result.values is None:
+            return answer, None
+        if grant.narrow is None:   # the shard wrote the values into the buffer under its lock
+            return answer, [memory.buffer[layout.values_offset:layout.size]]
+        parts = result.values.parts   # narrowed copies: sent from where they are
+        arrays = [parts.get(slot.key, memory.view(slot)) for slot in layout.values]
+        return answer, dc.region_views(layout.values, layout.values_offset, layout.size, arrays,
+                                       memoryview(bytes(dc.ALIGN)))
 
     @translate_errors
     def Barrier(self, request, context):
@@ -293,7 +310,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise InvalidRequestError(f"PushPull: wait_timeout_ms must be >= 0, got {pull.wait_timeout_ms}")
         timeout = 0.0 if pull.wait_timeout_ms == 0 else self.shard.wait_timeout(pull.wait_timeout_ms, remaining)
         into = None
-        if pull.shared_memory:
+        if pull.shared_memory and segment is not None:
             memory, layout = segment
             into = {slot.key: memory.view(slot) for slot in layout.values}
         return Read(names=list(pull.names) or None, rows=_row_ids(pull.rows), wait_for_step=pull.wait_for_step,
@@ -355,8 +372,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if request.worker_id not in known:
             raise UnknownWorkerError(f"worker {request.worker_id!r} is not registered on this shard; "
                                      "call RegisterWorker")
-        layout = Layout.of(parts)
-        ticket = self.channel.offer(request.worker_id, layout, generation, known=known)
+        narrow = wire_dtype(request.wire_dtype)
+        layout = dc.wire_layout(parts, narrow)
+        ticket = self.channel.offer(request.worker_id, layout, generation, known=known, narrow=narrow)
         return pb.DataChannelResponse(port=self.channel.port, ticket=ticket, size=layout.size,
                                       values_offset=layout.values_offset, tls=self.channel.tls is not None,
                                       idle_ms=int(self.channel.idle_seconds * 1000))

@@ -111,7 +111,10 @@ def test_a_model_too_large_for_one_message_without_shared_memory_is_pushed_and_p
     rows = GRPC_PUSH_PULL_MAX_BYTES // (8 * 4) + 64
     values = model(rows=rows)
     cluster = start_cluster(1, mode="async", flags=FLAGS)
-    with client(cluster, shm=False) as worker:
+    # gRPC bytes only (with the data channel, one PushPull carries it: tests/integration/test_data_channel.py)
+    with PSClient(cluster.addresses, worker_id="w0", rpc_timeout=20, wait_timeout=20, retry=QUICK,
+                  shared_memory=False, data_channel=False) as worker:
+        worker.wait_ready(20)
         worker.initialize(values)
         worker.register(heartbeat=False)
         worker.pull()

@@ -40,7 +40,8 @@ class Stand:
         self.calls: list[tuple[str, pb.PushHeader]] = []
         self.fail: Exception | None = None
 
-    def __call__(self, worker_id: str, raw: bytes, memory: FrameBuffer, layout: Layout, generation: int):
+    def __call__(self, grant: Grant, raw: bytes, memory: FrameBuffer):
+        worker_id, layout = grant.worker_id, grant.layout
         frame = frames.decode_request(raw)
         if frame.header.worker_id != worker_id:
             raise Violation(f"header names {frame.header.worker_id!r}")
@@ -53,7 +54,8 @@ class Stand:
             target[...] = 2 * grads[slot.key] if slot.key in grads else np.arange(target.size).reshape(slot.shape)
         push = pb.PushResponse(outcome=pb.PUSH_ACCEPTED, step=frame.header.clock + 1, clock=frame.header.clock + 1)
         ready = frame.pull.wait_timeout_ms != 7   # 7 ms: the stand's "wait ran out"
-        return frames.encode_response(push, ready=ready, step=frame.header.clock + 1 if ready else 0), ready
+        body = [memory.buffer[layout.values_offset:layout.size]] if ready else None
+        return frames.encode_response(push, ready=ready, step=frame.header.clock + 1 if ready else 0), body
 
 
 @pytest.fixture
@@ -136,6 +138,22 @@ def test_the_regions_cover_the_layout_with_its_padding() -> None:
                         memoryview(bytearray(64)))
     with pytest.raises(ValueError, match="C-contiguous"):
         dc.as_bytes(np.zeros((4, 4), np.float32).T[:, :2])
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_a_half_size_wire_layout_narrows_float32_parts_only_and_keeps_every_slot(wire: str) -> None:
+    from ps_common import codec
+
+    narrow = codec.WIRE_DTYPES[wire]
+    half = dc.wire_layout(PARTS, narrow)
+    assert dc.wire_layout(PARTS) == LAYOUT
+    assert [s.key for s in half.gradients] == [s.key for s in LAYOUT.gradients]
+    assert [s.key for s in half.values] == [s.key for s in LAYOUT.values]
+    for full, small in zip(LAYOUT.values, half.values):
+        assert small.dtype == (narrow if full.dtype == np.float32 else full.dtype)
+        assert small.nbytes == (full.nbytes // 2 if full.dtype == np.float32 else full.nbytes)
+        assert small.offset % 64 == 0 and small.shape == full.shape
+    assert half.size <= LAYOUT.size and half.values[0].offset == half.values_offset
 
 
 def test_send_and_receive_views_move_every_byte_across_many_buffers() -> None:

@@ -754,17 +754,21 @@ class PSClient:
         layout = link.layout
         header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step)
         pull = pb.PullAfterPush(wait_for_step=wait_for_step, ssp=ssp, wait_timeout_ms=max(1, int(wait * 1000)),
-                                shared_memory=True)
+                                shared_memory=True, wire_dtype=self._wire_value)
         pieces = []
         for slot in layout.gradients:
             array = np.asarray(gradients[slot.key[0]])
             part = shard_map.part(slot.key[0], slot.key[1])
-            pieces.append(np.ascontiguousarray(array if part.whole else array[part.row_start:part.row_end]))
-        targets, whole = [], {}
+            piece = array if part.whole else array[part.row_start:part.row_end]
+            # the half-size wire narrows float32 parts (the layout says so), as over gRPC; else sent as they are
+            pieces.append(piece.astype(slot.dtype) if piece.dtype != slot.dtype else np.ascontiguousarray(piece))
+        targets, received = [], {}
         for slot in layout.values:
+            # straight into the tensor a split part belongs to; whole tensors and half-size parts into their own
+            # arrays (_place widens the latter), as the gRPC path's assembler does
             target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
             if target is None:
-                target = whole[slot.key] = np.empty(slot.shape, dtype=slot.dtype)
+                target = received[slot.key] = np.empty(slot.shape, dtype=slot.dtype)
             targets.append(target)
         address = self.addresses[shard]
         try:
@@ -777,7 +781,7 @@ class PSClient:
             return None
         if magic == dc.REPLY_MAGIC:
             reply = frames.decode_response(answer, shard=shard)
-            return reply, (whole if reply.ready else {})
+            return reply, (received if reply.ready else {})
         status = pb.DataChannelStatus.FromString(answer)
         code = getattr(grpc.StatusCode, status.code, grpc.StatusCode.UNKNOWN)
         error = error_for_reason(status.reason)
@@ -952,10 +956,12 @@ class PSClient:
 
     def _open_link(self, shard: int) -> Link | None:
         shard_map = self._require_map()
-        layout = Layout.of((p.key, p.dtype, p.shape) for p in shard_map.parts_on(shard))
+        narrow = None if self.wire_dtype == np.float32 else self.wire_dtype
+        layout = dc.wire_layout([(p.key, p.dtype, p.shape) for p in shard_map.parts_on(shard)], narrow)
         try:
             answer = self._call(shard, "OpenDataChannel", lambda s: s.OpenDataChannel(
-                pb.DataChannelRequest(worker_id=self.worker_id), timeout=self.rpc_timeout, metadata=self.metadata))
+                pb.DataChannelRequest(worker_id=self.worker_id, wire_dtype=self._wire_value), timeout=self.rpc_timeout,
+                metadata=self.metadata))
             if (answer.size, answer.values_offset) != (layout.size, layout.values_offset):
                 raise ValueError(f"layout differs: shard says {answer.size} bytes, values at "
                                  f"{answer.values_offset}; computed {layout.size}, {layout.values_offset}")

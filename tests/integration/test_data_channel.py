@@ -1,0 +1,403 @@
+"""PushPull through the data channel with real shard processes (shared memory off: the bytes cross a TCP
+connection as between hosts): the values gRPC gives, at most once under broken and replayed connections, a
+clean fallback, TLS, a shard restart, a shard that forgot the worker, and the push-pull benchmark's wire path.
+
+Shards bind 127.0.0.1 port 0 (their channel too); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from ps_common import data_channel as dc
+from ps_common import frames
+from ps_common.errors import InvalidRequestError
+from ps_common.shared_memory import Layout
+from ps_common.tls import client_security
+from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from worker_client.client import GRPC_PUSH_PULL_MAX_BYTES, PSClient, RetryPolicy, ServerError
+from worker_client.client import ps_client
+
+LR = 0.5
+FLAGS = ["--optimizer", "sgd", "--lr", str(LR), "--workers", "1"]
+QUICK = RetryPolicy(attempts=3, initial_backoff=0.05, max_backoff=0.2)
+TIMEOUT = 10.0
+
+
+def model(rows: int = 16) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {"w": rng.standard_normal((rows, 8)).astype(np.float32), "b": np.zeros(8, np.float32),
+            "ids": np.arange(4, dtype=np.int64)}
+
+
+def grads(values: dict[str, np.ndarray], g: float = 0.25) -> dict[str, np.ndarray]:
+    return {n: np.full_like(v, g) for n, v in values.items() if v.dtype.kind == "f"}
+
+
+def client(cluster, worker_id: str = "w0", **options) -> PSClient:
+    options.setdefault("shared_memory", False)
+    c = PSClient(cluster.addresses, worker_id=worker_id, rpc_timeout=20, wait_timeout=20, retry=QUICK, **options)
+    c.wait_ready(20)
+    return c
+
+
+def started(cluster, values: dict[str, np.ndarray], **options) -> PSClient:
+    worker = client(cluster, **options)
+    worker.initialize(values)
+    worker.register(heartbeat=False)
+    worker.pull()
+    return worker
+
+
+def state(cluster, worker_id: str = "w0") -> tuple:
+    """What a refused or repeated frame must not change: each shard's step and the worker's clock, the values."""
+    with client(cluster, "observer", data_channel=False) as observer:
+        infos = [observer.cluster_info(i) for i in range(cluster.num_shards)]
+        observer.fetch_shard_map()
+        values = {k: v.tolist() for k, v in sorted(observer.pull().items())}
+    clocks = [next((w.clock for w in info.workers if w.worker_id == worker_id), None) for info in infos]
+    return [info.step for info in infos], clocks, values
+
+
+def channel_of(worker: PSClient, shard: int = 0) -> tuple[pb.DataChannelResponse, Layout, str]:
+    """A ticket for the worker's channel with a shard (OpenDataChannel), its layout and the shard's host."""
+    with grpc.insecure_channel(worker.addresses[shard]) as ch:
+        answer = pb_grpc.ParameterServerStub(ch).OpenDataChannel(
+            pb.DataChannelRequest(worker_id=worker.worker_id), timeout=TIMEOUT)
+    layout = Layout.of((p.key, p.dtype, p.shape) for p in worker.shard_map.parts_on(shard))
+    return answer, layout, worker.addresses[shard].rpartition(":")[0]
+
+
+def frame_bytes(worker_id: str, clock: int, layout: Layout, g: float = 0.25) -> bytes:
+    header = frames.encode_request(pb.PushHeader(worker_id=worker_id, clock=clock),
+                                   pb.PullAfterPush(wait_timeout_ms=100, shared_memory=True),
+                                   gradients_in_shared_memory=True)
+    body = dc.region_views(layout.gradients, 0, layout.values_offset,
+                           [np.full(s.shape, g, s.dtype) for s in layout.gradients], memoryview(bytearray(64)))
+    return dc.FRAME.pack(dc.REQUEST_MAGIC, len(header), dc.gradient_bytes(layout)) + header + \
+        b"".join(bytes(v) for v in body)
+
+
+def closed_by_peer(sock: socket.socket, timeout: float = TIMEOUT) -> bytes:
+    """Everything the shard sends until it closes the connection (bounded)."""
+    sock.settimeout(timeout)
+    got = b""
+    try:
+        while piece := sock.recv(1 << 16):
+            got += piece
+    except ConnectionResetError:
+        pass
+    return got
+
+
+# ---------------------------------------------------------------------- the values
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
+def test_push_pull_through_the_channel_gives_what_grpc_gives(start_cluster, mode: str) -> None:
+    values = model()
+    runs = {}
+    for path in ("channel", "grpc"):
+        cluster = start_cluster(2, mode=mode, flags=[*FLAGS, "--partition-min-bytes", "256"])
+        with started(cluster, values, data_channel=path == "channel") as worker:
+            for step in range(4):
+                report, pulled = worker.push_pull(grads(values, 0.25 * (step + 1)), wait_for_step=mode == "sync",
+                                                  ssp=mode == "ssp")
+                assert report.accepted and pulled is not None
+            assert sorted(worker._links) == ([0, 1] if path == "channel" else [])
+            assert not worker._segments
+            assert worker.steps == [4, 4] and worker.clock == 4
+            runs[path] = pulled
+            np.testing.assert_array_equal(pulled["w"], worker.pull()["w"])
+    for name, value in values.items():
+        np.testing.assert_array_equal(runs["channel"][name], runs["grpc"][name])
+        expected = value - LR * 0.25 * (1 + 2 + 3 + 4) if value.dtype.kind == "f" else value
+        np.testing.assert_allclose(runs["channel"][name], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_a_half_size_wire_halves_the_channels_float32_bytes_as_it_does_grpcs(start_cluster, wire: str) -> None:
+    from ps_common import codec
+
+    narrow = codec.WIRE_DTYPES[wire]
+    values = model()
+    cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "256"])
+    with started(cluster, values, wire_dtype=wire) as worker, client(cluster, "exact", data_channel=False) as exact:
+        gradient = {"w": np.full((16, 8), 0.3, np.float32), "b": np.full(8, 0.3, np.float32)}
+        report, after = worker.push_pull(gradient)
+        assert report.accepted and sorted(worker._links) == [0, 1]
+        assert worker._links[0].layout.values[-1].dtype == narrow        # "w" travels half-size
+        master = exact.pull()["w"]
+        np.testing.assert_allclose(master, values["w"] - LR * np.float32(np.float32(0.3).astype(narrow)), rtol=1e-6)
+        assert after["w"].dtype == np.float32 and after["ids"].dtype == np.int64
+        np.testing.assert_array_equal(after["w"], master.astype(narrow).astype(np.float32))
+        np.testing.assert_array_equal(after["ids"], values["ids"])
+
+
+def test_a_model_too_large_for_one_grpc_message_is_one_push_pull_through_the_channel(start_cluster) -> None:
+    values = model(rows=GRPC_PUSH_PULL_MAX_BYTES // (8 * 4) * 3)
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with started(cluster, values) as worker:
+        report, pulled = worker.push_pull(grads(values))
+        assert report.accepted and pulled is not None        # not a plain push: the channel took it all
+        assert worker._links[0].frames == 1
+        np.testing.assert_allclose(pulled["w"], values["w"] - LR * 0.25, rtol=1e-6)
+        np.testing.assert_array_equal(pulled["w"], worker.pull()["w"])
+
+
+def test_the_shards_typed_errors_are_raised_as_over_grpc(start_cluster) -> None:
+    values = model()
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with started(cluster, values) as worker, started(cluster, values, worker_id="w1", data_channel=False) as other:
+        bad = {**grads(values), "w": np.full((16, 8), np.nan, np.float32)}
+        errors = []
+        for c in (worker, other):
+            with pytest.raises(ServerError) as info:
+                c.push_pull(bad)
+            errors.append(info.value)
+        assert worker._links                                  # the first went through the channel
+        assert all(isinstance(e, InvalidRequestError) and e.code == grpc.StatusCode.INVALID_ARGUMENT for e in errors)
+        assert "NaN" in str(errors[0]) and "NaN" in str(errors[1])
+        report, pulled = worker.push_pull(grads(values))     # and the channel goes on
+        assert report.accepted and worker._links[0].frames == 2
+
+
+# ---------------------------------------------------------------------- at most once
+
+
+def test_a_frame_cut_mid_way_applies_nothing_and_a_replay_applies_nothing_again(start_cluster) -> None:
+    values = model()
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with started(cluster, values) as worker:
+        report, _ = worker.push_pull(grads(values))            # clock 0 applied, through the channel
+        assert report.accepted and worker._links
+        before = state(cluster)
+        answer, layout, host = channel_of(worker)
+        frame = frame_bytes("w0", 1, layout)
+        hello = dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, answer.ticket)
+        with socket.create_connection((host, answer.port), timeout=TIMEOUT) as sock:
+            sock.sendall(hello)
+            assert dc.recv_exactly(sock, dc.WELCOME.size) == dc.WELCOME.pack(dc.WELCOME_OK)
+            sock.sendall(frame[:len(frame) - 100])              # the connection breaks mid-frame
+        time.sleep(0.3)
+        assert state(cluster) == before
+        # a worker's retry of the push it made (clock 0): acknowledged as a duplicate, applied once only
+        answer, layout, host = channel_of(worker)
+        link = dc.Link.connect(host, answer.port, answer.ticket, layout, timeout=TIMEOUT)
+        targets = [np.empty(s.shape, s.dtype) for s in layout.values]
+        magic, raw, received = link.exchange(frame_bytes_header("w0", 0), [np.full(s.shape, 0.25, s.dtype)
+                                                                           for s in layout.gradients],
+                                             targets, timeout=TIMEOUT)
+        link.close()
+        reply = frames.decode_response(raw)
+        assert magic == dc.REPLY_MAGIC and received and reply.push.duplicate and reply.push.clock == 1
+        assert state(cluster) == before
+        # the recorded bytes of a whole connection, replayed on a new one: the ticket is used up
+        with socket.create_connection((host, answer.port), timeout=TIMEOUT) as sock:
+            sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, answer.ticket) + frame_bytes("w0", 1, layout))
+            assert closed_by_peer(sock) == dc.WELCOME.pack(dc.WELCOME_REFUSED)
+        assert state(cluster) == before
+        # a header naming another worker on this worker's connection: closed, nothing applied
+        answer, layout, host = channel_of(worker)
+        with socket.create_connection((host, answer.port), timeout=TIMEOUT) as sock:
+            sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, answer.ticket) + frame_bytes("w1", 1, layout))
+            assert closed_by_peer(sock) == dc.WELCOME.pack(dc.WELCOME_OK)
+        assert state(cluster) == before
+        report, pulled = worker.push_pull(grads(values))        # the worker reopens and goes on at clock 1
+        assert report.accepted and not report.responses[0].duplicate and worker.clock == 2
+        np.testing.assert_allclose(pulled["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
+
+
+def frame_bytes_header(worker_id: str, clock: int) -> bytes:
+    return frames.encode_request(pb.PushHeader(worker_id=worker_id, clock=clock),
+                                 pb.PullAfterPush(wait_timeout_ms=100, shared_memory=True),
+                                 gradients_in_shared_memory=True)
+
+
+def test_a_tickets_connection_is_bound_to_its_worker_and_to_a_registered_one(start_cluster) -> None:
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with started(cluster, model()):
+        with grpc.insecure_channel(cluster.addresses[0]) as ch:
+            stub = pb_grpc.ParameterServerStub(ch)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.OpenDataChannel(pb.DataChannelRequest(worker_id="stranger"), timeout=TIMEOUT)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.RpcError) as info:
+                stub.OpenDataChannel(pb.DataChannelRequest(worker_id=""), timeout=TIMEOUT)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---------------------------------------------------------------------- fallback
+
+
+def test_when_the_channel_port_refuses_the_bytes_go_over_grpc_and_it_is_logged_once(start_cluster, monkeypatch,
+                                                                                      caplog) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        closed = probe.getsockname()[1]                        # a port nothing listens on once closed
+    connect = dc.Link.connect
+
+    def refused(host, port, *args, **kwargs):
+        return connect(host, closed, *args, **kwargs)
+
+    monkeypatch.setattr(ps_client.Link, "connect", staticmethod(refused))
+    monkeypatch.setattr(ps_client, "DATA_CHANNEL_RETRY_SECONDS", 0.2)
+    values = model(rows=GRPC_PUSH_PULL_MAX_BYTES // (8 * 4) + 64)   # too large for one gRPC message
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with caplog.at_level(logging.DEBUG, logger="worker_client.client.ps_client"), started(cluster, values) as worker:
+        for step in range(3):
+            report, pulled = worker.push_pull(grads(values))
+            assert report.accepted and pulled is None          # a plain push, as without a channel
+            time.sleep(0.25)                                   # past the retry: it is asked again, and fails again
+        assert not worker._links
+        np.testing.assert_allclose(worker.pull()["w"], values["w"] - 3 * LR * 0.25, rtol=1e-6)
+    failures = [r for r in caplog.records if "no data channel" in r.getMessage()]
+    assert len(failures) >= 2 and [r.levelno for r in failures].count(logging.WARNING) == 1
+    assert "refused" in failures[0].getMessage().lower()
+
+
+def test_a_shard_without_a_channel_answers_failed_precondition_and_the_worker_keeps_grpc(start_cluster) -> None:
+    values = model()
+    cluster = start_cluster(1, mode="async", flags=[*FLAGS, "--no-data-channel"])
+    assert "data_channel_port" not in cluster.shards[0].ready
+    with started(cluster, values) as worker:
+        for _ in range(2):
+            report, pulled = worker.push_pull(grads(values))
+            assert report.accepted and pulled is not None
+        assert not worker._links and 0 in worker._no_link_until
+        with grpc.insecure_channel(cluster.addresses[0]) as ch, pytest.raises(grpc.RpcError) as info:
+            pb_grpc.ParameterServerStub(ch).OpenDataChannel(pb.DataChannelRequest(worker_id="w0"), timeout=TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert ("ps-error-reason", "DATA_CHANNEL_UNAVAILABLE") in info.value.trailing_metadata()
+
+
+# ---------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    from ps_tools.certs import make_files, write_files
+
+    directory = tmp_path_factory.mktemp("certs")
+    write_files(directory, make_files(), force=True)
+    return directory
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_a_tls_shard_serves_a_tls_channel_to_a_worker_that_trusts_it(start_cluster, certs: Path,
+                                                                     mutual: bool) -> None:
+    flags = [*FLAGS, "--tls-cert", certs / "server.crt", "--tls-key", certs / "server.key"]
+    if mutual:
+        flags += ["--tls-client-ca", certs / "ca.crt"]
+    client_files = (certs / "worker.crt", certs / "worker.key") if mutual else ()
+    creds, metadata = client_security(certs / "ca.crt", *client_files)
+    values = model()
+    cluster = start_cluster(1, mode="async", flags=flags)
+    with started(cluster, values, channel_credentials=creds, call_metadata=metadata,
+                 data_channel_tls=dc.client_tls_context(certs / "ca.crt", *client_files)) as worker:
+        for _ in range(2):
+            report, pulled = worker.push_pull(grads(values))
+            assert report.accepted and pulled is not None
+        assert worker._links[0].frames == 2 and worker._links[0].sock.version() is not None   # TLS
+        np.testing.assert_allclose(pulled["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
+
+
+def test_a_tls_channel_without_the_workers_tls_context_falls_back_to_grpc(start_cluster, certs: Path,
+                                                                          caplog) -> None:
+    flags = [*FLAGS, "--tls-cert", certs / "server.crt", "--tls-key", certs / "server.key"]
+    creds, _ = client_security(certs / "ca.crt")
+    values = model()
+    cluster = start_cluster(1, mode="async", flags=flags)
+    with caplog.at_level(logging.WARNING, logger="worker_client.client.ps_client"), \
+            started(cluster, values, channel_credentials=creds) as worker:
+        report, pulled = worker.push_pull(grads(values))
+        assert report.accepted and pulled is not None and not worker._links
+    assert any("data_channel_tls" in r.getMessage() for r in caplog.records)
+    # and plaintext to the TLS channel port is refused
+    answer, layout, host = channel_of_tls(cluster, certs, creds)
+    with pytest.raises((OSError, dc.ProtocolError)):
+        dc.Link.connect(host, answer.port, answer.ticket, layout, timeout=3)
+
+
+def channel_of_tls(cluster, certs: Path, creds) -> tuple[pb.DataChannelResponse, Layout, str]:
+    with PSClient(cluster.addresses, worker_id="w0", channel_credentials=creds, rpc_timeout=10) as worker:
+        worker.fetch_shard_map()
+        with grpc.secure_channel(cluster.addresses[0], creds) as ch:
+            answer = pb_grpc.ParameterServerStub(ch).OpenDataChannel(pb.DataChannelRequest(worker_id="w0"),
+                                                                     timeout=TIMEOUT)
+        layout = Layout.of((p.key, p.dtype, p.shape) for p in worker.shard_map.parts_on(0))
+    assert answer.tls
+    return answer, layout, "127.0.0.1"
+
+
+# ---------------------------------------------------------------------- restarts and forgotten workers
+
+
+def test_after_a_shard_restarts_the_worker_opens_a_new_channel(start_cluster, tmp_path) -> None:
+    cluster = start_cluster(1, mode="async", flags=[*FLAGS, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                                    "--checkpoint-every-steps", "1"])
+    values = model()
+    with started(cluster, values) as worker:
+        for _ in range(3):
+            report, pulled = worker.push_pull(grads(values))
+            assert report.accepted and pulled is not None
+        first = worker._links[0]
+        time.sleep(0.5)   # the checkpoint of step 3
+        cluster.kill(0)
+        cluster.restart(0)
+        steps = []
+        for _ in range(3):
+            report, pulled = worker.push_pull(grads(values))
+            steps.append(report.steps[0])
+        assert worker._links.get(0) is not None and worker._links[0] is not first, \
+            "the worker did not open a channel with the restarted shard"
+        assert first.closed and worker._links[0].frames >= 1
+        assert pulled is not None and steps == sorted(steps)
+        np.testing.assert_array_equal(pulled["w"], worker.pull()["w"])
+
+
+def test_a_shard_that_forgot_the_worker_has_it_register_again_as_over_grpc(start_cluster) -> None:
+    cluster = start_cluster(1, mode="async", flags=[*FLAGS, "--lease-seconds", "0.3",
+                                                    "--worker-retention-seconds", "0.3"])
+    values = model()
+    with started(cluster, values) as worker:
+        report, _ = worker.push_pull(grads(values))
+        assert report.accepted and worker._links
+        link = worker._links[0]
+        deadline = time.monotonic() + 10
+        while state(cluster)[1] != [None] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert state(cluster)[1] == [None], "the shard did not forget the worker"
+        assert link.usable()                                   # the connection itself is still open
+        report, pulled = worker.push_pull(grads(values))      # UNKNOWN_WORKER on the channel: registers again
+        assert report.accepted and pulled is not None
+        assert state(cluster)[1][0] is not None and link.closed
+        report, pulled = worker.push_pull(grads(values))      # a new channel for the worker registered again
+        assert report.accepted and worker._links[0] is not link and worker._links[0].frames == 1
+
+
+# ---------------------------------------------------------------------- the benchmark
+
+
+@pytest.mark.timeout(120)
+def test_the_push_pull_benchmark_measures_the_channel_beside_grpc_and_raw_tcp(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-P", "-m", "ps_bench.pushpull_bench", "--no-torch", "--sizes-mb", "1",
+                           "--rounds", "2", "--repeats", "2", "--data-path", "channel,grpc", "--raw-tcp"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    assert [(r["system"], r["metric"], r.get("data_path")) for r in records] == [
+        ("onnx-ps", "pushpull_gbps", "channel"), ("onnx-ps", "pushpull_gbps", "grpc"),
+        ("raw-tcp", "pushpull_gbps", None), ("onnx-ps/raw-tcp", "pushpull_ratio", "channel"),
+        ("onnx-ps/raw-tcp", "pushpull_ratio", "grpc")]
+    assert all(r["value"] > 0 and len(r["runs"]) == 2 for r in records)

@@ -1,16 +1,18 @@
 """The engine's fast paths compute what they replace: adjoint rewrites onto onnxruntime's faster
-kernels, and the gradient run's bound inputs and outputs."""
+kernels, and Dropout masks drawn and fed over the keep rate."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
+from worker_client import GradientEngine
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
 
@@ -168,3 +170,57 @@ def test_scatter_sums_that_do_not_rebuild_the_whole_tensor_are_left_alone(
     feeds = {f"update{p}": rng.standard_normal((4, 5)).astype(np.float32) for p in range(len(indices))}
     count, _ = _rewritten_agrees(model, concat_piecewise_scatters, feeds)
     assert count == 0
+
+
+def _dropout_engine(tmp_path: Path, ratio: float, *, seed: int = 0) -> GradientEngine:
+    """x (batch, 4096) -> training-mode Dropout(ratio) -> sum over the features, mse loss."""
+    nodes = [
+        helper.make_node("Constant", [], ["ratio"], value=numpy_helper.from_array(np.array(ratio, np.float32))),
+        helper.make_node("Constant", [], ["training"], value=numpy_helper.from_array(np.array(True))),
+        helper.make_node("Mul", ["x", "w"], ["scaled"]),
+        helper.make_node("Dropout", ["scaled", "ratio", "training"], ["dropped"], name="drop"),
+        helper.make_node("ReduceSum", ["dropped", "axes"], ["y"], keepdims=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "dropout", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4096])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1])],
+        initializer=[numpy_helper.from_array(np.full(4096, 0.5, np.float32), "w"),
+                     numpy_helper.from_array(np.array([1], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    path = tmp_path / f"dropout_{ratio}.onnx"
+    onnx.save(model, path)
+    return GradientEngine(path, batch_size=8, loss="mse", seed=seed, cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.0])
+def test_drawn_dropout_masks_keep_one_minus_the_ratio_and_the_step_scales_them(
+        tmp_path: Path, ratio: float) -> None:
+    engine = _dropout_engine(tmp_path, ratio)
+    (name,) = engine.mask_names
+    mask = engine.draw_masks()[name]
+    assert mask.shape == (8, 4096) and mask.dtype == np.float32
+    assert set(np.unique(mask)) <= {0.0, 1.0}
+    assert abs(mask.mean() - (1 - ratio)) < 0.02
+    x = np.random.default_rng(17).standard_normal((8, 4096)).astype(np.float32)
+    labels = np.zeros((8, 1), np.float32)
+    result = engine.step(engine.parameters(), {"x": x, "labels": labels, name: mask})
+    y = (x * 0.5 * mask / (1 - ratio)).sum(1, keepdims=True)
+    assert result.loss == pytest.approx(float((y ** 2).mean()), rel=1e-5)
+    np.testing.assert_allclose(result.gradients["w"], (2 * y / 8 * x * mask / (1 - ratio)).sum(0),
+                               rtol=1e-4, atol=1e-4)
+    # the forward pass (a pipeline stage's) takes the same 0/1 mask
+    outputs, _ = engine.forward(engine.parameters(), {"x": x, name: mask})
+    np.testing.assert_allclose(outputs["y"], y, rtol=1e-5, atol=1e-4)
+
+
+def test_masks_the_step_draws_follow_the_seed(tmp_path: Path) -> None:
+    x = np.ones((8, 4096), np.float32)
+    labels = np.zeros((8, 1), np.float32)
+    losses = {}
+    for label, seed in (("a", 5), ("b", 5), ("c", 6)):
+        engine = _dropout_engine(tmp_path, 0.5, seed=seed)
+        losses[label] = [engine.step(engine.parameters(), {"x": x, "labels": labels}).loss
+                         for _ in range(2)]
+    assert losses["a"] == losses["b"] and losses["a"][0] != losses["a"][1]
+    assert losses["a"] != losses["c"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -189,7 +190,7 @@ class GradientEngine:
         """The stages that turn the lifted model into the gradient model, in order (run
         only when the cache has no entry for it)."""
         try:
-            model, forms = training_form(self._lifted, self.state_names)
+            model, forms = training_form(self._lifted, self.state_names, scaled_masks=True)
             model = fix_batch(model, self.input_names + list(forms.dropout_rates),
                               self.batch_size)
             state_outputs = [v for v in model.graph.output
@@ -386,7 +387,7 @@ class GradientEngine:
         (loss="vjp") with the same inputs and masks for their gradients.
         """
         if self._forward_session is None:
-            model, forms = training_form(self._lifted, self.state_names)
+            model, forms = training_form(self._lifted, self.state_names, scaled_masks=True)
             model = fix_batch(model, self.input_names + list(forms.dropout_rates), self.batch_size)
             self._forward_fetches = self.output_names + [forms.state_outputs[name]
                                                          for name in self.state_names]
@@ -438,21 +439,35 @@ class GradientEngine:
         return self._classes if self._graph is not None else None
 
     def draw_masks(self) -> dict[str, np.ndarray]:
-        """A fresh Dropout mask for every `mask_names` entry, from the engine's generator
-        (what `step` draws for a mask it is not given)."""
-        return self._mask_feed({})
+        """A fresh Dropout mask (1 keeps an element, 0 drops it) for every `mask_names` entry,
+        from the engine's generator (what `step` draws for a mask it is not given)."""
+        return {name: self._draw_mask(name, scaled=False) for name in self._masks}
+
+    def _draw_mask(self, name: str, *, scaled: bool) -> np.ndarray:
+        """One Dropout's mask from the generator: each element kept with probability 1 - ratio,
+        a 32-bit draw at or above ratio * 2**32; 1 where kept, or 1 / (1 - ratio) when `scaled`."""
+        dtype, dims, rate = self._masks[name]
+        shape = tuple(d if isinstance(d, int) else self.batch_size for d in dims or ())
+        count = int(np.prod(shape))
+        # the generator's raw 64-bit words, two 32-bit draws each: a third of the time of
+        # Generator.random's doubles, which every step paid for every masked element
+        draws = self._generator.bit_generator.random_raw(-(-count // 2)).view(np.uint32)[:count]
+        kept = (draws >= np.uint32(min(math.ceil(rate * 2.0 ** 32), 2 ** 32 - 1))).reshape(shape)
+        if scaled:
+            return np.multiply(kept, dtype.type(1.0 / (1.0 - rate)), dtype=dtype)
+        return kept.astype(dtype)
 
     def _mask_feed(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Each Dropout's mask: the caller's (checked), else drawn: keep with 1 - ratio."""
+        """Each Dropout's mask as the sessions take it, over the keep rate (the training form's
+        `scaled_masks`): the caller's 0/1 mask (checked) scaled, else one drawn scaled."""
         feed = {}
         for name, (dtype, dims, rate) in self._masks.items():
             if name in inputs:
                 mask = coerce(f"mask {name!r}", inputs[name], dtype)
                 check_shape(f"mask {name!r}", mask, dims)
+                feed[name] = mask * dtype.type(1.0 / (1.0 - rate)) if rate else mask
             else:
-                shape = tuple(d if isinstance(d, int) else self.batch_size for d in dims or ())
-                mask = (self._generator.random(shape) >= rate).astype(dtype)
-            feed[name] = mask
+                feed[name] = self._draw_mask(name, scaled=True)
         return feed
 
     def predict(self, parameters: Mapping[str, np.ndarray],

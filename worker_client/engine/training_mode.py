@@ -11,7 +11,10 @@ function of the graph's inputs as it stands; both are, given the batch and the m
   (``running * momentum + batch * (1 - momentum)``; the variance is the unbiased one for a
   torch export, as torch keeps it, and the biased one as ONNX specifies otherwise). Each
   training-mode Dropout becomes ``X * mask * 1 / (1 - ratio)`` with the mask a new graph
-  input, which the worker draws from a seeded generator and feeds.
+  input, which the worker draws from a seeded generator and feeds. With ``scaled_masks``
+  (the engine's own sessions) the input is the mask already divided by the keep rate and
+  the Dropout is one ``X * mask``: one pass over the tensor fewer forward and backward,
+  the engine scaling the mask as it draws it.
 - `inference_form` is the same model for evaluation: BatchNormalization with its running
   statistics (training_mode=0), Dropout the identity.
 
@@ -127,10 +130,11 @@ def inference_form(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
-def training_form(model: onnx.ModelProto, state: list[str]) -> tuple[onnx.ModelProto,
-                                                                     TrainingForms]:
+def training_form(model: onnx.ModelProto, state: list[str], *, scaled_masks: bool = False
+                  ) -> tuple[onnx.ModelProto, TrainingForms]:
     """A copy with every training-mode BatchNormalization and Dropout rewritten (module
-    docstring), and what was added. `state` names the running-statistics inputs."""
+    docstring), and what was added. `state` names the running-statistics inputs; with
+    `scaled_masks` each Dropout's mask input holds mask / (1 - ratio), not the 0/1 mask."""
     result = infer_shapes(model)
     values = constants(result)
     ranks = _ranks(result)
@@ -143,7 +147,7 @@ def training_form(model: onnx.ModelProto, state: list[str]) -> tuple[onnx.ModelP
         if _is_training_batch_norm(node):
             nodes += _batch_norm(node, ranks, emit, forms, state, unbiased, opset)
         elif _dropout_training(node, values):
-            nodes += _dropout(node, values, result, emit, forms)
+            nodes += _dropout(node, values, result, emit, forms, scaled_masks)
         else:
             nodes.append(node)
     result.graph.ClearField("node")
@@ -253,7 +257,7 @@ def _moving_average(running: str, batch: str, momentum: float,
 
 
 def _dropout(node: onnx.NodeProto, values: dict[str, np.ndarray], model: onnx.ModelProto,
-             emit: Emitter, forms: TrainingForms) -> list[onnx.NodeProto]:
+             emit: Emitter, forms: TrainingForms, scaled_mask: bool) -> list[onnx.NodeProto]:
     ratio = _DROPOUT_RATIO
     if len(node.input) > _RATIO_INPUT and node.input[_RATIO_INPUT]:
         given = values.get(node.input[_RATIO_INPUT])
@@ -278,10 +282,14 @@ def _dropout(node: onnx.NodeProto, values: dict[str, np.ndarray], model: onnx.Mo
     value_info.type.tensor_type.shape.CopyFrom(declared.type.tensor_type.shape)
     model.graph.input.append(value_info)
     forms.dropout_rates[mask] = ratio
-    kept = emit.name()
-    nodes = [helper.make_node("Mul", [node.input[0], mask], [kept], name=kept),
-             helper.make_node("Mul", [kept, _scalar(emit, 1.0 / (1.0 - ratio), elem)],
-                              [node.output[0]], name=node.name or emit.name())]
+    if scaled_mask:   # the fed mask is already over the keep rate
+        nodes = [helper.make_node("Mul", [node.input[0], mask], [node.output[0]],
+                                  name=node.name or emit.name())]
+    else:
+        kept = emit.name()
+        nodes = [helper.make_node("Mul", [node.input[0], mask], [kept], name=kept),
+                 helper.make_node("Mul", [kept, _scalar(emit, 1.0 / (1.0 - ratio), elem)],
+                                  [node.output[0]], name=node.name or emit.name())]
     if len(node.output) > 1 and node.output[1]:
         nodes.append(helper.make_node("Cast", [mask], [node.output[1]], name=emit.name(),
                                       to=TensorProto.BOOL))

@@ -6,7 +6,9 @@ Shard method, and fill the response; typed errors become statuses in one place
 (ps_common/boundary.py, `translate_errors`). Only this module (with ps_server/admin.py)
 knows the wire types. A push goes: here -> shard.py -> membership.py, consistency.py ->
 store.py -> optimizers.py, each returning to its caller; a pull: here -> shard.py ->
-consistency.py (the hold) -> store.py (the values) -> back here to encode them.
+consistency.py (the hold) -> store.py (the values) -> back here to encode them. PushPull also
+arrives from the data channel (ps_server/data_channel.py): `push_pull_on_channel` makes the same
+domain call, with the connection's buffer standing for a shared-memory segment.
 """
 
 from __future__ import annotations

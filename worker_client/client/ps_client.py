@@ -632,8 +632,9 @@ class PSClient:
         the push belongs to) or `ssp` (the staleness bound at this worker's new clock), at
         most `wait` s. Returns the push's report and the values, or None for the values when
         a shard's wait ran out (pull again; the push is not undone) or the model is too large
-        for PushPull over gRPC without shared memory (then this is a plain push). Bytes travel
-        through shared memory with shards on this host when `shared_memory` is on.
+        for PushPull over gRPC without shared memory or a data channel (then this is a plain push).
+        Bytes travel through shared memory with shards on this host when `shared_memory` is on, and
+        through the data channel with the others when `data_channel` is on.
 
         `names` pulls only those tensors; `row_gradients` (sparse tables, with `names`: the
         dense tensors, since the tables' rows are pulled by id) ride in the push's header.

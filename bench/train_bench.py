@@ -88,8 +88,9 @@ class Case:
     steps: int
     threads: int
     net: Network | None = None
-    #: ours, async without tables by rows: a step's PushPull overlaps the next gradient (ps-worker's default)
-    overlap: bool = True
+    #: ours, async without tables by rows: a step's PushPull overlaps the next gradient (ps-worker's --overlap;
+    #: off by default, as in ps-worker)
+    overlap: bool = False
     #: --netns: the MB that crossed the veth pair in each run, by system label
     traffic: dict[str, list[float]] = field(default_factory=dict)
 
@@ -364,9 +365,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"PyTorch RPC's variant/transport pairs, of {','.join(peers.ALL_TORCH_VARIANTS)} or all "
                         f"(default {','.join(peers.TORCH_VARIANTS)})")
     p.add_argument("--no-ddp", action="store_true", help="leave DDP out of sync mode")
-    p.add_argument("--no-overlap", action="store_true",
-                   help="ours: no overlap of a step's PushPull with the next gradient in async mode (ps-worker's "
-                        "--no-overlap; by default it overlaps, as ps-worker does)")
+    p.add_argument("--overlap", action="store_true",
+                   help="ours: overlap a step's PushPull with the next gradient in async mode (ps-worker's "
+                        "--overlap; off by default, as in ps-worker)")
     p.add_argument("--netns", action="store_true",
                    help="shards in one network namespace, workers in another, through a shaped veth pair (root)")
     p.add_argument("--netns-rate", default="10gbit", help="the veth pair's tbf rate (default 10gbit)")
@@ -418,7 +419,7 @@ def prepare(args: argparse.Namespace, model: ModelCase, work: Path, workers: int
                             sparse_tables=tables, sparse_min_bytes=None if tables else SPARSE_MIN_BYTES)
     size_mb = round(sum(v.nbytes for v in engine.server_parameters().values()) / 1e6, 4)   # tables whole
     return Case(model, onnx_path, data, work / "cache", sorted(engine.sparse.tables), size_mb, args.shards, workers,
-                "", args.batch, warmup, steps, args.threads, overlap=not args.no_overlap)
+                "", args.batch, warmup, steps, args.threads, overlap=args.overlap)
 
 
 def run_all(args: argparse.Namespace, work: Path, with_torch: bool, net: Network | None) -> None:

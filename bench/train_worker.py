@@ -15,7 +15,7 @@ gRPC: ps-worker's defaults), ``channel`` (the data channel, a TCP connection of 
 shard, as between hosts, where this version has it) or ``grpc`` (gRPC bytes only:
 ``PSClient(shared_memory=False, data_channel=False)``). In async mode
 without tables by rows a step's PushPull travels while the next gradient is computed
-(``--overlap``, ps-worker's default; ``--no-overlap`` waits for each round trip).
+(``--overlap``, as ps-worker's opt-in ``--overlap``; by default each step waits for its round trip).
 
 Timing excludes start-up: the window opens when iteration `warmup` starts (its call of
 `engine.step`) and closes when the parameters after the last iteration are in hand, so it
@@ -210,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                         "channel (a TCP connection per shard), even on this host; grpc: gRPC bytes only "
                         "(default shm)")
     p.add_argument("--wait-timeout", type=float, default=120.0, help="longest wait of one pull, seconds")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="async, no table by rows: a step's PushPull travels while the next gradient is computed "
-                        "(ps-worker's default; --no-overlap: each step waits for its round trip)")
+                        "(ps-worker's --overlap; by default each step waits for its round trip)")
     p.add_argument("--cache-dir", default=None, help="gradient-model cache (default: the engine's)")
     p.add_argument("--profile", action="store_true", help="time compute, push, pull, encode and decode per call")
     args = p.parse_args(argv)

@@ -297,11 +297,11 @@ class WorkerSettings:
     evict_after_steps: int = _setting(0, "--evict-after-steps", scopes=_WORKER, minimum=0, metavar="N",
                                       help="a dynamic table forgets a row untouched for this many global steps "
                                            "(a later use creates it afresh); 0: never")
-    overlap: bool = _setting(True, "--overlap", scopes=_WORKER,
+    overlap: bool = _setting(False, "--overlap", scopes=_WORKER,
                              help="async, without sparse tables: push a step's gradient and pull the next "
                                   "parameters while the next gradient is computed (one step of extra staleness "
-                                  "of the worker's own updates: docs/protocol.md, \"Overlap\"); --no-overlap: "
-                                  "one after the other")
+                                  "of the worker's own updates, which with momentum and several workers can "
+                                  "diverge: docs/protocol.md, \"Overlap\"); off by default: one after the other")
     steps: int | None = _setting(None, "--steps", scopes=_WORKER, minimum=1,
                                  default_doc=f"{DEFAULT_STEPS} when epochs is unset",
                                  help="stop when the shards' global step reaches this")

@@ -89,7 +89,7 @@ class TrainingPlan:
     wait_timeout: float = 300.0       # one pull's wait (sync step, SSP hold), and worker 0's wait at the end
     dynamic_initializer: str = "normal:0.01"   # how the shards create a dynamic table's unseen rows
     evict_after_steps: int = 0        # a dynamic table's rows untouched this many steps are evicted; 0: never
-    overlap: bool = True              # async, dense: a step's push/pull overlaps the next gradient (module docstring)
+    overlap: bool = False             # async, dense, opt-in: a step's push/pull overlaps the next gradient (module docstring)
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_index < self.num_workers:

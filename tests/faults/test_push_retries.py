@@ -20,19 +20,23 @@ from tests.helpers.replay_proxy import ReplayProxy
 from worker_client.client import PSClient, RetryPolicy
 
 STEPS = 200
+#: the shards offer no data channel on the gRPC paths: a worker without shared memory would take it, around the
+#: proxy (its own replays: tests/integration/test_data_channel.py)
+GRPC_ONLY = ["--no-data-channel"]
 PATHS = {
-    # path: (shards, worker flags)
-    "push-pull, shared memory": (2, []),
-    "push-pull, gRPC bytes": (2, ["--no-shared-memory"]),
-    "push and pull streams": (1, ["--no-shared-memory", "--model", "deep_mlp"]),   # 369 KB > one PushPull message
+    # path: (shards, shard flags, worker flags)
+    "push-pull, shared memory": (2, [], []),
+    "push-pull, gRPC bytes": (2, GRPC_ONLY, ["--no-shared-memory"]),
+    "push and pull streams": (1, GRPC_ONLY, ["--no-shared-memory", "--model", "deep_mlp"]),   # 369 KB > one message
 }
 
 
 def train_and_pull(start_job, mode: str, path: str, *, replay: bool) -> tuple[dict[str, np.ndarray], list[int],
                                                                            list[float], int]:
     """One worker (so the order of updates is fixed): the final parameters, steps, duplicate counts and replays."""
-    shards, flags = PATHS[path]
-    job = start_job(mode=mode, shards=shards, workers=1, steps=STEPS, worker_flags=flags, start_workers=False)
+    shards, shard_flags, flags = PATHS[path]
+    job = start_job(mode=mode, shards=shards, workers=1, steps=STEPS, shard_flags=shard_flags, worker_flags=flags,
+                    start_workers=False)
     with contextlib.ExitStack() as stack:
         proxies = [stack.enter_context(ReplayProxy(a)) for a in job.cluster.addresses] if replay else []
         servers = ",".join(p.address for p in proxies) if replay else job.cluster.address_option

@@ -39,7 +39,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ps_common import codec
 from ps_common.errors import (CheckpointMismatchError, CorruptCheckpointError, ExportError, ModelLoadError,
-                              ServerError)
+                              ServerError, WaitTimeoutError)
 from ps_common.shard_map import ParamSpec
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ DYNAMIC_TABLES_KEY = "onnx_ps.dynamic_tables"
 ML_DOMAIN, ML_OPSET = "ai.onnx.ml", 2
 #: How long a sync job's shards may take to be read at one step before the export gives up (seconds).
 CONSISTENT_READ_SECONDS = 60.0
+#: a sync job's shards at unequal steps that none leaves in this long have no common step to wait for
+SETTLE_SECONDS = 2.0
 
 
 @dataclass
@@ -159,7 +161,7 @@ def read_servers(addresses: Sequence[str], *, channel_credentials=None, call_met
     `step`: wait for it, and refuse when the shards have moved past it. `channel_credentials` (TLS) and
     `call_metadata` (a token) as PSClient takes them; `server_name`: the name the shards' certificate holds.
     """
-    from worker_client.client import PSClient, RetryPolicy
+    from worker_client.client import PSClient, RetryPolicy, ShardState  # noqa: F401 (ShardState: annotation)
 
     client = PSClient(list(addresses), worker_id=f"export-{os.getpid()}", channel_credentials=channel_credentials,
                       call_metadata=call_metadata, shared_memory=False, rpc_timeout=max(30.0, timeout),
@@ -175,10 +177,19 @@ def read_servers(addresses: Sequence[str], *, channel_credentials=None, call_met
         mode = codec.mode_from_wire(info.mode).value
         deadline = time.monotonic() + timeout
         target = step or 0
-        while True:
+        settled = 0   # sync: reads in a row that found the shards at unequal steps, none of them moving
+
+        def read(i: int, min_step: int, wait: float | None) -> "ShardState":
             try:
-                reads = list(client._pool.map(lambda i: client.read_state(i, -1, min_step=target),
-                                              range(client.num_shards)))
+                return client.read_state(i, -1, min_step=min_step, timeout=wait)
+            except WaitTimeoutError:   # behind and not moving: read it where it stands
+                return client.read_state(i, -1, timeout=wait)
+
+        previous: list[int] | None = None
+        while True:
+            wait = None if target == (step or 0) else min(SETTLE_SECONDS, max(0.0, deadline - time.monotonic()))
+            try:
+                reads = list(client._pool.map(lambda i: read(i, target, wait), range(client.num_shards)))
             except ServerError as exc:
                 raise ExportError(f"cannot read the trained state of {','.join(addresses)}: {exc}") from None
             steps = [r.step for r in reads]
@@ -187,10 +198,18 @@ def read_servers(addresses: Sequence[str], *, channel_credentials=None, call_met
                                   "their current step; export a past step from its checkpoint folders)")
             if mode != "sync" or len(set(steps)) == 1:
                 break
+            # A sync job's shards can stop a step or two apart (with backup workers the last pushes of a step
+            # may reach one shard and not the other): once no shard moves for SETTLE_SECONDS, there is no
+            # common step to wait for, and each shard's is recorded, as in async.
+            settled = settled + 1 if steps == previous else 0
+            if settled >= 1:
+                log.warning("the sync job's shards stay at unequal steps %s (no worker brings them level): each "
+                            "shard's values are read at its own step", steps)
+                break
             if time.monotonic() > deadline:
                 raise ExportError(f"could not read the sync job's shards at one step in {timeout:g} s: they "
                                   f"answered steps {steps}; read again when training pauses or ends")
-            target = max(steps)
+            previous, target = steps, max(steps)
         parts: dict[str, list[tuple[int, np.ndarray]]] = {}
         dynamic: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         for read in reads:

@@ -6,7 +6,7 @@ function of the graph's inputs as it stands; both are, given the batch and the m
 
 - `training_form` rewrites each training-mode BatchNormalization into the arithmetic it
   performs (ReduceMean over every axis but the channel one, the centred square's mean,
-  normalize, scale, shift) -- onnx-ad differentiates that exactly, batch statistics
+  the centred input times scale / std, shift) -- onnx-ad differentiates that exactly, batch statistics
   included -- and computes the new running statistics as extra outputs
   (``running * momentum + batch * (1 - momentum)``; the variance is the unbiased one for a
   torch export, as torch keeps it, and the biased one as ONNX specifies otherwise). Each
@@ -192,9 +192,11 @@ def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
     reduce = _reduce_mean(opset_of_axes, [0] + list(range(2, rank)), axes)
     channel_shape = emit.ints([1, -1] + [1] * (rank - 2))
     names = {key: emit.name() for key in (
-        "mean", "centred", "squared", "var", "stabilized", "std", "normed", "scale", "shift",
+        "mean", "centred", "squared", "var", "stabilized", "std", "factor", "scale", "shift",
         "scaled", "count", "flat_mean", "flat_var")}
     n = names
+    # scale / std is folded per channel before it meets the tensor: normalize-then-scale as
+    # one multiplication, one pass over the activations fewer forward and three backward
     nodes = [
         reduce(x, n["mean"]),
         helper.make_node("Sub", [x, n["mean"]], [n["centred"]], name=n["centred"]),
@@ -203,10 +205,10 @@ def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
         helper.make_node("Add", [n["var"], _scalar(emit, epsilon)], [n["stabilized"]],
                          name=n["stabilized"]),
         helper.make_node("Sqrt", [n["stabilized"]], [n["std"]], name=n["std"]),
-        helper.make_node("Div", [n["centred"], n["std"]], [n["normed"]], name=n["normed"]),
         helper.make_node("Reshape", [scale, channel_shape], [n["scale"]], name=n["scale"]),
         helper.make_node("Reshape", [bias, channel_shape], [n["shift"]], name=n["shift"]),
-        helper.make_node("Mul", [n["normed"], n["scale"]], [n["scaled"]], name=n["scaled"]),
+        helper.make_node("Div", [n["scale"], n["std"]], [n["factor"]], name=n["factor"]),
+        helper.make_node("Mul", [n["centred"], n["factor"]], [n["scaled"]], name=n["scaled"]),
         helper.make_node("Add", [n["scaled"], n["shift"]], [node.output[0]],
                          name=node.name or n["scaled"] + "_shift"),
         helper.make_node("Reshape", [n["mean"], emit.ints([-1])], [n["flat_mean"]],

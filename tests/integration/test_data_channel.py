@@ -238,6 +238,38 @@ def test_a_tickets_connection_is_bound_to_its_worker_and_to_a_registered_one(sta
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_frame_beyond_the_workers_admission_slots_is_overloaded_and_goes_to_grpcs_retries(caplog) -> None:
+    import contextlib
+    import threading
+
+    from ps_server.config import ServerConfig
+    from ps_server.server import create_server
+
+    server, _ = create_server(ServerConfig(optimizer="sgd", optimizer_params={"lr": LR}))
+    values = model()
+    try:
+        with PSClient([server.address], worker_id="w0", rpc_timeout=10, shared_memory=False,
+                      retry=RetryPolicy(attempts=40, initial_backoff=0.05, max_backoff=0.1)) as worker:
+            worker.initialize(values)
+            worker.register(heartbeat=False)
+            worker.pull()
+            worker.push_pull(grads(values))
+            link = worker._links[0]
+            admission = server.data_channel.serve.__self__.admission
+            slots = contextlib.ExitStack()
+            for _ in range(admission.worker_calls):   # every slot of the worker's own, taken
+                slots.enter_context(admission.enter("PushPull", "w0"))
+            threading.Timer(0.5, slots.close).start()
+            with caplog.at_level(logging.WARNING, logger="worker_client.client.retry"):
+                report, pulled = worker.push_pull(grads(values))
+            assert report.accepted and pulled is not None
+            assert any("overloaded" in r.getMessage() for r in caplog.records)   # gRPC's retries took it
+            assert worker._links[0] is link and link.frames == 2                 # the channel answered, and stays
+            np.testing.assert_allclose(pulled["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
+    finally:
+        server.stop(grace=0.5)
+
+
 # ---------------------------------------------------------------------- fallback
 
 

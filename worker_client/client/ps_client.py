@@ -773,7 +773,7 @@ class PSClient:
             targets.append(target)
         address = self.addresses[shard]
         try:
-            magic, answer, _ = link.exchange(frames.encode_request(header, pull, gradients_in_shared_memory=True),
+            magic, answer, got_values = link.exchange(frames.encode_request(header, pull, gradients_in_shared_memory=True),
                                              pieces, targets, timeout=wait + self.rpc_timeout)
         except (OSError, ProtocolError) as exc:
             # reopened at the next call, unless it never answered a frame (then after a while)
@@ -782,6 +782,10 @@ class PSClient:
             return None
         if magic == dc.REPLY_MAGIC:
             reply = frames.decode_response(answer, shard=shard)
+            if reply.ready != got_values:   # a ready answer must bring the values, and only a ready one
+                self._link_failed(shard, f"the shard's answer says ready={reply.ready} with "
+                                  f"{'' if got_values else 'no '}values", retry_now=False)
+                return None
             return reply, (received if reply.ready else {})
         status = pb.DataChannelStatus.FromString(answer)
         code = getattr(grpc.StatusCode, status.code, grpc.StatusCode.UNKNOWN)

@@ -59,6 +59,9 @@ class JobSettings:
     shards: int = _setting(1, "--shards", "--num-shards", minimum=1, tf_config="len(cluster.ps)",
                            default_doc="1, or the number of `servers`",
                            help="parameter-server shards (processes) in the job")
+    shard_replicas: int = _setting(1, "--shard-replicas", scopes=_LAUNCH, minimum=1,
+                                   help="processes per shard: a primary and shard_replicas - 1 backups that take "
+                                        "over within seconds when it dies (docs/replication.md)")
     stages: int = _setting(1, "--stages", minimum=1,
                            help="pipeline stages: the model's graph cut into this many consecutive stages, each "
                                 "run by its own worker process against its own `shards` shards; `workers` is then "
@@ -231,6 +234,21 @@ class ServerSettings:
                                        "call, TLS when the shard serves TLS; workers fall back to gRPC bytes "
                                        "where it cannot be had); --no-data-channel: gRPC bytes only "
                                        "(docs/protocol.md, \"The data channel between hosts\")")
+    replicas: list[str] = _setting([], "--replicas", scopes=frozenset({"server"}), metavar="ADDR,...",
+                                   tf_config="cluster.ps[task.index] split at |",
+                                   help="a replicated shard: the addresses of its replicas in replica order, this "
+                                        "process's among them (docs/replication.md); unset: not replicated")
+    replica_index: int = _setting(0, "--replica-index", scopes=frozenset({"server"}), minimum=0,
+                                  tf_config="task.replica",
+                                  help="this process's place in --replicas (0 starts as the primary)")
+    voters: list[str] = _setting([], "--voters", scopes=frozenset({"server"}), metavar="ADDR,...",
+                                 tf_config="every replica of cluster.ps",
+                                 default_doc="--replicas",
+                                 help="every process that grants primacy leases: all replicas of all shards of "
+                                      "the job, and any witness (a majority must be alive for a failover)")
+    witness: bool = _setting(False, "--witness", scopes=frozenset({"server"}),
+                             help="a voter only: holds no shard, grants primacy leases (a job with fewer than "
+                                  "3 replica processes needs one to fail over)")
     data_channel_port: int = _setting(0, "--data-channel-port", scopes=frozenset({"server"}), minimum=0,
                                       help="the data channel's port, on the shard's host; 0 picks a free one "
                                            "(workers learn it from OpenDataChannel; the READY line says which)")

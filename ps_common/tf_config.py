@@ -8,6 +8,12 @@ one (``localhost``, ``127.0.0.0/8``, ``::1``), which it binds as given. A ``chie
 ``master``) task is worker 0 and ``worker`` task i is worker ``len(chief) + i``; the job
 has ``len(chief) + len(worker)`` workers, and the workers' servers are ``cluster.ps`` in
 order. ``evaluator`` tasks are refused.
+
+Replicated shards (docs/replication.md): a ``cluster.ps`` entry may list one shard's replica
+addresses joined by ``|`` (``"ps-0a:50051|ps-0b:50051"``), and a ps task says which of them
+it is in ``task.replica`` (default 0). Its voters are every replica of every shard (at least
+three processes: 2 shards x 2 replicas, or 3 replicas of one shard); workers take the
+entries as they are.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class TFConfig:
     task_type: str
     task_index: int
     task_stage: int | None = None     # a pipeline job's stage of this worker task
+    task_replica: int = 0             # a replicated shard's replica this ps task is (its place in the entry)
 
     @property
     def ps(self) -> list[str]:
@@ -80,7 +87,13 @@ def parse_tf_config(text: str) -> TFConfig:
     stage = task.get("stage")
     if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or stage < 0):
         raise JobConfigError(f"TF_CONFIG task.stage must be an integer >= 0, got {stage!r}")
-    return TFConfig({k: list(v) for k, v in cluster.items()}, task_type, index, stage)
+    replica = task.get("replica", 0)
+    if isinstance(replica, bool) or not isinstance(replica, int) or replica < 0:
+        raise JobConfigError(f"TF_CONFIG task.replica must be an integer >= 0, got {replica!r}")
+    if replica >= len(members[index].split("|")):
+        raise JobConfigError(f"TF_CONFIG task.replica {replica} is out of range for cluster.{task_type}[{index}] "
+                             f"{members[index]!r} ({len(members[index].split('|'))} replica(s))")
+    return TFConfig({k: list(v) for k, v in cluster.items()}, task_type, index, stage, replica)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -109,16 +122,26 @@ def tf_config_settings(tf: TFConfig, *, scope: str) -> dict[str, Any]:
     if scope == "server":
         if tf.task_type != "ps":
             raise JobConfigError(f"TF_CONFIG task.type is {tf.task_type!r}, but ps-server runs a 'ps' task")
-        host, port = split_address(tf.ps[tf.task_index])
+        replicas = tf.ps[tf.task_index].split("|")
+        host, port = split_address(replicas[tf.task_replica])
         out.update({"server.shard_index": tf.task_index, "job.shards": len(tf.ps), "server.port": port,
                     "server.host": host if is_loopback(host) else "0.0.0.0"})
+        if len(replicas) > 1:
+            voters = [a for entry in tf.ps for a in entry.split("|")]
+            for address in voters:
+                split_address(address)
+            if len(voters) < 3:
+                raise JobConfigError(f"TF_CONFIG cluster.ps {tf.ps!r} has {len(voters)} replica processes: a "
+                                     "replicated job needs at least 3 (a majority must outlive one)")
+            out.update({"server.replicas": replicas, "server.replica_index": tf.task_replica,
+                        "server.voters": voters})
     elif scope == "worker":
         if tf.task_type not in ("worker", "chief", "master"):
             raise JobConfigError(f"TF_CONFIG task.type is {tf.task_type!r}, but ps-worker runs a 'worker' or "
                                  f"'chief' task")
         if not tf.ps:
             raise JobConfigError("TF_CONFIG has no cluster.ps: a worker needs the parameter servers' addresses")
-        for address in tf.ps:
+        for address in (a for entry in tf.ps for a in entry.split("|")):
             split_address(address)
         out.update({"worker.index": tf.worker_index(), "worker.servers": tf.ps, "job.shards": len(tf.ps)})
     else:

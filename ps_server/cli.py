@@ -61,7 +61,8 @@ def server_config(job: JobConfig, *, env: Mapping[str, str] | None = None) -> Se
         max_tensors=s.max_tensors, max_registered_workers=s.max_registered_workers, max_barriers=s.max_barriers,
         max_clock_ahead=s.max_clock_ahead, worker_retention_seconds=s.worker_retention_seconds,
         barrier_retention_seconds=s.barrier_retention_seconds, data_channel=s.data_channel,
-        data_channel_port=s.data_channel_port)
+        data_channel_port=s.data_channel_port, replicas=tuple(s.replicas), replica_index=s.replica_index,
+        voters=tuple(s.voters), witness=s.witness)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps-server: {exc}", file=sys.stderr)
         return 2
     ready = {"address": server.address, "port": port, "shard_index": config.shard_index}
+    if config.replicas:
+        ready["replica_index"] = config.replica_index
     if server.data_channel is not None:
         ready["data_channel_port"] = server.data_channel.port
     if config.metrics_port is not None:

@@ -29,6 +29,12 @@ DEFAULT_STREAM_IDLE_SECONDS = 30.0       # a client stream silent this long is c
 MAX_COUNTER = 2**62
 
 
+def _port_of(address: str) -> int:
+    """The port of HOST:PORT (-1 when it has none)."""
+    host, _, port = address.rpartition(":")
+    return int(port) if host and port.isdigit() else -1
+
+
 @dataclass
 class ServerConfig:
     """Everything one shard process needs to know. See docs/settings.md for each field."""
@@ -81,6 +87,12 @@ class ServerConfig:
     # The data channel (docs/protocol.md, "The data channel between hosts"): PushPull's bytes on a TCP port.
     data_channel: bool = True           # False: gRPC bytes only for workers on other hosts
     data_channel_port: int = 0          # on `host`; 0: pick a free port (OpenDataChannel tells workers which)
+    # Replication (docs/replication.md): this shard's replica addresses (empty: not replicated), this process's
+    # index among them, every voter's address (default: the replicas), or a witness that only votes.
+    replicas: tuple[str, ...] = ()
+    replica_index: int = 0
+    voters: tuple[str, ...] = ()
+    witness: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +107,17 @@ class ServerConfig:
             raise ValueError(f"Invalid port: {self.port}")
         if not 0 <= self.data_channel_port <= 65535:
             raise ValueError(f"Invalid data_channel_port: {self.data_channel_port}")
+        if self.replicas and not 0 <= self.replica_index < len(self.replicas):
+            raise ValueError(f"Invalid replica_index: {self.replica_index} (must be in [0, {len(self.replicas)}) for "
+                             f"the {len(self.replicas)} --replicas)")
+        if self.replicas and self.voters and self.replicas[self.replica_index] not in self.voters:
+            raise ValueError(f"Invalid voters: this replica's address {self.replicas[self.replica_index]} is not "
+                             f"among them ({', '.join(self.voters)})")
+        if self.witness and not self.voters:
+            raise ValueError("Invalid witness: a witness needs --voters (every voter's address, its own included)")
+        if self.replicas and self.port not in (0, _port_of(self.replicas[self.replica_index])):
+            raise ValueError(f"Invalid port: {self.port}, but this replica's address in --replicas is "
+                             f"{self.replicas[self.replica_index]}")
         if self.mode not in MODES:
             raise ValueError(f"Invalid mode: {self.mode!r} (choose one of {', '.join(MODES)})")
         if self.replicas_to_aggregate < 1:

@@ -146,6 +146,10 @@ class ShardMetrics:
         elif event == "replicas_capped" and fields.get("shrunk"):
             self.replicas_capped.inc()
 
+    def watch_replica(self, status: Callable[[], object]) -> None:
+        """Adds a replicated shard's replica metrics (role, epoch, failovers, backups' lag), read from `status()`."""
+        self.registry.register(_ReplicaCollector(status, self.label))
+
     def observe_rpc(self, rpc: str, code: str, seconds: float) -> None:
         self.rpc_seconds.labels(self.label, rpc).observe(seconds)
         self.rpcs.labels(self.label, rpc, code).inc()
@@ -250,6 +254,43 @@ class _ShardStateCollector(Collector):
                 created.add_metric([self.label, d.name], d.created)
                 evicted.add_metric([self.label, d.name], d.evicted)
             yield from (rows, created, evicted)
+
+
+# ---------------------------------------------------------------------- a replicated shard's replica
+
+class _ReplicaCollector(Collector):
+    """A replica's role, epoch, failovers and (on a primary) each backup's lag, read from `status()` (a
+    ps.v1.ReplicaStatus: ps_server/replication/replica.py) at each scrape."""
+
+    def __init__(self, status: Callable[[], object], label: str) -> None:
+        self.status = status
+        self.label = label
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    @staticmethod
+    def _families() -> tuple:
+        return (
+            GaugeMetricFamily("ps_replica_role", "1 for this replica's role now (PRIMARY, BACKUP, JOINING, STALE)",
+                              labels=["shard", "replica", "role"]),
+            GaugeMetricFamily("ps_replica_epoch", "The epoch this replica knows", labels=["shard", "replica"]),
+            CounterMetricFamily("ps_failovers", "Times this replica became its shard's primary by an election",
+                                labels=["shard", "replica"]),
+            GaugeMetricFamily("ps_replication_lag_ops", "A primary's operations not yet confirmed by each backup",
+                              labels=["shard", "replica", "follower"]),
+        )
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        status = self.status()
+        role, epoch, failovers, lag = self._families()
+        replica = str(status.replica)
+        role.add_metric([self.label, replica, status.role], 1)
+        epoch.add_metric([self.label, replica], status.epoch)
+        failovers.add_metric([self.label, replica], status.failovers)
+        for follower in status.followers:
+            lag.add_metric([self.label, replica, follower.replica], max(0, status.seq - follower.confirmed))
+        yield from (role, epoch, failovers, lag)
 
 
 # ---------------------------------------------------------------------- the process's memory, by shard

@@ -98,3 +98,23 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 def interceptors(config: ServerConfig) -> list[grpc.ServerInterceptor]:
     """The security interceptors the config needs: none when nothing is checked."""
     return access.policy_interceptors(AccessPolicy.from_config(config))
+
+
+def peer_credentials(config: ServerConfig) -> grpc.ChannelCredentials | None:
+    """How a replica dials the job's other processes (docs/replication.md): TLS when it serves TLS, trusting
+    tls_client_ca (the job's CA) and presenting its own certificate under mutual TLS; plaintext otherwise."""
+    if not tls_enabled(config):
+        return None
+    from ps_common.tls import channel_credentials
+
+    if config.tls_client_ca is None:
+        raise ValueError("a replicated shard serving TLS needs tls_client_ca (the job's CA) to verify its peers")
+    return channel_credentials(config.tls_client_ca, config.tls_cert, config.tls_key)
+
+
+def peer_metadata(config: ServerConfig) -> tuple[tuple[str, str], ...]:
+    """The worker token, sent to the job's other processes (ps.v1.Replication needs the worker role)."""
+    from ps_common.tls import bearer_metadata
+
+    return tuple(bearer_metadata(config.auth_token))
+

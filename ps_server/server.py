@@ -17,7 +17,10 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_common import data_channel as dc
 from ps_common.codec import MAX_MESSAGE_BYTES
+from ps_common.errors import NotPrimaryError
 from ps_proto.v1 import parameter_server_pb2 as pb
+from ps_proto.v1 import replication_pb2 as rpb
+from ps_proto.v1 import replication_pb2_grpc as rpb_grpc
 from ps_server import security, service
 from ps_server.admin import AdminServicer
 from ps_server.admission import CONTROL_THREADS, Admission, DataPlanePool, StreamWatchdog
@@ -26,6 +29,9 @@ from ps_server.config import ServerConfig
 from ps_server.consistency import ConsistencyPolicy
 from ps_server.data_channel import DataChannelServer
 from ps_server.metrics import ShardMetrics
+from ps_server.replication.quorum import Voter
+from ps_server.replication.replica import Peers, Replica, ReplicaConfig
+from ps_server.replication.service import ReplicationServicer
 from ps_server.service import ParameterServerServicer
 from ps_server.shared_memory import Segments
 from ps_server.shard import Shard
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+REPLICATION_SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Replication"].full_name
 
 
 class ShardServer:
@@ -60,6 +67,10 @@ class ShardServer:
                 ("grpc.max_receive_message_length", config.max_receive_message_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                # a replicated shard's clients ping every 0.5 s while a call is in flight, to find a frozen
+                # primary (worker_client/client/ps_client.py, KEEPALIVE_MS): such pings are not abuse here
+                *([("grpc.http2.min_ping_interval_without_data_ms", 100), ("grpc.http2.max_ping_strikes", 0)]
+                  if config.replicas else []),
             ],
             maximum_concurrent_rpcs=config.concurrent_rpcs_limit,
             interceptors=[DataPlanePool(self._data_pool, data_plane), self.metrics.interceptor,
@@ -74,9 +85,27 @@ class ShardServer:
         service.add_to_server(AdminServicer(self.shard, self.checkpointer, self.stop), self.server, "Admin")
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.replica: Replica | None = None
+        replicated = bool(config.replicas) or config.witness
         reflection.enable_server_reflection(
-            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        address = f"{config.host}:{config.port}"
+            (SERVICE_NAME, ADMIN_SERVICE_NAME, *([REPLICATION_SERVICE_NAME] if replicated else []),
+             health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        if replicated:   # docs/replication.md: a voter in every replica process, and this shard's replica
+            own = config.replicas[config.replica_index] if config.replicas else f"{config.host}:{config.port}"
+            self.voter = Voter()
+            peers = Peers(security.peer_credentials(config), security.peer_metadata(config))
+            if config.replicas:
+                self.replica = Replica(self.shard, ReplicaConfig(
+                    shard=config.shard_index, replica=config.replica_index, replicas=tuple(config.replicas),
+                    voters=tuple(config.voters or config.replicas), address=own), self.voter, peers)
+                self.metrics.watch_replica(self.replica.status)
+            else:
+                self.shard.role_check = self._witness_refuses
+            rpb_grpc.add_ReplicationServicer_to_server(ReplicationServicer(self.voter, self.replica, own), self.server)
+        bind_port = config.port
+        if config.replicas and not bind_port:
+            bind_port = int(config.replicas[config.replica_index].rpartition(":")[2])
+        address = f"{config.host}:{bind_port}"
         try:
             self.port = (self.server.add_insecure_port(address) if credentials is None
                          else self.server.add_secure_port(address, credentials))
@@ -110,6 +139,8 @@ class ShardServer:
             self.data_channel.start()
         self._reaper.start()
         self.watchdog.start()
+        if self.replica is not None:
+            self.replica.start()
         if self.checkpointer is not None:
             self.checkpointer.start()
         for name in ("", SERVICE_NAME):
@@ -118,6 +149,9 @@ class ShardServer:
                  self.address, self.shard.policy.describe(), self.shard.optimizer.name,
                  f", data channel on port {self.data_channel.port}" if self.data_channel is not None else "")
         return self
+
+    def _witness_refuses(self) -> None:
+        raise NotPrimaryError(f"{self.address} is a witness: it votes only and holds no shard")
 
     def _reap(self) -> None:
         period = min(1.0, self.config.lease_seconds / 4)
@@ -128,6 +162,8 @@ class ShardServer:
         """Stops serving: health NOT_SERVING, waiters woken with UNAVAILABLE, then the server."""
         self.health.enter_graceful_shutdown()
         self._stop.set()
+        if self.replica is not None:
+            self.replica.stop()
         self.shard.stop()
         if self.data_channel is not None:
             self.data_channel.close()   # calls in flight end; their workers go on over gRPC

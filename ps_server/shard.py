@@ -200,6 +200,19 @@ class Shard:
         record = self.membership.workers.get(worker_id)
         return record is not None and self.membership.is_live(record)
 
+    def atomically(self, fn: Callable[[], object]) -> object:
+        """fn() under the shard's lock (a replica's snapshot taken at one operation of its log)."""
+        with self._cond:
+            return fn()
+
+    def renew_leases(self) -> None:
+        """A fresh lease for every worker still registered (a backup becoming primary: their heartbeats went to the
+        old primary)."""
+        with self._cond:
+            for worker_id, record in self.membership.workers.items():
+                if record.gone_since is None:
+                    self.membership.renew(worker_id)
+
     def check_role(self) -> None:
         """NotPrimaryError when this replica of a replicated shard may not take calls now."""
         if self.role_check is not None:

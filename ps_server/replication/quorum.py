@@ -66,6 +66,7 @@ class ShardVote:
     holder: str = ""
     lease_until: float = float("-inf")
     isr: tuple[str, ...] = ()
+    incarnation: str = ""             # the bootstrapping process's token (Voter.bootstrap)
 
     def answer(self, granted: bool, why: str = "") -> Grant:
         return Grant(granted, self.epoch, self.holder, self.isr, why)
@@ -77,6 +78,8 @@ class Voter:
     def __init__(self, *, lease: float = LEASE_SECONDS, now: Callable[[], float] = time.monotonic) -> None:
         self.lease = lease
         self.now = now
+        #: a voter that (re)started knows no lease promised before: it grants no vote for one lease
+        self.started = now()
         self._shards: dict[int, ShardVote] = {}
         self._lock = threading.Lock()
 
@@ -86,20 +89,28 @@ class Voter:
             found = self._shards.get(shard, ShardVote())
             return ShardVote(found.epoch, found.holder, found.lease_until, found.isr)
 
-    def bootstrap(self, shard: int, holder: str, isr: Iterable[str]) -> Grant:
+    def bootstrap(self, shard: int, holder: str, isr: Iterable[str], incarnation: str = "") -> Grant:
         """The job's first primary of `shard` (epoch 1), when nothing was promised yet: the replica the job names
-        first takes it without an election. Refused once any epoch was promised."""
+        first takes it without an election. Refused once any epoch was promised -- except to the very process
+        (`incarnation`, its own random token) it was promised to, asking again because too few voters were up
+        the first time; a restarted process has another token and never takes epoch 1 again."""
         with self._lock:
             vote = self._shards.setdefault(shard, ShardVote())
-            if vote.epoch > 0:
+            again = (vote.epoch, vote.holder) == (1, holder) and incarnation and vote.incarnation == incarnation
+            if vote.epoch > 0 and not again:
                 return vote.answer(False, f"shard {shard} already has epoch {vote.epoch} (holder {vote.holder})")
-            vote.epoch, vote.holder, vote.isr = 1, holder, tuple(isr)
+            vote.epoch, vote.holder, vote.isr, vote.incarnation = 1, holder, tuple(isr), incarnation
             vote.lease_until = self.now() + self.lease
             return vote.answer(True)
 
-    def renew(self, shard: int, epoch: int, holder: str) -> Grant:
+    def renew(self, shard: int, epoch: int, holder: str, isr: Iterable[str] = ()) -> Grant:
+        """The holder keeps its lease. A voter that missed the round that gave `epoch` (down, or not up yet when
+        the job's first primary bootstrapped) learns it here, with the holder's in-sync replicas: a majority
+        gave that epoch to this holder alone, and no promise of this voter's is broken by it."""
         with self._lock:
             vote = self._shards.setdefault(shard, ShardVote())
+            if epoch > vote.epoch:
+                vote.epoch, vote.holder, vote.isr = epoch, holder, tuple(isr)
             if epoch != vote.epoch or holder != vote.holder:
                 return vote.answer(False, f"shard {shard}: renewal by {holder!r} at epoch {epoch}, but epoch "
                                           f"{vote.epoch} is promised to {vote.holder!r}")
@@ -117,6 +128,9 @@ class Voter:
             if now < vote.lease_until:
                 return vote.answer(False, f"shard {shard}: the lease of {vote.holder!r} at epoch {vote.epoch} runs "
                                           f"{vote.lease_until - now:.2f} s more")
+            if now < self.started + self.lease:
+                return vote.answer(False, f"shard {shard}: this voter started {now - self.started:.2f} s ago and "
+                                          "may not know a lease still running")
             vote.epoch, vote.holder, vote.lease_until = epoch, candidate, now + self.lease
             return vote.answer(True)
 

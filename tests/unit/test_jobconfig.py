@@ -112,6 +112,17 @@ def test_tf_config_worker_tasks_count_the_chief_as_worker_zero() -> None:
     assert load([], scope="worker", env={"TF_CONFIG": json.dumps(tf)}).worker.index == 0
 
 
+def test_tf_config_replicated_shards_give_each_ps_task_its_replica_and_every_voter() -> None:
+    cluster = {"ps": ["ps-0a.job:2222|ps-0b.job:2222", "ps-1a.job:2222|ps-1b.job:2222"], "worker": ["w:1"]}
+    tf = json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 1, "replica": 1}})
+    config = load([], scope="server", env={"TF_CONFIG": tf})
+    assert (config.server.shard_index, config.server.replica_index, config.job.shards) == (1, 1, 2)
+    assert config.server.replicas == ["ps-1a.job:2222", "ps-1b.job:2222"] and config.server.port == 2222
+    assert config.server.voters == ["ps-0a.job:2222", "ps-0b.job:2222", "ps-1a.job:2222", "ps-1b.job:2222"]
+    worker = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})
+    assert load([], scope="worker", env={"TF_CONFIG": worker}).worker.servers == cluster["ps"]
+
+
 def test_tf_config_is_ignored_by_the_launcher() -> None:
     assert load([], scope="launch", env={"TF_CONFIG": "not json"}).job.shards == 1
 
@@ -124,6 +135,12 @@ def test_tf_config_is_ignored_by_the_launcher() -> None:
      "task.type is 'evaluator'"),
     ('{"cluster": {"ps": ["a"]}, "task": {"type": "ps", "index": 0}}', "server", "address 'a' is not host:port"),
     ('{"cluster": {"worker": ["w:1"]}, "task": {"type": "worker", "index": 0}}', "worker", "no cluster.ps"),
+    ('{"cluster": {"ps": ["a:1|b:1"]}, "task": {"type": "ps", "index": 0, "replica": 2}}', "server",
+     "task.replica 2 is out of range"),
+    ('{"cluster": {"ps": ["a:1|b:1"]}, "task": {"type": "ps", "index": 0, "replica": 1}}', "server",
+     "needs at least 3"),
+    ('{"cluster": {"ps": ["a:1|b:1"]}, "task": {"type": "ps", "index": 0, "replica": -1}}', "server",
+     "task.replica must be an integer"),
 ])
 def test_bad_tf_config_errors_name_the_part_and_value(tf: str, scope: str, fragment: str) -> None:
     with pytest.raises(JobConfigError, match="TF_CONFIG|address") as info:

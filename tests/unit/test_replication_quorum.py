@@ -38,6 +38,30 @@ def test_bootstrap_gives_epoch_1_once(clock: Clock) -> None:
     assert not again.granted and (again.epoch, again.holder) == (1, "r0")
 
 
+def test_bootstrap_is_granted_again_only_to_the_same_process(clock: Clock) -> None:
+    """Too few voters up at the job's start: the process asks again and gets it; a restarted process of the same
+    replica (another token) never takes epoch 1 again, nor after an election."""
+    v = Voter(lease=LEASE_SECONDS, now=clock)
+    assert v.bootstrap(0, "r0", ["r0"], "token-a").granted
+    assert v.bootstrap(0, "r0", ["r0"], "token-a").granted              # the same process, again
+    restarted = v.bootstrap(0, "r0", ["r0"], "token-b")
+    assert not restarted.granted and restarted.epoch == 1
+    assert not v.bootstrap(0, "r0", ["r0"], "").granted                 # no token: never again
+    clock.t += LEASE_SECONDS + 0.01
+    assert v.vote(0, 2, "r0").granted                                   # an election moves on to epoch 2
+    assert not v.bootstrap(0, "r0", ["r0"], "token-a").granted
+
+
+def test_a_voter_that_missed_the_epoch_learns_it_from_the_holders_renewal(clock: Clock) -> None:
+    late = Voter(lease=LEASE_SECONDS, now=clock)         # was not up when r0 bootstrapped on the others
+    granted = late.renew(0, 1, "r0", ["r0", "r1"])
+    assert granted.granted and (granted.epoch, granted.holder, granted.isr) == (1, "r0", ("r0", "r1"))
+    assert not late.vote(0, 2, "r1").granted               # the lease it granted runs here now
+    clock.t += LEASE_SECONDS + 0.01
+    assert late.vote(0, 2, "r1").granted                   # r1 is in the in-sync replicas it learnt
+    assert not late.renew(0, 1, "r0", ["r0"]).granted      # an older epoch's holder is refused
+
+
 def test_no_vote_while_the_holders_lease_runs_and_one_after(clock: Clock) -> None:
     v = voter(clock)
     clock.t += LEASE_SECONDS - 0.01

@@ -46,8 +46,44 @@ from worker_client.client.retry import RetryPolicy, call_with_retries, probe, re
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
+class _MovedOn(grpc.RpcError):
+    """A call to a replicated shard that ran past its deadline: the client moved to the next replica, and the
+    retry loop takes it as UNAVAILABLE (retried there)."""
+
+    def __init__(self, cause: grpc.RpcError) -> None:
+        super().__init__(cause.details())
+        self.cause = cause
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return f"no answer within the deadline ({self.cause.details()})"
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
 #: gRPC's reconnect backoff of a channel whose shard went away: first and largest, in milliseconds.
 RECONNECT_BACKOFF_MS = (200, 2000)
+#: A replicated shard (docs/replication.md, "Clients"): HTTP/2 keepalive pings every this many ms while a call is in
+#: flight, and as long to answer one, so a frozen primary's calls fail within about two of them.
+KEEPALIVE_MS = 500
+#: ... the longest pause between tries on its replicas, and the least time they are tried for (a failover takes
+#: LEASE plus a vote: about 2 s).
+FAILOVER_BACKOFF = 0.2
+#: ... the longest a call to a replicated shard may take beyond its wait, plus its shard's bytes (twice: there and
+#: back) at this rate (PSClient._deadline).
+REPLICA_RPC_SECONDS = 1.0
+REPLICA_MIN_BYTES_PER_SECOND = 50e6
+#: ... how long a replica that failed a call is skipped while another is left (about two leases: its backup's
+#: election ends within it)
+SUSPECT_SECONDS = 3.0
+#: ... the longest wait one call to a replicated shard asks for (longer waits go in slices of it)
+REPLICA_WAIT_SECONDS = 0.5
+#: ... and how long wait_ready gives one replica to connect before it tries the next.
+REPLICA_CONNECT_SECONDS = 1.0
+FAILOVER_WINDOW = 15.0
 #: The most bytes of one shard's parts that PushPull sends inside its gRPC messages; a shard
 #: holding more takes Push and Pull (streamed), unless shared memory carries the bytes.
 #: Measured on the 784-256-10 MLP (0.8 MB): PushPull over gRPC took 5.8 ms against 4.7 ms
@@ -180,7 +216,17 @@ class PSClient:
         self.wire_dtype = codec.WIRE_DTYPES[wire_dtype]
         self._wire_value = codec.dtype_to_wire(self.wire_dtype)
         self.stop = stop or threading.Event()
-        self.addresses = list(addresses)
+        # A replicated shard is given as its replicas' addresses joined by "|" (docs/replication.md, "Clients"):
+        # calls go to one of them, and move to the next when it is unavailable or not the primary.
+        self.replicas: list[list[str]] = [[a.strip() for a in str(entry).split("|") if a.strip()]
+                                          for entry in addresses]
+        if not all(self.replicas):
+            raise ValueError(f"PSClient: an empty shard address in {list(addresses)!r}")
+        self.addresses = [r[0] for r in self.replicas]   # the replica each shard's calls go to now
+        self._switch_lock = threading.Lock()
+        self._retired_channels: list[grpc.Channel] = []   # channels to replicas left behind, closed by close()
+        self._suspect_until: dict[str, float] = {}            # replica address -> skipped until (monotonic)
+        self._replicated = any(len(r) > 1 for r in self.replicas)
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         self.rpc_timeout = rpc_timeout
         self.wait_timeout = wait_timeout
@@ -188,27 +234,23 @@ class PSClient:
         self.chunk_bytes = chunk_bytes
         # the worker's id rides with every call, so a shard gives its calls slots of their own (admission)
         self.metadata = (*call_metadata, (WORKER_ID_KEY, self.worker_id.encode("utf-8", "surrogatepass")))
-        options = [("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-                   ("grpc.enable_retries", 0),   # retries are ours (below): streams outgrow gRPC's retry buffer
-                   # a restarted shard is found again within a second or two (gRPC's default backoff grows to 120 s)
-                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]), *channel_options]
-        if channel_credentials is None:
-            self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
-        else:
-            self._channels = [grpc.secure_channel(a, channel_credentials, options=options) for a in self.addresses]
-        self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
-        # Pull without protobuf's parser: the raw messages are walked by codec.decode_pull_response,
-        # which leaves tensor bytes where they arrived instead of copying them out.
-        self._raw_pulls = [c.unary_stream("/ps.v1.ParameterServer/Pull", request_serializer=pb.PullRequest.SerializeToString,
-                                          response_deserializer=None) for c in self._channels]
-        # Push and init send requests serialized by codec.encode_message: tensor bytes are
-        # copied once, from the array into the request, instead of three times via protobuf.
-        self._raw_pushes = [c.stream_unary("/ps.v1.ParameterServer/Push", request_serializer=None,
-                                           response_deserializer=pb.PushResponse.FromString) for c in self._channels]
-        self._raw_push_pulls = [c.unary_unary("/ps.v1.ParameterServer/PushPull", request_serializer=None,
-                                              response_deserializer=None) for c in self._channels]
+        self._options = [("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
+                         ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+                         ("grpc.enable_retries", 0),   # retries are ours (below): streams outgrow gRPC's retry buffer
+                         # a restarted shard is found again within a second or two (gRPC's default backoff grows
+                         # to 120 s)
+                         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]), *channel_options]
+        self._credentials = channel_credentials
+        n = len(self.replicas)
+        self._channels: list[grpc.Channel] = [None] * n   # type: ignore[list-item]
+        self._stubs: list[pb_grpc.ParameterServerStub] = [None] * n   # type: ignore[list-item]
+        self._raw_pulls: list = [None] * n
+        self._raw_pushes: list = [None] * n
+        self._raw_push_pulls: list = [None] * n
+        self._raw_inits: list = [None] * n
+        for shard in range(n):
+            self._connect(shard)
         self.shared_memory = shared_memory
         self._segments: dict[int, tuple[Segment, Layout]] = {}   # shard -> its open segment
         self._no_segment_until: dict[int, float] = {}             # shard -> when to ask it for one again
@@ -218,8 +260,6 @@ class PSClient:
         self._links: dict[int, Link] = {}                         # shard -> its open data channel
         self._no_link_until: dict[int, float] = {}                # shard -> when to ask it for one again
         self._link_failures_logged: set[int] = set()              # shards whose channel failure was logged
-        self._raw_inits = [c.stream_unary("/ps.v1.ParameterServer/InitParameters", request_serializer=None,
-                                          response_deserializer=pb.InitResponse.FromString) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="ps-client")
         self.shard_map: ShardMap | None = None
         self.steps: list[int] = [0] * len(self.addresses)   # step of each shard at the last pull
@@ -235,10 +275,103 @@ class PSClient:
     def num_shards(self) -> int:
         return len(self.addresses)
 
+    def _connect(self, shard: int) -> None:
+        """The gRPC channel, stub and raw callables of `shard`, to the replica self.addresses[shard]."""
+        address = self.addresses[shard]
+        options = list(self._options)
+        if len(self.replicas[shard]) > 1:
+            # A frozen or cut-off primary never answers: HTTP/2 pings while a call is in flight find that out
+            # within KEEPALIVE_MS + its timeout, and the call fails UNAVAILABLE and moves on to another replica
+            # (the replicas permit the pings: ps_server/server.py).
+            options += [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+                        ("grpc.http2.max_pings_without_data", 0)]
+        channel = (grpc.insecure_channel(address, options=options) if self._credentials is None
+                   else grpc.secure_channel(address, self._credentials, options=options))
+        self._channels[shard] = channel
+        self._stubs[shard] = pb_grpc.ParameterServerStub(channel)
+        # Pull without protobuf's parser: the raw messages are walked by codec.decode_pull_response,
+        # which leaves tensor bytes where they arrived instead of copying them out.
+        self._raw_pulls[shard] = channel.unary_stream("/ps.v1.ParameterServer/Pull",
+                                                      request_serializer=pb.PullRequest.SerializeToString,
+                                                      response_deserializer=None)
+        # Push and init send requests serialized by codec.encode_message: tensor bytes are
+        # copied once, from the array into the request, instead of three times via protobuf.
+        self._raw_pushes[shard] = channel.stream_unary("/ps.v1.ParameterServer/Push", request_serializer=None,
+                                                       response_deserializer=pb.PushResponse.FromString)
+        self._raw_push_pulls[shard] = channel.unary_unary("/ps.v1.ParameterServer/PushPull", request_serializer=None,
+                                                          response_deserializer=None)
+        self._raw_inits[shard] = channel.stream_unary("/ps.v1.ParameterServer/InitParameters",
+                                                      request_serializer=None,
+                                                      response_deserializer=pb.InitResponse.FromString)
+
+    def _deadline(self, shard: int) -> float:
+        """Seconds a call to `shard` may take beyond any wait it asks for: rpc_timeout; for a replicated shard at
+        most REPLICA_RPC_SECONDS plus the time its bytes take at REPLICA_MIN_BYTES_PER_SECOND, so a primary that
+        froze or was cut off is given up on soon and the call moves to the next replica. (gRPC's keepalive
+        cannot do it: its client pings are at least 10 s apart.)"""
+        if len(self.replicas[shard]) == 1:
+            return self.rpc_timeout
+        held = sum(p.nbytes for p in self.shard_map.parts if p.shard == shard) if self.shard_map is not None else 0
+        return min(self.rpc_timeout, REPLICA_RPC_SECONDS + 2 * held / REPLICA_MIN_BYTES_PER_SECOND)
+
+    def _next_replica(self, shard: int, failed: str, why: str, *, suspect: bool = True) -> None:
+        """Moves `shard`'s calls from replica `failed` to the next of its replicas (unless another thread already
+        moved them): a new channel, and the shared memory segment and data channel of the old one dropped.
+        A replica that failed (`suspect`: down, frozen, cut off; not one that merely is not the primary) is
+        skipped for SUSPECT_SECONDS while another is left, so a backup that is being elected is asked again,
+        not a frozen primary that costs a whole deadline per try."""
+        now = time.monotonic()
+        with self._switch_lock:
+            if self.addresses[shard] != failed:
+                return
+            if suspect:
+                self._suspect_until[failed] = now + SUSPECT_SECONDS
+            replicas = self.replicas[shard]
+            start = replicas.index(failed)
+            order = [replicas[(start + k) % len(replicas)] for k in range(1, len(replicas) + 1)]
+            chosen = next((a for a in order if self._suspect_until.get(a, 0.0) <= now), order[0])
+            if chosen == failed:
+                return   # the others are suspect: this one is asked again
+            self.addresses[shard] = chosen
+            # the old channel stays open: calls still in flight on it (another thread's) end by themselves
+            self._retired_channels.append(self._channels[shard])
+            self._connect(shard)
+        log.info("shard %d: replica %s %s; trying %s", shard, failed, why, self.addresses[shard])
+        self._drop_segment(shard)
+        self._drop_link(shard)
+        self._no_segment_until.pop(shard, None)
+        self._no_link_until.pop(shard, None)
+
     def _call(self, shard: int, what: str, fn: Callable[[pb_grpc.ParameterServerStub], T]) -> T:
-        """Runs fn(stub) for one shard, retrying UNAVAILABLE and OVERLOADED with bounded backoff (self.retry)."""
-        return call_with_retries(lambda: fn(self._stubs[shard]), what=f"{what} on shard {shard} ({self.addresses[shard]})",
-                                 address=self.addresses[shard], policy=self.retry, stop=self.stop)
+        """Runs fn(stub) for one shard, retrying UNAVAILABLE and OVERLOADED with bounded backoff (self.retry); a
+        replicated shard's UNAVAILABLE (its replica is down, or not the primary) moves the call to its next
+        replica, retried every FAILOVER_BACKOFF s at most, for at least FAILOVER_WINDOW s."""
+        if len(self.replicas[shard]) == 1:
+            return call_with_retries(lambda: fn(self._stubs[shard]),
+                                     what=f"{what} on shard {shard} ({self.addresses[shard]})",
+                                     address=self.addresses[shard], policy=self.retry, stop=self.stop)
+
+        def attempt() -> T:
+            address = self.addresses[shard]
+            try:
+                return fn(self._stubs[shard])
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    reason = reason_of(exc)
+                    self._next_replica(shard, address, "is not the primary" if reason == "NOT_PRIMARY"
+                                       else f"is unavailable ({exc.details()})", suspect=reason != "NOT_PRIMARY")
+                elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not reason_of(exc):
+                    # gRPC's own deadline (a shard's wait that ran out names its reason): the replica froze or
+                    # is cut off. Retried on the next one; a push it took is answered there as a duplicate.
+                    self._next_replica(shard, address, f"did not answer within {self._deadline(shard):.1f} s")
+                    raise _MovedOn(exc) from exc
+                raise
+
+        policy = RetryPolicy(attempts=max(self.retry.attempts, 2), initial_backoff=FAILOVER_BACKOFF / 4,
+                             max_backoff=FAILOVER_BACKOFF, window=max(self.retry.window, FAILOVER_WINDOW))
+        return call_with_retries(attempt, what=f"{what} on shard {shard} ({'|'.join(self.replicas[shard])})",
+                                 address="|".join(self.replicas[shard]), policy=policy, stop=self.stop,
+                                 level=logging.INFO)
 
     def _on_all(self, what: str, fn: Callable[[int, pb_grpc.ParameterServerStub], T]) -> list[T]:
         """fn(shard, stub) on every shard concurrently, each with retries; results in shard order."""
@@ -257,8 +390,8 @@ class PSClient:
         started = time.monotonic()
         deadline = started + timeout
         next_report = started + CONNECT_FIRST_REPORT_SECONDS
-        for i, channel in enumerate(self._channels):
-            ready = grpc.channel_ready_future(channel)
+        for i in range(self.num_shards):
+            ready, tried = grpc.channel_ready_future(self._channels[i]), time.monotonic()
             while True:
                 try:
                     ready.result(timeout=max(0.0, min(STOP_POLL_SECONDS, deadline - time.monotonic())))
@@ -266,6 +399,10 @@ class PSClient:
                 except grpc.FutureTimeoutError:
                     pass
                 now = time.monotonic()
+                if len(self.replicas[i]) > 1 and now - tried > REPLICA_CONNECT_SECONDS:   # another replica, then
+                    ready.cancel()
+                    self._next_replica(i, self.addresses[i], "does not connect")
+                    ready, tried = grpc.channel_ready_future(self._channels[i]), now
                 if self.stop.is_set():
                     ready.cancel()
                     raise StoppedError(f"stopped while waiting for shard {i} at {self.addresses[i]} "
@@ -284,7 +421,7 @@ class PSClient:
     def cluster_info(self, shard: int = 0) -> pb.ClusterInfo:
         """The shard's configuration, step, shard map and workers (does not block)."""
         return self._call(shard, "GetClusterInfo",
-                          lambda s: s.GetClusterInfo(pb.ClusterInfoRequest(), timeout=self.rpc_timeout, metadata=self.metadata))
+                          lambda s: s.GetClusterInfo(pb.ClusterInfoRequest(), timeout=self._deadline(shard), metadata=self.metadata))
 
     def _check_shards(self, info: pb.ClusterInfo) -> None:
         if info.num_shards != self.num_shards:
@@ -332,7 +469,7 @@ class PSClient:
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.InitResponse:
             messages = codec.pack_encoded(self._part_chunks(shard_map, shard, parameters), header.SerializeToString(),
                                           chunk_bytes=self.chunk_bytes)
-            return self._raw_inits[shard](messages, timeout=self.rpc_timeout, metadata=self.metadata)
+            return self._raw_inits[shard](messages, timeout=self._deadline(shard), metadata=self.metadata)
 
         responses = self._on_all("InitParameters", send)
         self.shard_map = shard_map
@@ -446,6 +583,22 @@ class PSClient:
         live worker; at most `timeout` s (default wait_timeout), then ServerError with
         DEADLINE_EXCEEDED. Returned arrays may be read-only views of the received bytes.
         """
+        wait = self.wait_timeout if timeout is None else timeout
+        if self._replicated and wait > REPLICA_WAIT_SECONDS and (min_steps is not None or ssp):
+            # a replicated shard's wait goes in slices (its call's deadline stays short: PSClient._deadline)
+            deadline = time.monotonic() + wait
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    return self._pull_once(names, min_steps=min_steps, ssp=ssp,
+                                           timeout=max(0.01, min(left, REPLICA_WAIT_SECONDS)))
+                except WaitTimeoutError:
+                    if left <= REPLICA_WAIT_SECONDS or self.stop.is_set():
+                        raise
+        return self._pull_once(names, min_steps=min_steps, ssp=ssp, timeout=wait)
+
+    def _pull_once(self, names: Sequence[str] | None, *, min_steps: Sequence[int] | int | None, ssp: bool,
+                   timeout: float) -> dict[str, np.ndarray]:
         shard_map = self._require_map()
         names = list(names) if names is not None else []
         unknown = [n for n in names if n not in shard_map.specs]
@@ -468,7 +621,7 @@ class PSClient:
             def call(stub: pb_grpc.ParameterServerStub):
                 assembler = codec.PartAssembler(destination=destination)
                 step = None
-                for raw in self._raw_pulls[shard](request, timeout=wait + self.rpc_timeout, metadata=self.metadata):
+                for raw in self._raw_pulls[shard](request, timeout=wait + self._deadline(shard), metadata=self.metadata):
                     message_step, chunks = codec.decode_pull_response(raw)
                     if step is None:
                         step = message_step
@@ -505,7 +658,7 @@ class PSClient:
             assembler = codec.PartAssembler(expected)
             read: ShardState | None = None
             rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-            for message in stub.ReadState(request, timeout=wait + self.rpc_timeout, metadata=self.metadata):
+            for message in stub.ReadState(request, timeout=wait + self._deadline(shard), metadata=self.metadata):
                 if read is None:
                     read = ShardState(shard, message.step, message.state_id,
                                       live_rows={t.name: t.rows for t in message.dynamic_tables})
@@ -564,7 +717,7 @@ class PSClient:
                 messages = codec.pack_encoded(self._part_chunks(shard_map, shard, gradients, narrow=True),
                                               header.SerializeToString(),
                                               chunk_bytes=self.chunk_bytes)
-                return self._raw_pushes[shard](messages, timeout=self.rpc_timeout, metadata=self.metadata)
+                return self._raw_pushes[shard](messages, timeout=self._deadline(shard), metadata=self.metadata)
 
             try:
                 return call()
@@ -602,7 +755,7 @@ class PSClient:
                                          min_step=mins[shard], wait_timeout_ms=int(wait * 1000),
                                          worker_id=self.worker_id if ssp else "", clock=self.clock if ssp else 0)
             return self._call(shard, "PullRows", lambda stub: stub.PullRows(
-                request, timeout=wait + self.rpc_timeout, metadata=self.metadata))
+                request, timeout=wait + self._deadline(shard), metadata=self.metadata))
 
         targets = sorted(plan)
         answers = [fetch(targets[0])] if len(targets) == 1 else list(self._pool.map(fetch, targets))
@@ -642,6 +795,8 @@ class PSClient:
         plain push when a shard's bytes are too many for one message, or when `names` is
         empty or missing beside row gradients (PushPull would read "no names" as every tensor).
         """
+        if self._replicated:   # the read after the push waits in short slices (PSClient._deadline)
+            wait = min(wait, REPLICA_WAIT_SECONDS)
         report, values, _ = self._push_pull(gradients, read_steps=read_steps, wait_for_step=wait_for_step, ssp=ssp,
                                             wait=wait, row_gradients=row_gradients, names=names)
         return report, values
@@ -828,7 +983,7 @@ class PSClient:
             body = frames.encode_request(header, pull, self._part_chunks(shard_map, shard, gradients, narrow=True))
 
         def call(stub: pb_grpc.ParameterServerStub) -> bytes:
-            return self._raw_push_pulls[shard](body, timeout=wait + self.rpc_timeout, metadata=self.metadata)
+            return self._raw_push_pulls[shard](body, timeout=wait + self._deadline(shard), metadata=self.metadata)
 
         again = (shard, shard_map, gradients, clock, read_step, None, wait_for_step, ssp, wait, rows, names, asked)
         try:
@@ -943,9 +1098,11 @@ class PSClient:
         Only for a call whose gradients cover every trainable part of the shard (the frame
         carries the layout's whole gradient region). A shard that could not give one is asked
         again after DATA_CHANNEL_RETRY_SECONDS; one whose channel broke is asked at the next call.
-        The first failure with each shard is logged as a warning, later ones at debug level.
+        The first failure with each shard is logged as a warning, later ones at debug level. A
+        replicated shard's bytes go over gRPC, whose keepalive finds a frozen primary (a raw
+        socket to one would wait out the call's whole timeout).
         """
-        if not self.data_channel:
+        if not self.data_channel or len(self.replicas[shard]) > 1:
             return None
         found = self._links.get(shard)
         if found is not None and not found.usable():
@@ -1088,7 +1245,7 @@ class PSClient:
         shard holds now (min_step 0) and push from there. One GetClusterInfo per shard.
         """
         infos = self._on_all("GetClusterInfo", lambda i, s: s.GetClusterInfo(
-            pb.ClusterInfoRequest(), timeout=self.rpc_timeout, metadata=self.metadata))
+            pb.ClusterInfoRequest(), timeout=self._deadline(i), metadata=self.metadata))
         lost: dict[int, str] = {}
         for i, info in enumerate(infos):
             record = next((w for w in info.workers if w.worker_id == self.worker_id), None)
@@ -1109,7 +1266,7 @@ class PSClient:
             self._drop_segment(shard)
         for shard in list(self._links):
             self._drop_link(shard)
-        for channel in self._channels:
+        for channel in [*self._channels, *self._retired_channels]:
             channel.close()
 
     def __enter__(self) -> "PSClient":

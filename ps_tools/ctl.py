@@ -28,6 +28,8 @@ import grpc
 
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
+from ps_proto.v1 import replication_pb2 as rpb
+from ps_proto.v1 import replication_pb2_grpc as rpb_grpc
 from ps_common.cluster_info import owned_parts_and_bytes
 from ps_common.errors import ExportError
 from ps_common.tls import (ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, READER_TOKEN_ENV, Metadata, bearer_metadata,
@@ -62,6 +64,7 @@ class ShardReply:
     address: str
     info: pb.ClusterInfo | None = None
     error: str | None = None
+    replica: rpb.ReplicaStatus | None = None   # a replicated shard's replica (docs/replication.md)
 
 
 # ---------------------------------------------------------------------- pure helpers
@@ -86,10 +89,11 @@ def summarize(replies: Sequence[ShardReply]) -> dict[str, Any]:
     shards: list[dict[str, Any]] = []
     workers: dict[str, dict[str, Any]] = {}
     errors = [{"address": r.address, "error": r.error} for r in replies if r.info is None]
+    replicas = _replicas(replies)
     for reply in replies:
         info = reply.info
-        if info is None:
-            continue
+        if info is None or (reply.replica is not None and reply.replica.role != "PRIMARY"):
+            continue   # a replicated shard is shown once, by its primary (its replicas: REPLICAS)
         parts, nbytes = owned_parts_and_bytes(info)
         shards.append({
             "index": info.shard_index, "num_shards": info.num_shards, "address": reply.address,
@@ -105,7 +109,24 @@ def summarize(replies: Sequence[ShardReply]) -> dict[str, Any]:
             entry["live"] = entry["live"] and w.live
             left = entry["lease_remaining_ms"]
             entry["lease_remaining_ms"] = w.lease_remaining_ms if left is None else min(left, w.lease_remaining_ms)
-    return {"shards": shards, "workers": [workers[k] for k in sorted(workers)], "errors": errors}
+    return {"shards": shards, "workers": [workers[k] for k in sorted(workers)], "errors": errors,
+            **({"replicas": replicas} if replicas else {})}
+
+
+def _replicas(replies: Sequence[ShardReply]) -> list[dict[str, Any]]:
+    """Each replica of a replicated shard: role, epoch, pid, address, and its lag behind its shard's primary in
+    operations and steps (0 for the primary; null when no primary answered)."""
+    found = [r.replica for r in replies if r.replica is not None]
+    primaries = {s.shard: s for s in found if s.role == "PRIMARY"}
+    out = []
+    for s in sorted(found, key=lambda s: (s.shard, s.replica)):
+        primary = primaries.get(s.shard)
+        out.append({"shard": s.shard, "replica": s.replica, "role": s.role, "epoch": s.epoch, "pid": s.pid,
+                    "address": s.address, "seq": s.seq, "step": s.step, "failovers": s.failovers,
+                    "in_sync": s.role == "PRIMARY" or (primary is not None and f"s{s.shard}r{s.replica}" in primary.isr),
+                    "lag_ops": None if primary is None or s.role == "WITNESS" else max(0, primary.seq - s.seq),
+                    "lag_steps": None if primary is None or s.role == "WITNESS" else max(0, primary.step - s.step)})
+    return out
 
 
 def _size(nbytes: int) -> str:
@@ -137,7 +158,18 @@ def format_table(summary: dict[str, Any]) -> str:
                           f"{(w['lease_remaining_ms'] or 0) / 1000:.1f}s"] for w in summary["workers"]])
     else:
         lines.append("(none registered)")
+    if summary.get("replicas"):
+        lines += ["", "REPLICAS"]
+        lines += _table(["shard", "replica", "role", "epoch", "pid", "address", "in_sync", "lag_ops", "lag_steps",
+                         "failovers"],
+                        [["-" if r["shard"] < 0 else r["shard"], r["replica"], r["role"].lower(), r["epoch"], r["pid"],
+                          r["address"], "yes" if r["in_sync"] else "no", _or_dash(r["lag_ops"]),
+                          _or_dash(r["lag_steps"]), r["failovers"]] for r in summary["replicas"]])
     return "\n".join(lines)
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 # ---------------------------------------------------------------------- rpc
@@ -158,7 +190,12 @@ def fetch(address: str, timeout: float, connection: Connection | None = None) ->
         with connection.channel(address) as channel:
             info = pb_grpc.ParameterServerStub(channel).GetClusterInfo(pb.ClusterInfoRequest(), timeout=timeout,
                                                                        metadata=connection.metadata)
-        return ShardReply(address, info=info)
+            try:   # a replicated shard's replica says its role (an unreplicated shard has no such service)
+                replica = rpb_grpc.ReplicationStub(channel).Status(rpb.ReplicaStatusRequest(), timeout=timeout,
+                                                                   metadata=connection.metadata)
+            except grpc.RpcError:
+                replica = None
+        return ShardReply(address, info=info, replica=replica)
     except grpc.RpcError as exc:
         what = "unreachable" if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else "failed"
         hint = HINTS.get(exc.code())
@@ -197,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="print the shards and workers of a job")
     s.add_argument("addresses", metavar="ADDRESS[,ADDRESS...]",
-                   help="shard addresses host:port, comma-separated (one or more arguments)", nargs="+")
+                   help="shard addresses host:port, comma-separated (one or more arguments); a replicated shard's "
+                        "replicas joined by '|'", nargs="+")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     s.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help=f"seconds to wait for each shard (default {DEFAULT_TIMEOUT:g})")
@@ -284,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return export_main(args)
-    addresses = [a.strip() for arg in args.addresses for a in arg.split(",") if a.strip()]
+    # a replicated shard's replicas are joined by '|' (as workers take them): each is asked
+    addresses = [a.strip() for arg in args.addresses for group in arg.split(",") for a in group.split("|")
+                 if a.strip()]
     if not addresses:
         print("ps-ctl: no addresses given", file=sys.stderr)
         return 2

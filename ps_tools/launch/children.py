@@ -53,22 +53,68 @@ def logging_flags(level: str) -> list[str]:
     return ["--log-json", "--log-level", level]
 
 
-def shard_argv(config: JobConfig, level: str, index: int, stage: int | None = None) -> list[str]:
+@dataclass(frozen=True)
+class Replication:
+    """A replicated job's places (docs/replication.md): each shard's replica addresses, and every voter's."""
+
+    replicas: list[list[str]]       # shard -> its replicas' HOST:PORT, replica 0 first
+    voters: list[str]               # every replica of every shard, then the witness if there is one
+
+    @property
+    def witness(self) -> str | None:
+        listed = {a for group in self.replicas for a in group}
+        return next((v for v in self.voters if v not in listed), None)
+
+
+def replication_plan(shards: int, replicas: int, ports: list[int]) -> Replication:
+    """Addresses on 127.0.0.1 for `shards` x `replicas` processes, and a witness when they are fewer than 3 (a
+    majority of the voters must survive one process lost): `ports` holds one port each, the witness's last."""
+    groups = [[f"127.0.0.1:{ports[i * replicas + r]}" for r in range(replicas)] for i in range(shards)]
+    voters = [a for group in groups for a in group]
+    if len(voters) < 3:
+        voters.append(f"127.0.0.1:{ports[len(voters)]}")
+    return Replication(groups, voters)
+
+
+def shard_argv(config: JobConfig, level: str, index: int, stage: int | None = None, *,
+               replication: Replication | None = None, replica: int = 0) -> list[str]:
     """A shard's command line; a pipeline job's stage `stage` has shards of its own (their own checkpoint
-    folders and metrics ports: the stage's shards come after the earlier stages')."""
+    folders and metrics ports: the stage's shards come after the earlier stages'); a replicated shard's replica
+    `replica` listens on its planned address and knows its peers and the voters."""
     c = config
     number = index if stage is None else stage * c.job.shards + index
     skip = ("server.shard_index", "server.host", "server.port", "server.metrics_port", "server.checkpoint_dir",
             "job.stop_with_parent", "job.log_json", "job.log_level")
+    port = "0"
+    extra: list[str] = []
+    if replication is not None:
+        group = replication.replicas[index]
+        port = group[replica].rpartition(":")[2]
+        extra = ["--replicas", ",".join(group), "--replica-index", str(replica),
+                 "--voters", ",".join(replication.voters)]
+        number = number * len(group) + replica
     argv = process.python_module_argv(
         "ps_server", *jobconfig.to_argv(c, scope="server", skip=skip), *logging_flags(level),
-        "--shard-index", str(index), "--host", "127.0.0.1", "--port", "0", "--stop-with-parent")
-    if c.server.checkpoint_dir is not None:   # a checkpoint folder belongs to one shard
+        "--shard-index", str(index), "--host", "127.0.0.1", "--port", port, "--stop-with-parent", *extra)
+    if c.server.checkpoint_dir is not None:   # a checkpoint folder belongs to one shard (one replica of it)
         folder = Path(c.server.checkpoint_dir) if stage is None else Path(c.server.checkpoint_dir) / f"stage{stage}"
-        argv += ["--checkpoint-dir", str(folder / f"shard{index}")]
+        argv += ["--checkpoint-dir", str(folder / (f"shard{index}" if replica == 0 else
+                                                   f"shard{index}-replica{replica}"))]
     if c.server.metrics_port is not None:   # one port each: the base plus the shard's number (0: any)
         argv += ["--metrics-port", str(c.server.metrics_port + number if c.server.metrics_port else 0)]
     return argv
+
+
+def witness_argv(config: JobConfig, level: str, replication: Replication) -> list[str]:
+    """The witness of a replicated job of fewer than 3 replica processes: a voter that holds no shard."""
+    address = replication.witness
+    assert address is not None
+    skip = ("server.shard_index", "server.host", "server.port", "server.metrics_port", "server.checkpoint_dir",
+            "job.stop_with_parent", "job.log_json", "job.log_level")
+    return process.python_module_argv(
+        "ps_server", *jobconfig.to_argv(config, scope="server", skip=skip), *logging_flags(level), "--witness",
+        "--host", "127.0.0.1", "--port", address.rpartition(":")[2], "--voters", ",".join(replication.voters),
+        "--stop-with-parent")
 
 
 def worker_argv(config: JobConfig, level: str, index: int, addresses: list[str], model_path: str) -> list[str]:

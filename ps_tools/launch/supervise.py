@@ -41,7 +41,8 @@ from ps_models.datasets import Dataset
 from ps_server.cli import READY_PREFIX
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from ps_tools import export
-from ps_tools.launch.children import Child, shard_argv, stage_argv, worker_argv
+from ps_tools.launch.children import (Child, Replication, replication_plan, shard_argv, stage_argv, witness_argv,
+                                      worker_argv)
 from ps_tools.launch.display import LEVELS, PLAIN, Display, Progress, display_level, format_number
 from ps_tools.launch.pipeline_evaluation import PipelineEvaluations
 from ps_tools.launch.record import JobScalars, run_record, write_record
@@ -65,6 +66,21 @@ READY_POLL_INTERVAL = 0.1
 RUN_POLL_INTERVAL = 0.2
 #: The keys of a JSON log record that are not its fields.
 RECORD_KEYS = ("ts", "level", "logger", "msg")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now (bound to port 0 together, then released: a replicated job's
+    processes must know each other's addresses before they start)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def check_port_free(port: int, what: str) -> None:
@@ -107,6 +123,7 @@ class Launcher:
         self.evaluation: dict[str, Any] | None = None   # ... the launcher's final evaluation of the whole model
         self._evaluations: PipelineEvaluations | None = None   # ... its evaluator, open while the stages train
         self.tensorboard: JobScalars | None = None
+        self.replication: Replication | None = None   # a replicated job's places (--shard-replicas)
 
     # ------------------------------------------------------------------ checks before anything starts
 
@@ -140,6 +157,9 @@ class Launcher:
                 check_port_free(base + i, f"shard {i}'s metrics endpoint (--metrics-port {base} + {i})")
         if c.worker.tensorboard:
             self.tensorboard = JobScalars(c.worker.tensorboard)
+        if c.job.shard_replicas > 1 and c.job.stages > 1:
+            raise JobConfigError(f"Invalid --shard-replicas {c.job.shard_replicas} with --stages {c.job.stages}: a "
+                                 "pipeline job's shards are not replicated yet; use one of the two")
         if c.launch.export:
             out = Path(c.launch.export)
             if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
@@ -275,6 +295,12 @@ class Launcher:
             if code is None:
                 continue
             if child.role == "shard":
+                if self.replication is not None and self._replicas_left(child):
+                    if child.finished_at is None:   # a replica lost: its shard fails over (docs/replication.md)
+                        child.finished_at = time.monotonic()
+                        self._say(f"{child.name} (pid {child.process.pid}) exited with code {code}: its shard goes on "
+                                  "on its other replicas", "WARNING", always=True)
+                    continue
                 raise self._fail(child, f"exited with code {code} while the job was running")
             if shards_only:
                 continue
@@ -285,17 +311,53 @@ class Launcher:
 
     # ------------------------------------------------------------------ phases
 
+    def _replicas_left(self, gone: Child) -> bool:
+        """Whether the shard of a replica that exited still has a replica running (and the voters a majority)."""
+        shard = gone.index // self.config.job.shard_replicas
+        running = [c for c in self.children if c.role == "shard" and c.process.returncode is None]
+        alive_voters = len(running)
+        voters = len(self.replication.voters) if self.replication is not None else 0
+        same = [c for c in running if c.name != "witness" and c.index // self.config.job.shard_replicas == shard]
+        return gone.name != "witness" and bool(same) and alive_voters > voters // 2
+
     def start_shards(self) -> list[str]:
         """Starts every shard and waits for all READY lines (at most --ready-timeout); their addresses in order.
 
-        A pipeline job's stages each have `shards` shards: the addresses are stage by stage."""
+        A pipeline job's stages each have `shards` shards: the addresses are stage by stage. A replicated job
+        (--shard-replicas R) starts R processes per shard (and a witness when they are fewer than 3); a shard's
+        address is then its replicas' joined by '|'."""
         c = self.config
+        if c.job.shard_replicas > 1:
+            replicas = c.job.shard_replicas
+            count = c.job.shards * replicas
+            plan = self.replication = replication_plan(c.job.shards, replicas, free_ports(count + (count < 3)))
+            shards = [self._start(f"shard{i}" if r == 0 else f"shard{i}-replica{r}", "shard", i * replicas + r,
+                                  shard_argv(c, self.level, i, replication=plan, replica=r))
+                      for i in range(c.job.shards) for r in range(replicas)]
+            if plan.witness is not None:
+                shards.append(self._start("witness", "shard", count, witness_argv(c, self.level, plan)))
+            self._wait_ready(shards)
+            self._say(f"{c.job.shards} shard(s) x {replicas} replicas: " + "; ".join(
+                f"shard{i} {'|'.join(g)}" for i, g in enumerate(plan.replicas))
+                + (f"; witness {plan.witness}" if plan.witness else ""), always=True,
+                replicas=plan.replicas, voters=plan.voters)
+            return ["|".join(group) for group in plan.replicas]
         if c.job.stages > 1:
             shards = [self._start(f"stage{k}-shard{i}", "shard", k * c.job.shards + i,
                                   shard_argv(c, self.level, i, k))
                       for k in range(c.job.stages) for i in range(c.job.shards)]
         else:
             shards = [self._start(f"shard{i}", "shard", i, shard_argv(c, self.level, i)) for i in range(c.job.shards)]
+        self._wait_ready(shards)
+        if self.config.server.metrics_port is not None:
+            where = [f"http://127.0.0.1:{s.ready['metrics_port']}/metrics" for s in shards
+                     if s.ready and s.ready.get("metrics_port")]
+            self._say("metrics: " + ", ".join(f"shard{i} {url}" for i, url in enumerate(where)), always=True,
+                      metrics=where)
+        return [str(s.ready["address"]) for s in shards if s.ready]
+
+    def _wait_ready(self, shards: list[Child]) -> None:
+        """Until every one printed its READY line (at most --ready-timeout)."""
         ready_deadline = time.monotonic() + self.config.launch.ready_timeout
         while any(s.ready is None for s in shards):
             self._pump_once(READY_POLL_INTERVAL)
@@ -305,12 +367,6 @@ class Launcher:
                 raise self._fail(late, f"printed no READY line within --ready-timeout "
                                        f"{self.config.launch.ready_timeout:g} s")
             self._check_time("waiting for the shards' READY lines")
-        if self.config.server.metrics_port is not None:
-            where = [f"http://127.0.0.1:{s.ready['metrics_port']}/metrics" for s in shards
-                     if s.ready and s.ready.get("metrics_port")]
-            self._say("metrics: " + ", ".join(f"shard{i} {url}" for i, url in enumerate(where)), always=True,
-                      metrics=where)
-        return [str(s.ready["address"]) for s in shards if s.ready]
 
     def run_workers(self, addresses: list[str]) -> None:
         """Starts every worker and waits until all finished with a result (or one fails, or the timeout)."""

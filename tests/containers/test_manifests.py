@@ -277,3 +277,53 @@ def test_tfjob_job_file_leaves_the_cluster_to_tf_config() -> None:
         job_file.unlink()
     assert worker.worker.index == 1 and worker.job.workers == specs["Worker"]["replicas"]
     assert worker.worker.servers == cluster["ps"]
+
+
+# ------------------------------------------------------------------------- replicated shards on Kubernetes
+
+REPLICATED = K8S / "replicated"
+
+
+def test_replicated_shard_manifests_are_valid_for_1_29_strict(tool) -> None:
+    files = [str(p) for p in sorted(REPLICATED.glob("*.yaml"))]
+    assert len(files) == 2
+    proc = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, *files],
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "WARN" not in out and "ERROR" not in out, out
+
+
+def test_each_replicated_pod_is_its_ordinals_replica_of_its_shard_and_the_job_file_agrees(tmp_path: Path) -> None:
+    """The StatefulSet's start script, run by sh for every ordinal with ps-entrypoint replaced by a recorder: each
+    pod gets its shard, replica, its shard's replicas and every voter, and ps-server accepts those flags with
+    the ConfigMap's job file; the workers' servers list the same replicas per shard."""
+    docs = [d for path in sorted(REPLICATED.glob("*.yaml")) for d in load_yaml_documents(path)]
+    sts = by_kind(docs, "StatefulSet")
+    job_toml = by_kind(docs, "ConfigMap")["data"]["job.toml"]
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["/bin/sh", "-c"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    shards, replicas = int(env["PS_SHARDS"]), int(env["PS_SHARD_REPLICAS"])
+    assert sts["spec"]["replicas"] == shards * replicas
+    (tmp_path / "ps-entrypoint").write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    (tmp_path / "ps-entrypoint").chmod(0o755)
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(job_toml)
+    groups = []
+    for ordinal in range(shards * replicas):
+        proc = subprocess.run(["/bin/sh", "-c", container["args"][0]], capture_output=True, text=True, timeout=30,
+                              env={"PATH": f"{tmp_path}:/usr/bin:/bin", "PS_POD_INDEX": str(ordinal),
+                                   "PS_SHARDS": str(shards), "PS_SHARD_REPLICAS": str(replicas)})
+        assert proc.returncode == 0, proc.stderr
+        argv = proc.stdout.splitlines()
+        assert argv[0] == "server"
+        flags = argv[1:]
+        flags[flags.index("--config") + 1] = str(job_file)
+        config = server_config(job_file, *flags[2:])
+        assert (config.shard_index, config.replica_index) == (ordinal // replicas, ordinal % replicas)
+        assert config.replicas[config.replica_index] == f"onnx-ps-shard-{ordinal}.onnx-ps-shard:{GRPC_PORT}"
+        assert list(config.voters) == [f"onnx-ps-shard-{i}.onnx-ps-shard:{GRPC_PORT}" for i in range(shards * replicas)]
+        assert config.num_shards == shards
+        groups.append("|".join(config.replicas))
+    job = worker_job(job_file, "--worker-index", "0")
+    assert job.worker.servers == list(dict.fromkeys(groups))

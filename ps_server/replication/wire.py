@@ -10,6 +10,7 @@ what they declare (codec.PartAssembler), so a malformed stream is an error, neve
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -26,6 +27,8 @@ __all__ = ["OpAssembler", "op_items", "snapshot_items", "snapshot_of"]
 
 #: Tensor bytes in one item, at most.
 CHUNK_BYTES = codec.CHUNK_BYTES
+#: The snapshot metadata key that lists its rank-0 tensors.
+SCALARS_KEY = "replication.scalars"
 
 
 def _chunks(arrays: Iterable[tuple[str, int, np.ndarray]]) -> Iterator[pb.TensorChunk]:
@@ -125,16 +128,28 @@ def _op_of(message: rpb.ReplicaOp, chunks: Sequence[pb.TensorChunk],
 def snapshot_items(state: ShardState, seq: int, epoch: int, isr: Sequence[str]) -> Iterator[rpb.FollowItem]:
     """A shard's whole state as items (the checkpoint format), holding operations up to `seq`."""
     tensors, metadata = fileformat.encode(state)
+    # a chunk has no shape of rank 0 (it arrives as (1,)): the scalars' keys ride in the metadata
+    scalars = sorted(key for key, value in tensors.items() if np.ndim(value) == 0)
     groups = list(_batched(_chunks((key, 0, value) for key, value in tensors.items())))
     for i, group in enumerate(groups):
         part = rpb.SnapshotPart(tensors=group, last=i == len(groups) - 1)
         if i == 0:
             part.metadata.update(metadata)
+            part.metadata[SCALARS_KEY] = json.dumps(scalars)
         yield rpb.FollowItem(epoch=epoch, seq=seq, snapshot=part, isr=list(isr))
 
 
 def snapshot_of(parts: Sequence[rpb.SnapshotPart], source: str) -> ShardState:
     """The state in a snapshot's parts (CorruptCheckpointError when it does not check out)."""
     metadata = dict(parts[0].metadata) if parts else {}
-    tensors = _values([chunk for part in parts for chunk in part.tensors])
-    return fileformat.decode({key: value for (key, _), value in tensors.items()}, metadata, source=source)
+    try:
+        scalars = set(json.loads(metadata.pop(SCALARS_KEY, "[]")))
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"snapshot from {source}: its {SCALARS_KEY} is not a JSON list") from None
+    tensors = {key: value for (key, _), value in _values([chunk for part in parts for chunk in part.tensors]).items()}
+    for key in scalars & set(tensors):
+        if tensors[key].size != 1:
+            raise InvalidRequestError(f"snapshot from {source}: scalar {key!r} arrived with shape "
+                                      f"{tensors[key].shape}")
+        tensors[key] = tensors[key].reshape(())
+    return fileformat.decode(tensors, metadata, source=source)

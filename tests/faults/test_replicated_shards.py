@@ -45,21 +45,17 @@ def status(address: str) -> rpb.ReplicaStatus | None:
 class ReplicatedJob(Job):
     """A Job whose shards run as REPLICAS processes each (ps-server --replicas/--replica-index/--voters)."""
 
-    def __init__(self, tmp_path: Path, model: Path, *, mode: str) -> None:
-        super().__init__(tmp_path, model, mode=mode, shards=SHARDS, workers=WORKERS, steps=STEPS)
+    def __init__(self, tmp_path: Path, model: Path, *, mode: str, steps: int = STEPS) -> None:
+        super().__init__(tmp_path, model, mode=mode, shards=SHARDS, workers=WORKERS, steps=steps)
         ports = free_ports(SHARDS * REPLICAS)
         self.groups = [[f"127.0.0.1:{ports[s * REPLICAS + r]}" for r in range(REPLICAS)] for s in range(SHARDS)]
         self.voters = [a for group in self.groups for a in group]
         self.replicas: list[list[ShardProcess]] = []
 
     def start(self, *, workers: bool = True) -> "ReplicatedJob":
-        flags = self.cluster.flags
         try:
-            for s, group in enumerate(self.groups):
-                self.replicas.append([ShardProcess([
-                    "--shard-index", str(s), "--num-shards", str(SHARDS), "--mode", self.mode, *flags,
-                    "--replicas", ",".join(group), "--replica-index", str(r), "--voters", ",".join(self.voters)])
-                    for r in range(REPLICAS)])
+            for s in range(SHARDS):
+                self.replicas.append([ShardProcess(self.replica_args(s, r)) for r in range(REPLICAS)])
             for group in self.replicas:
                 for replica in group:
                     replica.wait_ready(60)
@@ -69,6 +65,19 @@ class ReplicatedJob(Job):
         if workers:
             self.workers = [self.start_worker(i) for i in range(self.num_workers)]
         return self
+
+    def replica_args(self, shard: int, replica: int) -> list[str]:
+        return ["--shard-index", str(shard), "--num-shards", str(SHARDS), "--mode", self.mode, *self.cluster.flags,
+                "--replicas", ",".join(self.groups[shard]), "--replica-index", str(replica),
+                "--voters", ",".join(self.voters)]
+
+    def restart(self, shard: int, replica: int) -> ShardProcess:
+        """Starts replica `replica` of `shard` again, as a new process on its address (the old one must be gone)."""
+        old = self.replicas[shard][replica]
+        assert not old.alive()
+        old.remove_log()
+        self.replicas[shard][replica] = ShardProcess(self.replica_args(shard, replica)).wait_ready(60)
+        return self.replicas[shard][replica]
 
     def start_worker(self, index: int, *extra: str):
         return super().start_worker(index, "--servers", ",".join("|".join(g) for g in self.groups), *extra)
@@ -92,19 +101,23 @@ class ReplicatedJob(Job):
     def stop(self) -> None:
         for worker in [*self.workers, *self.retired]:
             worker.stop()
+            if not worker.alive():
+                worker.remove_log()
         for group in self.replicas:
             for replica in group:
                 if replica.alive():
                     replica.child.send_signal(signal.SIGCONT)   # a frozen one must be able to stop
                 replica.stop()
+                if not replica.alive():
+                    replica.remove_log()
 
 
 @pytest.fixture
 def replicated_job(tmp_path, mlp_model):
     jobs: list[ReplicatedJob] = []
 
-    def start(mode: str) -> ReplicatedJob:
-        job = ReplicatedJob(tmp_path / f"job{len(jobs)}", mlp_model, mode=mode)
+    def start(mode: str, steps: int = STEPS) -> ReplicatedJob:
+        job = ReplicatedJob(tmp_path / f"job{len(jobs)}", mlp_model, mode=mode, steps=steps)
         jobs.append(job)
         return job.start()
 
@@ -203,3 +216,35 @@ def test_a_frozen_primary_is_deposed_and_never_takes_a_push_after_it_wakes(repli
     stall = max(longest_stall(w, struck) for w in job.workers)
     assert stall <= MAX_STALL, f"a worker stalled {stall:.2f} s while the primary was frozen"
     check_applied_equals_acknowledged(job, results)
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_replica_rejoins_by_state_transfer_and_can_take_over_again(replicated_job) -> None:
+    """Repair: the killed primary's process is started again while training goes on; it must not take the shard
+    back (its epoch is gone), but follow the new primary, catch up by state transfer and enter the in-sync
+    replicas -- so that when the new primary is killed in turn, it takes over with nothing lost."""
+    job = replicated_job("async", steps=4000)   # long enough to outlast two failovers and a state transfer
+    job.chief.wait_for_step(STEPS // 4, timeout=90)
+    first = job.primary(0)
+    index = job.replicas[0].index(first)
+    first.kill()
+    second = job.primary(0)
+    job.restart(0, index)
+    address = job.groups[0][index]
+
+    def rejoined() -> bool:
+        found = status(address)
+        return found is not None and found.role == "BACKUP" and len(status(job.groups[0][1 - index]).isr) == 2
+
+    deadline = time.monotonic() + 20
+    while not rejoined():
+        assert time.monotonic() < deadline, f"replica {address} did not rejoin: {status(address)}"
+        time.sleep(0.1)
+    assert len(job.primaries(0)) == 1
+    at = job.chief.events[-1].get("step", 0)
+    second.kill()   # the rejoined replica takes over
+    assert job.primary(0) is job.replicas[0][index]
+    results = job.finish()
+    assert at < 4000 - 200, f"the job was nearly over ({at} steps) when the second primary was killed"
+    check_applied_equals_acknowledged(job, results)
+    assert results[0]["test_accuracy"] >= 0.9, results[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.containers.engine import Engine, Session
@@ -51,3 +53,27 @@ def test_shard_container_turns_healthy_and_stops_cleanly_on_sigterm(containers: 
     logs = containers.logs(shard)
     assert "PS_SERVER_READY" in logs and '"address": "0.0.0.0:50051"' in logs
     assert containers.stop(shard, grace=20) == 0, containers.logs(shard)[-2000:]
+
+
+def test_image_serves_a_model_with_ps_serve(engine: Engine, image: str) -> None:
+    """ps-serve is in the image (its package and aiohttp): it serves a model built in the container over KServe v2."""
+    script = (
+        "set -e; python -m ps_models.build --model mlp --out /tmp/mlp.onnx >/dev/null; "
+        "ps-serve --model /tmp/mlp.onnx --port 8000 >/tmp/ready 2>/tmp/log & serve=$!; "
+        "python - <<'PY'\n"
+        "import json, time, urllib.request\n"
+        "deadline = time.monotonic() + 60\n"
+        "while True:\n"
+        "    try:\n"
+        "        print(urllib.request.urlopen('http://127.0.0.1:8000/v2/models/mlp', timeout=5).read().decode())\n"
+        "        break\n"
+        "    except OSError:\n"
+        "        if time.monotonic() > deadline:\n"
+        "            raise SystemExit('ps-serve did not answer within 60 s: ' + open('/tmp/log').read())\n"
+        "        time.sleep(0.5)\n"
+        "PY\n"
+        "kill $serve; wait $serve || true; cat /tmp/ready")
+    result = engine.podman("run", "--rm", "--no-healthcheck", "--entrypoint", "sh", image, "-c", script, timeout=180)
+    metadata = json.loads(result.stdout.splitlines()[0])
+    assert metadata["name"] == "mlp" and [i["name"] for i in metadata["inputs"]] == ["x"], result.stdout
+    assert "PS_SERVE_READY" in result.stdout, result.stdout + result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tomllib
 
 import pytest
 
@@ -62,9 +63,15 @@ def test_build_context_is_an_allow_list() -> None:
              if line.strip() and not line.startswith("#")]
     assert lines[0] == "*", "the .dockerignore should exclude everything, then allow what the image needs"
     allowed = {line[1:] for line in lines if line.startswith("!")}
-    for needed in ("pyproject.toml", "protos", "ps_common", "ps_server", "worker_client", "ps_tools", "models",
-                   "deploy/containers/entrypoint.sh", "deploy/containers/requirements.py"):
-        assert needed in allowed, f".dockerignore does not allow {needed}"
+    # Every folder the wheel is built from, read from pyproject.toml, so a new package cannot be left out of the
+    # image's build context (ps_serve once was: the image's `pip wheel .` failed on its missing folder).
+    setuptools = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dirs = setuptools.get("package-dir", {})
+    folders = {package_dirs.get(package.split(".")[0], package.split(".")[0]).split("/")[0]
+               for package in setuptools["packages"]}
+    for needed in sorted(folders) + ["pyproject.toml", "deploy/containers/entrypoint.sh",
+                                     "deploy/containers/requirements.py"]:
+        assert needed in allowed, f".dockerignore does not allow {needed}, which the image's wheel is built from"
     assert not {".git", ".venv", "tests"} & allowed
 
 

@@ -3,18 +3,24 @@
 One shard process (`python -P -m ps_server`, async, SGD with lr 1e-9) and one client
 (`PSClient`, in this process) alternate a push of a gradient and a pull of the tensor, so
 every push is really applied and every pull must encode a new version (no cache serves
-an unchanged one). Beside it, the same in PyTorch RPC (`ps_bench.torch_rpc`): a PS
-process holding the tensor, ``rpc_sync`` push that adds -lr x the gradient in place,
-``rpc_sync`` pull that returns it, TensorPipe over TCP; its client is a child process
-driven over stdin. Each timed repeat is `--rounds` push+pull pairs after one untimed
-pair, the two systems alternating (the order flips every repeat).
+an unchanged one). Beside it, the same in PyTorch RPC at its best (`ps_bench.torch_rpc`): a
+PS process holding the tensor and a client process driven over stdin, in each variant and
+transport of `--torch-variants` (default: two-call/tcp, fused/tcp, fused/shm): ``two-call``
+is an ``rpc_sync`` push that adds -lr x the gradient in place, then an ``rpc_sync`` pull that
+returns it; ``fused`` is one rpc doing both (our PushPull's shape); ``tcp`` restricts
+TensorPipe to its TCP transport (as between hosts), ``shm`` leaves it its defaults (shared
+memory on one host). Each timed repeat is `--rounds` push+pull pairs after one untimed pair,
+the systems in a rotated order each repeat.
 
 GB/s = (bytes pushed + bytes pulled) / seconds = 2 x size x rounds / seconds. Prints one
 JSON line per system and size, ``{"system", "metric": "pushpull_gbps", "size_mb", "value",
-"unit", "runs"}`` (the median over repeats), and a ratio line ``{"system":
-"onnx-ps/torch-rpc", "metric": "pushpull_ratio", ...}``: the median of the repeats' ratios,
-ours over theirs (above 1: we are faster). Without torch here it runs our side only and
-says so on stderr.
+"unit", "runs"}`` (the median over repeats; a PyTorch RPC line says its "variant" and
+"transport"), and per path of ours a ratio line ``{"system": "onnx-ps/torch-rpc", "metric":
+"pushpull_ratio", "data_path", "against", "scope", ...}``: the median of the repeats' ratios,
+ours over the fastest PyTorch RPC variant of the path's scope (above 1: we are faster). The
+one-host path (push-pull, through shared memory) meets every variant; the wire paths
+(channel, grpc, streams) only those over TCP, as ps_bench.peers rules for train_bench.
+Without torch here it runs our side only and says so on stderr.
 
 `--data-path` picks how our bytes travel, several comma-separated side by side (each with a
 shard of its own, each repeat running them and torch in a rotated order; one line per path,
@@ -37,7 +43,7 @@ import time
 
 import numpy as np
 
-from ps_bench import harness
+from ps_bench import harness, peers
 from ps_common import data_channel as dc
 from ps_bench.harness import TORCH, Proc, log
 from worker_client.client import PSClient
@@ -46,6 +52,8 @@ COLS = 256
 LR = 1e-9
 #: Ours, by how the bytes travel (module docstring).
 DATA_PATHS = ("push-pull", "channel", "grpc", "streams")
+#: The scope of each path (ps_bench.peers): which PyTorch RPC transports it is compared with.
+SCOPES = {"push-pull": "one-host", "channel": "wire", "grpc": "wire", "streams": "wire"}
 #: The reference without a framework (a plain TCP echo of the bytes), and its child's ready line.
 RAW, RAW_READY = "raw-tcp", "RAW_READY "
 
@@ -170,12 +178,16 @@ def raw_tcp_child() -> int:
 
 
 class Theirs:
-    """The PyTorch RPC store and its client (child processes)."""
+    """The PyTorch RPC store and its client (child processes), in one variant over one transport."""
 
-    def __init__(self) -> None:
+    def __init__(self, system: peers.System) -> None:
+        self.system = system
         port = harness.free_port()
-        self.procs = [Proc(f"{TORCH} store", "ps_bench.torch_rpc", ["store", "--port", port, "--lr", LR])]
-        self.procs.append(Proc(f"{TORCH} client", "ps_bench.torch_rpc", ["store-client", "--port", port], stdin=True))
+        transport = ["--transport", system.transport]
+        self.procs = [Proc(f"{system.label} store", "ps_bench.torch_rpc",
+                           ["store", "--port", port, "--lr", LR, *transport])]
+        self.procs.append(Proc(f"{system.label} client", "ps_bench.torch_rpc",
+                               ["store-client", "--port", port, "--variant", system.variant, *transport], stdin=True))
         self.procs[1].wait_for("TORCH_PP ", 120)
 
     def timed(self, shape: tuple[int, int], rounds: int, timeout: float) -> float:
@@ -209,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(PushPull over gRPC bytes; Push and Pull past 256 KiB), streams (Push then Pull)")
     p.add_argument("--raw-tcp", action="store_true", help="also measure a plain TCP echo of the bytes (system "
                                                           "raw-tcp): the floor without any framework")
+    p.add_argument("--torch-variants", default=",".join(peers.TORCH_VARIANTS), metavar="VARIANT/TRANSPORT[,...]",
+                   help=f"PyTorch RPC's variants and transports, of {', '.join(peers.ALL_TORCH_VARIANTS)} or 'all' "
+                        f"(default {','.join(peers.TORCH_VARIANTS)})")
     p.add_argument("--raw-tcp-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.raw_tcp_child:
@@ -219,18 +234,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats >= 1, --rounds >= 0, sizes > 0")
     if not paths or any(path not in DATA_PATHS for path in paths) or len(set(paths)) != len(paths):
         p.error(f"--data-path: one or more of {', '.join(DATA_PATHS)}, each once")
+    try:
+        variants = peers.parse_list(args.torch_variants, peers.ALL_TORCH_VARIANTS, "--torch-variants")
+    except ValueError as exc:
+        p.error(str(exc))
     with_torch = not args.no_torch and harness.torch_available()
     if not with_torch:
         log("pushpull_bench: " + ("--no-torch: " if args.no_torch else "torch is not importable in this environment "
             f"({sys.executable}): ") + "running onnx-ps only (docs/benchmarks.md: the torch environment)")
     log(f"pushpull_bench: machine {json.dumps(harness.machine())}")
     ours: dict[str, Ours] = {}
-    theirs: Theirs | None = None
+    theirs: dict[str, Theirs] = {}
     raw: RawTcp | None = None
     try:
         for path in paths:
             ours[path] = Ours(path)
-        theirs = Theirs() if with_torch else None
+        for pair in (variants if with_torch else []):
+            variant, transport = pair.split("/")
+            system = peers.System(TORCH, variant=variant, transport=transport)
+            theirs[system.label] = Theirs(system)
         raw = RawTcp() if args.raw_tcp else None
         for size in sizes:
             shape = shape_for(size)
@@ -240,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout = 120 + moved / 10e6   # at least 10 MB/s, or something is wrong
             systems: dict[str, object] = {path: (lambda o=o: moved / o.timed(shape, rounds) / 1e9)
                                           for path, o in ours.items()}
-            if theirs is not None:
-                systems[TORCH] = lambda: moved / theirs.timed(shape, rounds, timeout) / 1e9
+            for label, peer in theirs.items():
+                systems[label] = lambda peer=peer: moved / peer.timed(shape, rounds, timeout) / 1e9
             if raw is not None:
                 systems[RAW] = lambda: moved / raw.timed(shape, rounds) / 1e9
             runs: dict[str, list[float]] = {name: [] for name in systems}
@@ -255,17 +277,21 @@ def main(argv: list[str] | None = None) -> int:
             extra = dict(size_mb=size, unit="GB/s", rounds=rounds, repeats=args.repeats, shape=list(shape))
             for path in ours:
                 emit_median(harness.SYSTEM, runs[path], data_path=path, **extra)
-            for other in (TORCH, RAW):
-                if other not in runs:
-                    continue
-                emit_median(other, runs[other], **extra, **({"data_path": args.data_path} if other == TORCH else {}))
-                for path in ours:
-                    ratios = [a / b for a, b in zip(runs[path], runs[other])]
+            for label, peer in theirs.items():
+                emit_median(TORCH, runs[label], **extra, **peer.system.fields())
+            if raw is not None:
+                emit_median(RAW, runs[RAW], **extra)
+            ratio_fields = {k: v for k, v in extra.items() if k not in ("size_mb", "unit")}
+            for path in ours:
+                best = peers.best_peer({peer.system: runs[label] for label, peer in theirs.items()}, SCOPES[path])
+                against = [(TORCH, best.label, runs[best.label])] if best is not None else []
+                for other, label, their_runs in against + ([(RAW, RAW, runs[RAW])] if raw is not None else []):
+                    ratios = peers.paired_ratios(runs[path], their_runs)
+                    scoped = {"against": label, "scope": SCOPES[path]} if other == TORCH else {}
                     harness.emit(f"{harness.SYSTEM}/{other}", "pushpull_ratio", size, harness.median(ratios), "x",
-                                 **{k: v for k, v in extra.items() if k not in ("size_mb", "unit")}, data_path=path,
-                                 runs=[round(r, 3) for r in ratios])
+                                 **ratio_fields, data_path=path, **scoped, runs=[round(r, 3) for r in ratios])
     finally:
-        for closing in (raw, theirs, *ours.values()):
+        for closing in (raw, *theirs.values(), *ours.values()):
             if closing is not None:
                 closing.close()
     log(f"pushpull_bench: loadavg at the end {harness.machine()['loadavg']}")

@@ -32,7 +32,9 @@
 - ``store``: rank 0 of the push-then-pull benchmark: holds one tensor; ``push`` adds
   -lr x the pushed tensor to it in place, ``pull`` returns it.
 - ``store-client``: rank 1: reads commands on stdin (``run ROWS COLS ROUNDS``, ``quit``),
-  answers each run with ``TORCH_PP {"seconds": ...}`` after one untimed round.
+  answers each run with ``TORCH_PP {"seconds": ...}`` after one untimed round. A round is
+  ``push`` then ``pull`` (``--variant two-call``) or one ``push_pull`` rpc that adds and
+  returns the tensor (``--variant fused``).
 
 ``--transport``: ``tcp`` restricts TensorPipe to its TCP transport "uv" (libuv sockets) and
 channel "basic", as between hosts; ``shm`` leaves TensorPipe its defaults, which on one host
@@ -445,6 +447,12 @@ def store_pull() -> torch.Tensor:
     return _STORE["tensor"]   # type: ignore[return-value]
 
 
+def store_push_pull(grad: torch.Tensor) -> torch.Tensor:
+    """The fused variant: the push and the pull after it in one rpc, as our PushPull."""
+    store_push(grad)
+    return store_pull()
+
+
 def run_store(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     _STORE["lr"] = args.lr
@@ -462,6 +470,13 @@ def run_store_client(args: argparse.Namespace) -> int:
         print(PP_PREFIX + json.dumps({"ready": True}), flush=True)
         shape: tuple[int, int] | None = None
         grad = torch.empty(0)
+
+        def one_round() -> torch.Tensor:
+            if args.variant == "fused":
+                return rpc.rpc_sync("ps", store_push_pull, args=(grad,))
+            rpc.rpc_sync("ps", store_push, args=(grad,))
+            return rpc.rpc_sync("ps", store_pull)
+
         for line in sys.stdin:
             words = line.split()
             if not words or words[0] == "quit":
@@ -472,12 +487,10 @@ def run_store_client(args: argparse.Namespace) -> int:
                 rng = np.random.default_rng(0)
                 rpc.rpc_sync("ps", store_set, args=(torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)),))
                 grad = torch.full(shape, 1e-3)
-            rpc.rpc_sync("ps", store_push, args=(grad,))   # one untimed round
-            pulled = rpc.rpc_sync("ps", store_pull)
+            pulled = one_round()   # untimed
             start = time.perf_counter()
             for _ in range(rounds):
-                rpc.rpc_sync("ps", store_push, args=(grad,))
-                pulled = rpc.rpc_sync("ps", store_pull)
+                pulled = one_round()
             seconds = time.perf_counter() - start
             assert tuple(pulled.shape) == shape
             print(PP_PREFIX + json.dumps({"seconds": seconds, "rounds": rounds}), flush=True)

@@ -61,3 +61,12 @@ def test_the_push_pull_benchmark_prints_gigabytes_per_second(tmp_path: Path) -> 
     assert [(r["system"], r["metric"], r["size_mb"], r["unit"]) for r in records] == [
         ("onnx-ps", "pushpull_gbps", 1.0, "GB/s")]
     assert records[0]["value"] > 0 and len(records[0]["runs"]) == 2
+
+
+@pytest.mark.parametrize("variants, says", [("fused/udp", "fused/udp is not one of"), ("", "nothing is not one of")])
+def test_the_push_pull_benchmark_names_a_torch_variant_it_does_not_know(tmp_path: Path, variants: str,
+                                                                      says: str) -> None:
+    done = subprocess.run([sys.executable, "-P", "-m", "ps_bench.pushpull_bench", "--torch-variants", variants],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2, done.stderr
+    assert f"--torch-variants: {says}" in done.stderr and done.stdout == ""

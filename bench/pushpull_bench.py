@@ -178,27 +178,40 @@ def raw_tcp_child() -> int:
 
 
 class Theirs:
-    """The PyTorch RPC store and its client (child processes), in one variant over one transport."""
+    """The PyTorch RPC store and its client (child processes), in one variant over one transport, started for each
+    timed run and stopped after it: TensorPipe's shared-memory transport polls (about half a core per idle
+    process here), so a peer left running between its runs would slow every other system measured meanwhile."""
 
     def __init__(self, system: peers.System) -> None:
         self.system = system
+        self.procs: list[Proc] = []
+
+    def _start(self) -> None:
         port = harness.free_port()
-        transport = ["--transport", system.transport]
-        self.procs = [Proc(f"{system.label} store", "ps_bench.torch_rpc",
+        transport = ["--transport", self.system.transport]
+        self.procs = [Proc(f"{self.system.label} store", "ps_bench.torch_rpc",
                            ["store", "--port", port, "--lr", LR, *transport])]
-        self.procs.append(Proc(f"{system.label} client", "ps_bench.torch_rpc",
-                               ["store-client", "--port", port, "--variant", system.variant, *transport], stdin=True))
+        self.procs.append(Proc(f"{self.system.label} client", "ps_bench.torch_rpc",
+                               ["store-client", "--port", port, "--variant", self.system.variant, *transport],
+                               stdin=True))
         self.procs[1].wait_for("TORCH_PP ", 120)
 
     def timed(self, shape: tuple[int, int], rounds: int, timeout: float) -> float:
-        self.procs[1].send(f"run {shape[0]} {shape[1]} {rounds}")
-        return float(self.procs[1].wait_for("TORCH_PP ", timeout)["seconds"])
+        try:
+            self._start()
+            self.procs[1].send(f"run {shape[0]} {shape[1]} {rounds}")
+            return float(self.procs[1].wait_for("TORCH_PP ", timeout)["seconds"])
+        finally:
+            self.close()
 
     def close(self) -> None:
-        try:
-            self.procs[1].send("quit")
-        except OSError:
-            pass
+        if not self.procs:
+            return
+        if len(self.procs) > 1:   # the client was started: ask it for a clean rpc shutdown
+            try:
+                self.procs[1].send("quit")
+            except OSError:
+                pass
         deadline = time.monotonic() + 15
         for proc in reversed(self.procs):   # a clean rpc shutdown first, then by PID
             try:
@@ -206,6 +219,7 @@ class Theirs:
             except Exception:
                 pass
         harness.stop_all(self.procs)
+        self.procs = []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -308,7 +308,9 @@ def test_a_registered_workers_pull_and_push_pull_are_served_within_a_second_whil
     address = cluster.addresses[0]
     channel = grpc.insecure_channel(address)
     release = threading.Event()
-    with PSClient([address], worker_id="w0", rpc_timeout=10, retry=QUICK, shared_memory=False) as worker:
+    # Every byte over gRPC (no shared memory, no data channel): the rpcs the stalled calls compete with.
+    with PSClient([address], worker_id="w0", rpc_timeout=10, retry=QUICK, shared_memory=False,
+                  data_channel=False) as worker:
         worker.wait_ready(20)
         worker.initialize(MODEL)
         worker.register()

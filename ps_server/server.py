@@ -20,7 +20,6 @@ from ps_common.codec import MAX_MESSAGE_BYTES
 from ps_common.errors import NotPrimaryError
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import replication_pb2 as rpb
-from ps_proto.v1 import replication_pb2_grpc as rpb_grpc
 from ps_server import security, service
 from ps_server.admin import AdminServicer
 from ps_server.admission import CONTROL_THREADS, Admission, DataPlanePool, StreamWatchdog
@@ -101,7 +100,8 @@ class ShardServer:
                 self.metrics.watch_replica(self.replica.status)
             else:
                 self.shard.role_check = self._witness_refuses
-            rpb_grpc.add_ReplicationServicer_to_server(ReplicationServicer(self.voter, self.replica, own), self.server)
+            # through the product's boundary (bytes that do not parse: INVALID_ARGUMENT), not the generated adder
+            service.add_to_server(ReplicationServicer(self.voter, self.replica, own), self.server, "Replication", rpb)
         bind_port = config.port
         if config.replicas and not bind_port:
             bind_port = int(config.replicas[config.replica_index].rpartition(":")[2])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 
 import grpc
 import numpy as np
@@ -118,27 +119,29 @@ def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
 
 
 
-def add_to_server(servicer: object, server: grpc.Server, service_name: str = "ParameterServer") -> None:
-    """Registers a ps.v1 service, as the generated add_*Servicer_to_server does, except that:
+def add_to_server(servicer: object, server: grpc.Server, service_name: str = "ParameterServer",
+                  messages: ModuleType = pb) -> None:
+    """Registers a ps.v1 service (of the generated module `messages`), as the generated
+    add_*Servicer_to_server does, except that:
 
-    - unary requests are parsed by safe_deserializer (bytes that do not parse get
-      INVALID_ARGUMENT, not INTERNAL);
+    - requests are parsed by safe_deserializer (bytes that do not parse get INVALID_ARGUMENT,
+      not INTERNAL); a client stream's handler gets the Malformed items in its stream;
     - Push and InitParameters take raw bytes, walked by the codec without copying tensor data;
     - Pull and PushPull answer serialized messages (the codec's, ps_common/frames.py for PushPull).
     """
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    service = pb.DESCRIPTOR.services_by_name[service_name]
-    raw = service_name == "ParameterServer"
+    service = messages.DESCRIPTOR.services_by_name[service_name]
+    raw = messages is pb and service_name == "ParameterServer"
     handlers = {}
     for method in service.methods:
-        request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        request, response = getattr(messages, method.input_type.name), getattr(messages, method.output_type.name)
         serialize = response.SerializeToString
         if raw and method.name in RAW_RESPONSES:
             serialize = _pass_bytes(serialize)
         if raw and method.name in RAW_REQUESTS:
             deserialize = None
-        elif method.client_streaming:  # pragma: no cover - every streamed request is in RAW_REQUESTS
+        elif raw and method.client_streaming:  # pragma: no cover - every streamed request is in RAW_REQUESTS
             raise NotImplementedError(f"{service.full_name}/{method.name}: a streamed request type needs a decoder here")
         else:
             deserialize = safe_deserializer(request, f"{service_name}.{method.name}")

@@ -42,6 +42,11 @@ class Malformed:
     nbytes: int
     error: str
 
+    def refusal(self) -> InvalidRequestError:
+        """The error the caller gets for it: INVALID_ARGUMENT naming the rpc and the parser's complaint."""
+        return InvalidRequestError(f"{self.rpc}: the request's {self.nbytes} bytes do not parse as its message "
+                                   f"({self.error})")
+
 
 def safe_deserializer(message_type, rpc: str) -> Callable[[bytes], object]:
     """`message_type.FromString` that returns Malformed instead of raising.
@@ -73,8 +78,7 @@ def translate_errors(method: Callable) -> Callable:
     def wrapper(self, request, context):
         try:
             if isinstance(request, Malformed):
-                raise InvalidRequestError(f"{request.rpc}: the request's {request.nbytes} bytes do not parse as "
-                                          f"its message ({request.error})")
+                raise request.refusal()
             return method(self, request, context)
         except PSError as exc:
             abort_with(context, exc)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from ps_common.boundary import Malformed, translate_errors
+from ps_common.boundary import Malformed, abort_with, translate_errors
 from ps_common.errors import InvalidRequestError
 from ps_proto.v1 import replication_pb2 as rpb
 from ps_proto.v1 import replication_pb2_grpc as rpb_grpc
@@ -36,21 +36,23 @@ def _answer(grant: Grant, voter: str) -> rpb.LeaseGrant:
                           why=grant.why, voter=voter)
 
 
+def _check_id(rpc: str, what: str, value: str) -> None:
+    if not value or len(value) > MAX_ID_CHARS:
+        raise InvalidRequestError(f"Replication.{rpc}: {what} has {len(value)} characters; it needs 1 to "
+                                  f"{MAX_ID_CHARS}")
+
+
 def _check(rpc: str, shard: int, epoch: int, replica: str, isr, incarnation: str = "") -> None:
     """InvalidRequestError naming the field and its value when a request is outside the documented bounds."""
     if shard < 0:
         raise InvalidRequestError(f"Replication.{rpc}: shard {shard} is negative")
     if epoch < 0:
         raise InvalidRequestError(f"Replication.{rpc}: epoch {epoch} is negative")
-    if not replica or len(replica) > MAX_ID_CHARS:
-        raise InvalidRequestError(f"Replication.{rpc}: the replica id has {len(replica)} characters; it needs 1 to "
-                                  f"{MAX_ID_CHARS}")
+    _check_id(rpc, "the replica id", replica)
     if len(isr) > MAX_ISR:
         raise InvalidRequestError(f"Replication.{rpc}: {len(isr)} in-sync replicas named; at most {MAX_ISR}")
     for member in isr:
-        if not member or len(member) > MAX_ID_CHARS:
-            raise InvalidRequestError(f"Replication.{rpc}: an in-sync replica id has {len(member)} characters; it "
-                                      f"needs 1 to {MAX_ID_CHARS}")
+        _check_id(rpc, "an in-sync replica id", member)
     if len(incarnation) > MAX_ID_CHARS:
         raise InvalidRequestError(f"Replication.{rpc}: the incarnation has {len(incarnation)} characters; at most "
                                   f"{MAX_ID_CHARS}")
@@ -63,8 +65,7 @@ def _well_formed(requests: Iterator, context) -> Iterator[rpb.FollowAck]:
     for index, request in enumerate(requests):
         if isinstance(request, Malformed):
             if index == 0:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.rpc}: the request's {request.nbytes} "
-                                                                f"bytes do not parse ({request.error})")
+                abort_with(context, request.refusal())
             log.warning("%s: acknowledgement %d of %d bytes does not parse (%s); ending the stream", request.rpc,
                         index, request.nbytes, request.error)
             return

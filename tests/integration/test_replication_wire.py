@@ -5,13 +5,11 @@ INVALID_ARGUMENT, and change no vote."""
 
 from __future__ import annotations
 
-import socket
-
 import grpc
 import numpy as np
 import pytest
 
-from ps_common.errors import CorruptCheckpointError, InvalidRequestError
+from ps_common.errors import REASON_KEY, CorruptCheckpointError, InvalidRequestError
 from ps_proto.v1 import replication_pb2 as rpb
 from ps_server.checkpoints import fileformat
 from ps_server.config import ServerConfig
@@ -19,6 +17,7 @@ from ps_server.replication.replica import WITNESS
 from ps_server.replication.service import MAX_ID_CHARS, MAX_ISR
 from ps_server.replication.wire import SCALARS_KEY, snapshot_items, snapshot_of
 from ps_server.server import create_server
+from ps_tools.launch.supervise import free_ports
 from worker_client.client import PSClient
 
 
@@ -120,9 +119,7 @@ def test_a_witness_answers_its_status_and_refuses_to_be_followed(witness) -> Non
 
 
 def test_a_follow_stream_whose_first_acknowledgement_does_not_parse_is_invalid_argument() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        own = f"127.0.0.1:{probe.getsockname()[1]}"
+    own = f"127.0.0.1:{free_ports(1)[0]}"
     # a replica whose other voters are not there: it serves Replication while it waits for a lease
     server, _ = create_server(ServerConfig(replicas=(own,), replica_index=0, voters=(own, "127.0.0.1:1", "127.0.0.1:2")))
     channel = grpc.insecure_channel(own)
@@ -132,6 +129,7 @@ def test_a_follow_stream_whose_first_acknowledgement_does_not_parse_is_invalid_a
             list(follow(iter([b"\xff\xfe\x00"]), timeout=5))
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
         assert "Replication.Follow" in raised.value.details()
+        assert dict(raised.value.trailing_metadata() or ())[REASON_KEY] == InvalidRequestError.reason
     finally:
         channel.close()
         server.stop(0.5)

@@ -10,8 +10,8 @@ The model is ``--model`` (any ONNX file the engine trains; default: the MLP 784-
 written here) on ``--data`` (a dataset file or spec; default: the MLP's synthetic data),
 with ps-worker's defaults for tables (those of 1 MiB or more train by rows) unless
 ``--sparse-tables`` names them. ``--data-path`` picks how bytes reach the shards:
-``shm`` (a shared-memory segment with each shard on this host, else the data channel or
-gRPC: ps-worker's defaults), ``channel`` (the data channel, a TCP connection of its own per
+``shm`` (ps-worker's defaults: a shared-memory segment with each shard of 2 MiB or more on
+this host, the data channel with smaller ones and with other hosts, else gRPC), ``channel`` (the data channel, a TCP connection of its own per
 shard, as between hosts, where this version has it) or ``grpc`` (gRPC bytes only:
 ``PSClient(shared_memory=False, data_channel=False)``). In async mode
 without tables by rows a step's PushPull travels while the next gradient is computed
@@ -63,7 +63,8 @@ def data_channel_supported() -> bool:
 
 
 def client_settings(path: str) -> dict[str, bool]:
-    """PSClient's keywords for a data path: shm (shared memory on this host, the defaults), channel (the data
+    """PSClient's keywords for a data path: shm (the defaults on one host: shared memory with shards of at least
+    shared_memory_min_bytes, the data channel with smaller ones), channel (the data
     channel even on this host), grpc (gRPC bytes only); ValueError for channel where there is none."""
     if path == "shm":
         return {}

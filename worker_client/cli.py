@@ -19,8 +19,7 @@ from ps_common.errors import PSError
 from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.logs import configure_logging
 from ps_common.scratch import ScratchDir
-from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
-from worker_client.client import PSClient, RetryPolicy
+from worker_client.client.from_job import client_for_job
 from worker_client.engine import GradientEngine
 from worker_client.pipeline.worker import run_stage_worker
 from worker_client.training.preflight import Prepared, prepare, resolve_model, sparse_summary
@@ -74,12 +73,7 @@ def train_worker(job: JobConfig, prepared: Prepared, *, report: EventSink | None
     log.info("worker %d of %d (%s): model %s, %s, shards %s", w.index, plan.num_workers, w.worker_id,
              prepared.model_path, dataset.describe(), w.servers,
              extra={"worker": w.index, "model": str(prepared.model_path), "servers": w.servers})
-    credentials, metadata = client_security(w.tls_ca, w.tls_cert, w.tls_key,
-                                            token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
-    client = PSClient(w.servers, worker_id=w.worker_id, rpc_timeout=w.rpc_timeout, wait_timeout=job.job.wait_timeout,
-                      retry=RetryPolicy(window=w.reconnect_timeout), channel_credentials=credentials,
-                      call_metadata=metadata, stop=stop,
-                      shared_memory=w.shared_memory, wire_dtype=job.job.wire_dtype)
+    client = client_for_job(job, worker_id=w.worker_id, stop=stop)
     try:
         expected_mode = job.job.mode if "job.mode" in job.sources else None   # else: follow the shards
         return Trainer(client, engine, dataset, plan=plan, report=report, stop=stop,

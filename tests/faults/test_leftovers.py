@@ -56,9 +56,9 @@ def test_killed_shards_and_workers_leave_nothing_and_the_step_rate_comes_back(st
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     shm_before = set(os.listdir("/dev/shm"))
+    # a bundled model (each worker writes it into its scratch folder); its small shards through shared memory
     job = start_job(mode="async", shards=2, workers=2, steps=10**6, checkpoint_every=25,
-                    worker_flags=["--model", "mlp"],   # a bundled model: each worker writes it into its scratch folder
-                    env={"TMPDIR": str(tmpdir)})
+                    worker_flags=["--model", "mlp", "--shared-memory-min-bytes", "0"], env={"TMPDIR": str(tmpdir)})
     job.chief.wait_for_step(100, timeout=90)
     before = step_rate(job, 3.0)
     for kill in range(KILLS):

@@ -25,7 +25,7 @@ STEPS = 200
 GRPC_ONLY = ["--no-data-channel"]
 PATHS = {
     # path: (shards, shard flags, worker flags)
-    "push-pull, shared memory": (2, [], []),
+    "push-pull, shared memory": (2, [], ["--shared-memory-min-bytes", "0"]),   # its small shards too
     "push-pull, gRPC bytes": (2, GRPC_ONLY, ["--no-shared-memory"]),
     "push and pull streams": (1, GRPC_ONLY, ["--no-shared-memory", "--model", "deep_mlp"]),   # 369 KB > one message
 }

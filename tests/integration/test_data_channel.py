@@ -344,6 +344,41 @@ def test_a_tls_shard_serves_a_tls_channel_to_a_worker_that_trusts_it(start_clust
         np.testing.assert_allclose(pulled["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
 
 
+@pytest.mark.parametrize("mutual", [False, True])
+def test_a_worker_process_of_a_tls_job_moves_its_bytes_through_the_tls_channel(start_cluster, certs: Path,
+                                                                               mutual: bool) -> None:
+    """ps-worker and the pipeline stages build their client from the job (client_for_job): the channel's TLS
+    comes from the same --tls-* files as the gRPC credentials, so a TLS job's bytes do not fall back to gRPC."""
+    import argparse
+
+    from ps_common import jobconfig
+    from worker_client.client.from_job import client_for_job
+
+    flags = [*FLAGS, "--tls-cert", certs / "server.crt", "--tls-key", certs / "server.key"]
+    if mutual:
+        flags += ["--tls-client-ca", certs / "ca.crt"]
+    cluster = start_cluster(1, mode="async", flags=flags)
+    parser = argparse.ArgumentParser()
+    jobconfig.add_arguments(parser, scope="worker")
+    argv = ["--servers", cluster.addresses[0], "--tls-ca", str(certs / "ca.crt"), "--rpc-timeout", "20"]
+    if mutual:
+        argv += ["--tls-cert", str(certs / "worker.crt"), "--tls-key", str(certs / "worker.key")]
+    job = jobconfig.load_config(parser.parse_args(argv), scope="worker", env={})
+    values = model()
+    with client_for_job(job, worker_id="w0") as worker:
+        worker.wait_ready(20)
+        worker.initialize(values)
+        worker.register(heartbeat=False)
+        worker.pull()
+        for _ in range(2):
+            report, pulled = worker.push_pull(grads(values))
+            assert report.accepted and pulled is not None
+        # the model is small: on this host too the channel comes first (shared_memory_min_bytes)
+        assert worker._links[0].frames == 2 and worker._links[0].sock.version() is not None   # TLS
+        assert not worker._segments
+        np.testing.assert_allclose(pulled["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
+
+
 def test_a_tls_channel_without_the_workers_tls_context_falls_back_to_grpc(start_cluster, certs: Path,
                                                                           caplog) -> None:
     flags = [*FLAGS, "--tls-cert", certs / "server.crt", "--tls-key", certs / "server.key"]

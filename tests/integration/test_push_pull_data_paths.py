@@ -29,7 +29,9 @@ def grads(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def client(cluster, *, shm: bool) -> PSClient:
-    c = PSClient(cluster.addresses, worker_id="w0", rpc_timeout=20, wait_timeout=20, retry=QUICK, shared_memory=shm)
+    # shared_memory_min_bytes=0: shared memory for these small shards too (else the data channel comes first)
+    c = PSClient(cluster.addresses, worker_id="w0", rpc_timeout=20, wait_timeout=20, retry=QUICK, shared_memory=shm,
+                 shared_memory_min_bytes=0)
     c.wait_ready(20)
     return c
 
@@ -133,7 +135,7 @@ def test_a_half_size_wire_keeps_float32_on_the_shard_and_rounds_only_what_travel
     cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "256"])
     narrow = codec.WIRE_DTYPES[wire]
     with PSClient(cluster.addresses, worker_id="w0", rpc_timeout=20, retry=QUICK, shared_memory=shm,
-                  wire_dtype=wire) as worker, \
+                  shared_memory_min_bytes=0, wire_dtype=wire) as worker, \
             PSClient(cluster.addresses, worker_id="exact", rpc_timeout=20, retry=QUICK) as exact:
         worker.wait_ready(20)
         worker.initialize(values)
@@ -196,3 +198,31 @@ def test_after_a_shard_restarts_the_worker_opens_shared_memory_again(start_clust
         assert first.closed                                # the old one was unmapped
         assert memfds(cluster.shards[0].pid) == 1
         assert pulled is not None and steps == sorted(steps)
+
+
+@needs_shm
+@pytest.mark.parametrize("offered", [True, False])
+def test_on_one_host_a_small_shard_takes_the_data_channel_first_and_a_large_one_shared_memory(start_cluster,
+                                                                                             offered: bool) -> None:
+    values = model()
+    cluster = start_cluster(1, mode="async", flags=[*FLAGS, *([] if offered else ["--no-data-channel"])])
+    shard_bytes = sum(v.nbytes for v in values.values())
+    with PSClient(cluster.addresses, worker_id="small", rpc_timeout=20, retry=QUICK) as small, \
+            PSClient(cluster.addresses, worker_id="large", rpc_timeout=20, retry=QUICK,
+                     shared_memory_min_bytes=shard_bytes) as large:
+        small.wait_ready(20)
+        small.initialize(values)
+        for worker in (small, large):
+            worker.register(heartbeat=False)
+            worker.pull()
+            report, pulled = worker.push_pull(grads(values))
+            assert report.accepted and pulled is not None
+        # below the bound: the channel when the shard offers one, else shared memory; at the bound: shared memory
+        assert (sorted(small._links), small._segments.get(0) is not None) == (([0], False) if offered else ([], True))
+        assert (sorted(large._links), large._segments.get(0) is not None) == ([], True)
+        np.testing.assert_allclose(large.pull()["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
+
+
+def test_a_negative_shared_memory_bound_is_refused() -> None:
+    with pytest.raises(ValueError, match="shared_memory_min_bytes must be 0 or more, got -1"):
+        PSClient(["127.0.0.1:1"], shared_memory_min_bytes=-1)

@@ -90,6 +90,13 @@ FAILOVER_WINDOW = 15.0
 #: for Push + Pull, gRPC Python being slow with large single messages; on a 45 KB model it
 #: took 1.2 ms against 2.4 ms.
 GRPC_PUSH_PULL_MAX_BYTES = 256 << 10
+#: On one host a shard holding fewer parameter bytes than this moves them through the data channel when it
+#: can be had, and through shared memory otherwise (PSClient's `shared_memory_min_bytes`). Shared memory
+#: still takes one gRPC call per step for its control message; the channel's single socket round trip is
+#: cheaper below about 2 MB per shard, the segment's one copy each way cheaper above. Measured with
+#: `ps_bench.pushpull_bench` on loopback, 2 cores (GB/s, shared memory / channel): 0.25 MB 0.44 / 0.82,
+#: 1 MB 1.13 / 1.72, 2 MB 1.88 / 1.84, 4 MB 2.62 / 2.04, 8 MB 3.23 / 1.99.
+SHARED_MEMORY_MIN_BYTES = 2 << 20
 #: A shard that gave no shared-memory segment is asked again after this long (seconds): it may have
 #: been restarting; one on another host costs one OpenSharedMemory this often.
 SEGMENT_RETRY_SECONDS = 30.0
@@ -197,7 +204,8 @@ class PSClient:
                  call_metadata: Sequence[tuple[str, str]] = (),
                  stop: threading.Event | None = None, shared_memory: bool = True,
                  wire_dtype: str = "float32", channel_options: Sequence[tuple[str, object]] = (),
-                 data_channel: bool = True, data_channel_tls: ssl.SSLContext | None = None) -> None:
+                 data_channel: bool = True, data_channel_tls: ssl.SSLContext | None = None,
+                 shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES) -> None:
         """`stop`, once set (e.g. by a SIGTERM handler), ends every wait of this client within about
         STOP_POLL_SECONDS with StoppedError: connecting, retry backoffs and barriers. With
         `shared_memory`, push_pull moves its bytes through a shared-memory segment with each
@@ -207,9 +215,14 @@ class PSClient:
         wire on one host); over gRPC otherwise. A shard whose channel is TLS needs `data_channel_tls`
         (ps_common.data_channel.client_tls_context, from the files of the gRPC credentials); without it
         the bytes go over gRPC. `channel_options` are added to every channel's (e.g.
-        ``("grpc.ssl_target_name_override", NAME)``, also the name a TLS data channel checks)."""
+        ``("grpc.ssl_target_name_override", NAME)``, also the name a TLS data channel checks).
+        A shard holding fewer parameter bytes than `shared_memory_min_bytes` takes the data channel
+        first even on this host (faster for small shards: SHARED_MEMORY_MIN_BYTES), shared memory
+        when the channel cannot be had; 0: shared memory first for every shard."""
         if not addresses:
             raise ValueError("PSClient needs at least one shard address")
+        if shared_memory_min_bytes < 0:
+            raise ValueError(f"shared_memory_min_bytes must be 0 or more, got {shared_memory_min_bytes}")
         if wire_dtype not in codec.WIRE_DTYPES:
             raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (choose one of {', '.join(codec.WIRE_DTYPES)})")
         #: float32 gradients and parameters cross gRPC in this dtype (the shards keep float32).
@@ -252,6 +265,7 @@ class PSClient:
         for shard in range(n):
             self._connect(shard)
         self.shared_memory = shared_memory
+        self.shared_memory_min_bytes = shared_memory_min_bytes
         self._segments: dict[int, tuple[Segment, Layout]] = {}   # shard -> its open segment
         self._no_segment_until: dict[int, float] = {}             # shard -> when to ask it for one again
         self.data_channel = data_channel
@@ -828,7 +842,7 @@ class PSClient:
             if not names or not all(self._small(shard_map, i, names, rows_by_shard.get(i, ()), wanted_rows.get(i, ()))
                                     for i in range(self.num_shards)):
                 return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None
-        elif not all(self._segment(i) or self._link(i, gradients) or self._small(shard_map, i)
+        elif not all(any(self._bytes_path(i, shard_map, gradients)) or self._small(shard_map, i)
                      for i in range(self.num_shards)):
             return self.push(gradients, read_steps=steps), None, None
         wanted = None if names is None else set(names)
@@ -836,8 +850,7 @@ class PSClient:
         destination = self._destination(shard_map, out, threading.Lock())
 
         def one(shard: int) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
-            segment = self._segment(shard) if wanted is None else None
-            link = self._link(shard, gradients) if wanted is None and segment is None else None
+            segment, link = self._bytes_path(shard, shard_map, gradients) if wanted is None else (None, None)
             grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
             reply, values = self._exchange(shard, shard_map, gradients, clock, steps[shard], segment, link,
                                            wait_for_step, ssp, wait, grads, names, asked, destination)
@@ -1056,6 +1069,18 @@ class PSClient:
         size += sparse.wire_bytes(rows)
         size += sum(len(ids) * shard_map.specs[name].row_bytes for name, _, ids in asked)
         return size <= GRPC_PUSH_PULL_MAX_BYTES
+
+    def _bytes_path(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
+                    ) -> tuple[tuple[Segment, Layout] | None, Link | None]:
+        """How a whole-shard PushPull's bytes travel: (the shared-memory segment, None), (None, the data
+        channel), or (None, None) for gRPC bytes. A shard smaller than `shared_memory_min_bytes` tries the
+        channel first, any other shared memory first; each falls back to the other."""
+        if self.shared_memory and self.data_channel and \
+                sum(p.nbytes for p in shard_map.parts_on(shard)) < self.shared_memory_min_bytes:
+            link = self._link(shard, gradients)
+            return (None, link) if link is not None else (self._segment(shard), None)
+        segment = self._segment(shard)
+        return (segment, None) if segment is not None else (None, self._link(shard, gradients))
 
     def _segment(self, shard: int) -> tuple[Segment, Layout] | None:
         """The shared-memory segment with a shard on this host, opened on first use; None: use gRPC bytes.

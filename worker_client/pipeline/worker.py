@@ -45,9 +45,10 @@ import onnx
 from ps_common.errors import PSError, StageTimeoutError, StoppedError, TrainingError
 from ps_common.jobconfig import JobConfig
 from ps_common.scratch import ScratchDir
-from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
+from ps_common.tls import AUTH_TOKEN_ENV, token_from
 from ps_models.datasets import Dataset, load_dataset
-from worker_client.client import PSClient, RetryPolicy, ServerError
+from worker_client.client import PSClient, ServerError
+from worker_client.client.from_job import client_for_job
 from worker_client.engine.load import load_model
 from worker_client.engine.sparse import SparsePlan
 from worker_client.pipeline import rendezvous
@@ -422,18 +423,13 @@ def run_stage_worker(job: JobConfig, *, report: EventSink | None = None,
                                 steps=w.steps, epochs=w.epochs, seed=job.job.seed, eval_every=0,
                                 progress_every=w.progress_every, start_timeout=w.start_timeout,
                                 wait_timeout=job.job.wait_timeout)
-        credentials, metadata = client_security(w.tls_ca, w.tls_cert, w.tls_key,
-                                                token_from(job.job.auth_token_file, env_var=AUTH_TOKEN_ENV))
         worker_id = w.worker_id if "worker.worker_id" in job.sources else f"replica{w.index}-stage{w.stage}"
         log.info("stage %d of %d, replica %d of %d (%s): %d parameters, %d micro-batches of %d, shards %s",
                  w.stage, plan.count, w.index, job.job.workers or 1, worker_id, len(runner.trainable_names),
                  micro_batches, w.batch_size // micro_batches, w.servers,
                  extra={"stage": w.stage, "replica": w.index, "servers": w.servers})
         links = open_links(job, stage_security(job))
-        client = PSClient(w.servers, worker_id=worker_id, rpc_timeout=w.rpc_timeout,
-                          wait_timeout=job.job.wait_timeout, retry=RetryPolicy(window=w.reconnect_timeout),
-                          channel_credentials=credentials, call_metadata=metadata, stop=stop,
-                          shared_memory=w.shared_memory, wire_dtype=job.job.wire_dtype)
+        client = client_for_job(job, worker_id=worker_id, stop=stop)
         try:
             expected_mode = job.job.mode if "job.mode" in job.sources else None
             return StageTrainer(client, runner, dataset, plan=training, links=links, model_inputs=plan.model_inputs,

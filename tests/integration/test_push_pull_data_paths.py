@@ -226,3 +226,39 @@ def test_on_one_host_a_small_shard_takes_the_data_channel_first_and_a_large_one_
 def test_a_negative_shared_memory_bound_is_refused() -> None:
     with pytest.raises(ValueError, match="shared_memory_min_bytes must be 0 or more, got -1"):
         PSClient(["127.0.0.1:1"], shared_memory_min_bytes=-1)
+
+
+@pytest.mark.parametrize("path", ["channel", pytest.param("shm", marks=needs_shm), "grpc-split"])
+def test_received_values_held_by_the_caller_are_never_rewritten_and_dropped_ones_are_reused(start_cluster,
+                                                                                           path: str) -> None:
+    from worker_client.client.buffers import MIN_BYTES
+
+    rows = 2 * MIN_BYTES // (4 * 8)   # "w": 2 MiB, so its arrays are kept for reuse (split over 2 shards: 1 MiB each)
+    values = model(rows)
+    shards = 2 if path == "grpc-split" else 1
+    cluster = start_cluster(shards, mode="async", flags=[*FLAGS, "--partition-min-bytes", str(MIN_BYTES)])
+    options = {"channel": {"shared_memory": False}, "shm": {"shared_memory_min_bytes": 0},
+               "grpc-split": {"shared_memory": False, "data_channel": False}}[path]
+    with PSClient(cluster.addresses, worker_id="w0", rpc_timeout=20, retry=QUICK, **options) as worker:
+        worker.wait_ready(20)
+        worker.initialize(values)
+        worker.register(heartbeat=False)
+        worker.pull()
+        report, first = worker.push_pull(grads(values))
+        if path == "grpc-split":   # past one message: push then pull, the split tensor assembled in place
+            first = worker.pull()
+        kept = first["w"].copy()
+        report, second = worker.push_pull(grads(values))
+        if path == "grpc-split":
+            second = worker.pull()
+        np.testing.assert_array_equal(first["w"], kept)                       # held: untouched
+        np.testing.assert_allclose(second["w"], kept - LR * 0.25, rtol=1e-6)
+        assert second["w"].ctypes.data != first["w"].ctypes.data
+        address = first["w"].ctypes.data
+        del first
+        report, third = worker.push_pull(grads(values))
+        if path == "grpc-split":
+            third = worker.pull()
+        assert third["w"].ctypes.data == address                              # dropped: reused
+        np.testing.assert_allclose(third["w"], kept - 2 * LR * 0.25, rtol=1e-6)
+        np.testing.assert_allclose(second["w"], kept - LR * 0.25, rtol=1e-6)  # still held: untouched

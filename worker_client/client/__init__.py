@@ -4,6 +4,7 @@
 | --- | --- |
 | `ps_client.py` | `PSClient` (routing by the shard map, push, pull, PushPull, rows, membership, shared memory, read_state), `PushReport` and `ShardState` |
 | `retry.py` | the one retry loop (UNAVAILABLE, OVERLOADED) with `RetryPolicy`, and the typed errors of failed rpcs |
+| `buffers.py` | the arrays pulls receive large tensors into, reused once the caller drops them |
 | `from_job.py` | the client a worker process opens from its job configuration (credentials, data paths, the channel's TLS) |
 | `rows.py` | sparse rows: routing ids to shards, row gradients on the wire, dynamic tables' declarations |
 """

@@ -38,6 +38,7 @@ from ps_common.errors import (InvalidTensorError, NotInitializedError, Overloade
 from ps_common.modes import DropReason, Mode, step_to_wait_for
 from ps_common.shard_map import ParamSpec, PartKey, ShardMap, build_shard_map
 from ps_common.shared_memory import Layout, Segment
+from worker_client.client.buffers import ReceiveBuffers
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from worker_client.client import rows as sparse
@@ -265,6 +266,7 @@ class PSClient:
         for shard in range(n):
             self._connect(shard)
         self.shared_memory = shared_memory
+        self._buffers = ReceiveBuffers()   # the arrays pulls receive into, reused once the caller drops them
         self.shared_memory_min_bytes = shared_memory_min_bytes
         self._segments: dict[int, tuple[Segment, Layout]] = {}   # shard -> its open segment
         self._no_segment_until: dict[int, float] = {}             # shard -> when to ask it for one again
@@ -624,7 +626,7 @@ class PSClient:
         targets = [i for i in range(self.num_shards) if any(p.name in wanted for p in shard_map.parts_on(i))]
 
         out: dict[str, np.ndarray] = {}
-        destination = self._destination(shard_map, out, threading.Lock())
+        destination = self._destination(shard_map, out, threading.Lock(), self._buffers)
 
         def fetch(shard: int) -> tuple[int, dict[tuple[str, int], np.ndarray]]:
             own = sorted({p.name for p in shard_map.parts_on(shard) if p.name in wanted})
@@ -847,7 +849,7 @@ class PSClient:
             return self.push(gradients, read_steps=steps), None, None
         wanted = None if names is None else set(names)
         out: dict[str, np.ndarray] = {}
-        destination = self._destination(shard_map, out, threading.Lock())
+        destination = self._destination(shard_map, out, threading.Lock(), self._buffers)
 
         def one(shard: int) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
             segment, link = self._bytes_path(shard, shard_map, gradients) if wanted is None else (None, None)
@@ -906,10 +908,9 @@ class PSClient:
         for slot in layout.values:
             target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
             view = memory.view(slot)
-            if target is None:
-                values[slot.key] = view.copy()   # the segment is rewritten by the next call
-            else:
-                np.copyto(target, view)
+            if target is None:   # the segment is rewritten by the next call: a copy of its own
+                target = values[slot.key] = self._buffers.empty(slot.key, slot.shape, slot.dtype)
+            np.copyto(target, view)
         return reply, values
 
     def _push_pull_link(self, shard: int, link: Link, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
@@ -937,7 +938,7 @@ class PSClient:
             # arrays (_place widens the latter), as the gRPC path's assembler does
             target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
             if target is None:
-                target = received[slot.key] = np.empty(slot.shape, dtype=slot.dtype)
+                target = received[slot.key] = self._buffers.empty(slot.key, slot.shape, slot.dtype)
             targets.append(target)
         address = self.addresses[shard]
         try:
@@ -1018,8 +1019,9 @@ class PSClient:
         return frames.decode_response(raw, rows_asked=len(asked), shard=shard), segment
 
     @staticmethod
-    def _destination(shard_map: ShardMap, out: dict[str, np.ndarray], lock: threading.Lock):
-        """A PartAssembler destination: parts of a split tensor go straight into its full array in `out`."""
+    def _destination(shard_map: ShardMap, out: dict[str, np.ndarray], lock: threading.Lock, buffers: ReceiveBuffers):
+        """A PartAssembler destination: parts of a split tensor go straight into its full array in `out` (one of
+        `buffers`)."""
 
         def destination(name: str, row_start: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
             spec = shard_map.specs.get(name)
@@ -1031,7 +1033,7 @@ class PSClient:
             with lock:
                 full = out.get(name)
                 if full is None:
-                    full = out[name] = np.empty(spec.shape, dtype=spec.dtype)
+                    full = out[name] = buffers.empty(name, spec.shape, spec.dtype)
             return full[row_start:row_start + shape[0]]
 
         return destination
@@ -1291,6 +1293,7 @@ class PSClient:
             self._drop_segment(shard)
         for shard in list(self._links):
             self._drop_link(shard)
+        self._buffers.clear()
         for channel in [*self._channels, *self._retired_channels]:
             channel.close()
 

@@ -115,8 +115,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plan = TrainingPlan(worker_index=args.index, num_workers=args.workers, batch_size=args.batch,
                             epochs=epochs, seed=args.seed, eval_every=0, start_timeout=120.0,
                             wait_timeout=args.wait_timeout, overlap=args.overlap)
+        settings: dict[str, Any] = dict(client_settings(args.data_path))
+        if args.profile and args.data_path == "shm" and \
+                "shared_memory_min_bytes" in inspect.signature(PSClient.__init__).parameters:
+            # the profile times the gRPC handler that shared memory's control message reaches: shared memory for
+            # small shards too (the one-host default would take the data channel, which it does not instrument)
+            settings["shared_memory_min_bytes"] = 0
         client = PSClient(args.servers.split(","), worker_id=f"bench-worker-{args.index}",
-                          wait_timeout=args.wait_timeout, **client_settings(args.data_path))
+                          wait_timeout=args.wait_timeout, **settings)
         # Iteration boundaries: when each gradient step starts, and when the next parameters are
         # in hand (PushPull returned them, or the pull after it returned), with the number of
         # iterations started when that call was made (with overlap it returns during the next one).

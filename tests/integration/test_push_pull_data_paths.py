@@ -203,7 +203,11 @@ def test_after_a_shard_restarts_the_worker_opens_shared_memory_again(start_clust
 @needs_shm
 @pytest.mark.parametrize("offered", [True, False])
 def test_on_one_host_a_small_shard_takes_the_data_channel_first_and_a_large_one_shared_memory(start_cluster,
-                                                                                             offered: bool) -> None:
+                                                                                             offered: bool,
+                                                                                             caplog) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="worker_client.client.ps_client")
     values = model()
     cluster = start_cluster(1, mode="async", flags=[*FLAGS, *([] if offered else ["--no-data-channel"])])
     shard_bytes = sum(v.nbytes for v in values.values())
@@ -220,6 +224,10 @@ def test_on_one_host_a_small_shard_takes_the_data_channel_first_and_a_large_one_
         # below the bound: the channel when the shard offers one, else shared memory; at the bound: shared memory
         assert (sorted(small._links), small._segments.get(0) is not None) == (([0], False) if offered else ([], True))
         assert (sorted(large._links), large._segments.get(0) is not None) == ([], True)
+        # the warning names where the bytes went instead of the channel
+        warned = [r.getMessage() for r in caplog.records if "no data channel" in r.getMessage()]
+        assert (not warned) if offered else \
+            (len(warned) == 1 and "shared memory where the shard shares this host" in warned[0]), warned
         np.testing.assert_allclose(large.pull()["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
 
 

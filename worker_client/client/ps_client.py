@@ -98,6 +98,9 @@ GRPC_PUSH_PULL_MAX_BYTES = 256 << 10
 #: `ps_bench.pushpull_bench` on loopback, 2 cores (GB/s, shared memory / channel): 0.25 MB 0.44 / 0.82,
 #: 1 MB 1.13 / 1.72, 2 MB 1.88 / 1.84, 4 MB 2.62 / 2.04, 8 MB 3.23 / 1.99.
 SHARED_MEMORY_MIN_BYTES = 2 << 20
+#: Where PushPull's bytes go when the data channel cannot be had (its warning says which).
+THEN_GRPC = "go over gRPC"
+THEN_SHARED_MEMORY = "go through shared memory where the shard shares this host, else over gRPC"
 #: A shard that gave no shared-memory segment is asked again after this long (seconds): it may have
 #: been restarting; one on another host costs one OpenSharedMemory this often.
 SEGMENT_RETRY_SECONDS = 30.0
@@ -1079,7 +1082,7 @@ class PSClient:
         channel first, any other shared memory first; each falls back to the other."""
         if self.shared_memory and self.data_channel and \
                 sum(p.nbytes for p in shard_map.parts_on(shard)) < self.shared_memory_min_bytes:
-            link = self._link(shard, gradients)
+            link = self._link(shard, gradients, then=THEN_SHARED_MEMORY)
             return (None, link) if link is not None else (self._segment(shard), None)
         segment = self._segment(shard)
         return (segment, None) if segment is not None else (None, self._link(shard, gradients))
@@ -1119,7 +1122,7 @@ class PSClient:
             self._no_segment_until.pop(shard, None)
         return found
 
-    def _link(self, shard: int, gradients: Mapping[str, np.ndarray]) -> Link | None:
+    def _link(self, shard: int, gradients: Mapping[str, np.ndarray], *, then: str = THEN_GRPC) -> Link | None:
         """The data channel with a shard, opened on first use; None: not for this call (gRPC bytes).
 
         Only for a call whose gradients cover every trainable part of the shard (the frame
@@ -1127,7 +1130,8 @@ class PSClient:
         again after DATA_CHANNEL_RETRY_SECONDS; one whose channel broke is asked at the next call.
         The first failure with each shard is logged as a warning, later ones at debug level. A
         replicated shard's bytes go over gRPC, whose keepalive finds a frozen primary (a raw
-        socket to one would wait out the call's whole timeout).
+        socket to one would wait out the call's whole timeout). `then` says, in that log line, where the
+        bytes go instead.
         """
         if not self.data_channel or len(self.replicas[shard]) > 1:
             return None
@@ -1136,14 +1140,14 @@ class PSClient:
             self._drop_link(shard)   # cut as idle by the shard, or closed: a fresh ticket
             found = None
         if found is None and time.monotonic() >= self._no_link_until.get(shard, 0.0):
-            found = self._open_link(shard)
+            found = self._open_link(shard, then)
         if found is None:
             return None
         if not all(slot.key[0] in gradients for slot in found.layout.gradients):
             return None
         return found
 
-    def _open_link(self, shard: int) -> Link | None:
+    def _open_link(self, shard: int, then: str = THEN_GRPC) -> Link | None:
         shard_map = self._require_map()
         narrow = None if self.wire_dtype == np.float32 else self.wire_dtype
         layout = dc.wire_layout([(p.key, p.dtype, p.shape) for p in shard_map.parts_on(shard)], narrow)
@@ -1165,7 +1169,7 @@ class PSClient:
         except (ServerError, OSError, ValueError, ProtocolError) as exc:
             code = getattr(getattr(exc, "code", None), "name", "")
             why = "the shard has no OpenDataChannel (an older version)" if code == "UNIMPLEMENTED" else str(exc)
-            self._link_failed(shard, f"no data channel ({why})")
+            self._link_failed(shard, f"no data channel ({why})", then=then)
             return None
         log.info("shard %d: PushPull's bytes through the data channel (port %d%s, %d bytes of layout)", shard,
                  answer.port, ", TLS" if answer.tls else "", layout.size)
@@ -1173,7 +1177,7 @@ class PSClient:
         self._no_link_until.pop(shard, None)
         return link
 
-    def _link_failed(self, shard: int, why: str, *, retry_now: bool = False) -> None:
+    def _link_failed(self, shard: int, why: str, *, retry_now: bool = False, then: str = THEN_GRPC) -> None:
         """Drops the shard's channel and logs why (a warning the first time for this shard, then at debug level):
         the next call reopens it (`retry_now`) or asks again after DATA_CHANNEL_RETRY_SECONDS."""
         self._drop_link(shard)
@@ -1181,7 +1185,7 @@ class PSClient:
             self._no_link_until[shard] = time.monotonic() + DATA_CHANNEL_RETRY_SECONDS
         level = logging.DEBUG if shard in self._link_failures_logged else logging.WARNING
         self._link_failures_logged.add(shard)
-        log.log(level, "shard %d: %s; PushPull's bytes go over gRPC%s", shard, why,
+        log.log(level, "shard %d: %s; PushPull's bytes %s%s", shard, why, then,
                 "" if retry_now else f", asking again in {DATA_CHANNEL_RETRY_SECONDS:g} s")
 
     def _drop_link(self, shard: int) -> None:

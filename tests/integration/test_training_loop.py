@@ -148,7 +148,9 @@ def test_events_are_json_lines_with_the_fields_the_launcher_reads(start: Any, mo
 class _Recorder:
     """Wraps a client's push_pull and an engine's step, noting each call's interval and the steps a push read."""
 
-    def __init__(self, client: PSClient, engine: GradientEngine) -> None:
+    def __init__(self, client: PSClient, engine: GradientEngine, *, push_delay: float = 0.0) -> None:
+        """`push_delay` s are added to every push_pull, inside its interval (a round trip through the data channel
+        can end before an overlapped gradient even starts)."""
         self.pushes: list[tuple[float, float, list[int]]] = []
         self.steps: list[tuple[float, float]] = []
         push_pull, step = client.push_pull, engine.step
@@ -157,6 +159,7 @@ class _Recorder:
             began = time.monotonic()
             reads = list(kwargs.get("read_steps") or client.steps)
             try:
+                time.sleep(push_delay)
                 return push_pull(*args, **kwargs)
             finally:
                 self.pushes.append((began, time.monotonic(), reads))
@@ -182,7 +185,7 @@ def test_async_overlaps_each_push_with_the_next_gradient_adding_exactly_one_step
     shard, client = start
     server = shard(mode="async")
     worker = trainer(client(server, "w0"), model, digits, steps=12, overlap=overlap)
-    recorder = _Recorder(worker.client, worker.engine)
+    recorder = _Recorder(worker.client, worker.engine, push_delay=0.02)
     result = worker.run()
     assert (result["steps"], result["iterations"], result["dropped"]) == (12, 12, 0)
     # one worker: push t (1-based) read the step its gradient was computed at

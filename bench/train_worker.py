@@ -62,12 +62,15 @@ def data_channel_supported() -> bool:
     return "data_channel" in inspect.signature(PSClient.__init__).parameters
 
 
-def client_settings(path: str) -> dict[str, bool]:
+def client_settings(path: str, *, profile: bool = False) -> dict[str, bool | int]:
     """PSClient's keywords for a data path: shm (the defaults on one host: shared memory with shards of at least
     shared_memory_min_bytes, the data channel with smaller ones), channel (the data
-    channel even on this host), grpc (gRPC bytes only); ValueError for channel where there is none."""
+    channel even on this host), grpc (gRPC bytes only); ValueError for channel where there is none. A `profile`d shm
+    run takes shared memory for small shards too: the profile times the gRPC handler that shared memory's control
+    message reaches, and does not instrument the data channel."""
     if path == "shm":
-        return {}
+        takes_bound = "shared_memory_min_bytes" in inspect.signature(PSClient.__init__).parameters
+        return {"shared_memory_min_bytes": 0} if profile and takes_bound else {}
     if path == "channel" and not data_channel_supported():
         raise ValueError("this version's PSClient has no data channel (--data-path channel)")
     return {"shared_memory": False, **({"data_channel": path == "channel"} if data_channel_supported() else {})}
@@ -115,14 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plan = TrainingPlan(worker_index=args.index, num_workers=args.workers, batch_size=args.batch,
                             epochs=epochs, seed=args.seed, eval_every=0, start_timeout=120.0,
                             wait_timeout=args.wait_timeout, overlap=args.overlap)
-        settings: dict[str, Any] = dict(client_settings(args.data_path))
-        if args.profile and args.data_path == "shm" and \
-                "shared_memory_min_bytes" in inspect.signature(PSClient.__init__).parameters:
-            # the profile times the gRPC handler that shared memory's control message reaches: shared memory for
-            # small shards too (the one-host default would take the data channel, which it does not instrument)
-            settings["shared_memory_min_bytes"] = 0
         client = PSClient(args.servers.split(","), worker_id=f"bench-worker-{args.index}",
-                          wait_timeout=args.wait_timeout, **settings)
+                          wait_timeout=args.wait_timeout, **client_settings(args.data_path, profile=args.profile))
         # Iteration boundaries: when each gradient step starts, and when the next parameters are
         # in hand (PushPull returned them, or the pull after it returned), with the number of
         # iterations started when that call was made (with overlap it returns during the next one).

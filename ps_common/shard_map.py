@@ -150,10 +150,12 @@ class ShardMap:
         self._by_name: dict[str, list[Part]] = {name: [] for name in self.specs}
         self._by_shard: list[list[Part]] = [[] for _ in range(num_shards)]
         self._by_key: dict[tuple[str, int], Part] = {}
+        self._bytes_per_shard = [0] * num_shards
         for p in self.parts:
             self._by_name[p.name].append(p)
             self._by_shard[p.shard].append(p)
             self._by_key[p.key] = p
+            self._bytes_per_shard[p.shard] += p.nbytes
 
     def parts_on(self, shard: int) -> list[Part]:
         """The parts shard holds, sorted by (name, row_start); ValueError for a shard out of range."""
@@ -176,10 +178,12 @@ class ShardMap:
             raise KeyError(f"no part of tensor {name!r} starts at row {row_start}") from None
 
     def bytes_per_shard(self) -> list[int]:
-        totals = [0] * self.num_shards
-        for p in self.parts:
-            totals[p.shard] += p.nbytes
-        return totals
+        """The bytes of the parts each shard holds, in shard order (summed once, when the map is made)."""
+        return list(self._bytes_per_shard)
+
+    def shard_bytes(self, shard: int) -> int:
+        """The bytes of the parts `shard` holds (a client asks it every step)."""
+        return self._bytes_per_shard[shard]
 
     def imbalance(self) -> float:
         """max/mean - 1 of bytes_per_shard; 0.0 for a perfect balance or an empty model."""

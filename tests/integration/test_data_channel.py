@@ -53,7 +53,11 @@ def client(cluster, worker_id: str = "w0", **options) -> PSClient:
 
 
 def started(cluster, values: dict[str, np.ndarray], **options) -> PSClient:
-    worker = client(cluster, **options)
+    return joined(client(cluster, **options), values)
+
+
+def joined(worker: PSClient, values: dict[str, np.ndarray]) -> PSClient:
+    """`worker`, having initialized the job with `values`, registered and pulled once."""
     worker.initialize(values)
     worker.register(heartbeat=False)
     worker.pull()
@@ -367,9 +371,7 @@ def test_a_worker_process_of_a_tls_job_moves_its_bytes_through_the_tls_channel(s
     values = model()
     with client_for_job(job, worker_id="w0") as worker:
         worker.wait_ready(20)
-        worker.initialize(values)
-        worker.register(heartbeat=False)
-        worker.pull()
+        joined(worker, values)
         for _ in range(2):
             report, pulled = worker.push_pull(grads(values))
             assert report.accepted and pulled is not None

@@ -116,6 +116,11 @@ def test_a_huge_embedding_plus_fifty_small_tensors_is_balanced_within_ten_percen
     assert max(totals) <= 1.10 * mean
     assert len(smap.parts_of("embedding")) == num_shards
     assert_covers_every_row_once(smap)
+    # each shard's total, as the client asks it every step, is its parts' bytes
+    assert [smap.shard_bytes(i) for i in range(num_shards)] == totals == \
+        [sum(p.nbytes for p in smap.parts_on(i)) for i in range(num_shards)]
+    totals[0] += 1   # a copy: the map's own totals stay
+    assert smap.bytes_per_shard()[0] == smap.shard_bytes(0) != totals[0]
 
 
 @pytest.mark.parametrize("num_shards", [2, 3, 4, 8])

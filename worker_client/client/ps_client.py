@@ -38,10 +38,10 @@ from ps_common.errors import (InvalidTensorError, NotInitializedError, Overloade
 from ps_common.modes import DropReason, Mode, step_to_wait_for
 from ps_common.shard_map import ParamSpec, PartKey, ShardMap, build_shard_map
 from ps_common.shared_memory import Layout, Segment
-from worker_client.client.buffers import ReceiveBuffers
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from worker_client.client import rows as sparse
+from worker_client.client.buffers import ReceiveBuffers
 from worker_client.client.retry import RetryPolicy, call_with_retries, probe, reason_of
 
 log = logging.getLogger(__name__)
@@ -1080,8 +1080,7 @@ class PSClient:
         """How a whole-shard PushPull's bytes travel: (the shared-memory segment, None), (None, the data
         channel), or (None, None) for gRPC bytes. A shard smaller than `shared_memory_min_bytes` tries the
         channel first, any other shared memory first; each falls back to the other."""
-        if self.shared_memory and self.data_channel and \
-                sum(p.nbytes for p in shard_map.parts_on(shard)) < self.shared_memory_min_bytes:
+        if self.shared_memory and self.data_channel and shard_map.shard_bytes(shard) < self.shared_memory_min_bytes:
             link = self._link(shard, gradients, then=THEN_SHARED_MEMORY)
             return (None, link) if link is not None else (self._segment(shard), None)
         segment = self._segment(shard)

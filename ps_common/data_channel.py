@@ -11,6 +11,8 @@ Both sides use the shared-memory `Layout` of the shard's parts (ps_common/shared
 request's body is the layout's gradient region, an answer's body its values region, padding
 included, so the shard receives into a per-connection buffer laid out like a segment and reuses
 the shared-memory code path (gradients as views of it, values written into it under the lock).
+A connection opened for some tensors only (a sparse step's dense ones) has the layout of their
+parts; its frames' headers carry the step's row gradients and the rows read, as over gRPC.
 
 1. The worker asks for a ticket over the authenticated `OpenDataChannel` rpc (`Tickets`: 32
    random bytes, good once, for TICKET_SECONDS, bound to the worker and the layout it was
@@ -46,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from ps_common.codec import MAX_MESSAGE_BYTES
 from ps_common.errors import PSError
 from ps_common.shard_map import PartKey
 from ps_common.shared_memory import ALIGN, Layout, Slot
@@ -69,8 +72,9 @@ TICKET_SECONDS = 30.0
 MAX_TICKETS = 4096
 #: Longest wait of either side for the other during the hello, TLS handshake included (seconds).
 HANDSHAKE_SECONDS = 5.0
-#: The largest frame header either side takes (bytes): a PushPullRequest or PushPullResponse without chunks.
-MAX_HEADER_BYTES = 1 << 20
+#: The largest frame header either side takes (bytes): a PushPullRequest or PushPullResponse without chunks, a
+#: sparse step's row gradients or rows read in it; gRPC's bound on one message.
+MAX_HEADER_BYTES = MAX_MESSAGE_BYTES
 #: Buffers per sendmsg/recvmsg_into call (Linux's IOV_MAX is 1024).
 MAX_IOV = 512
 
@@ -264,12 +268,13 @@ class FrameBuffer:
 @dataclass(frozen=True)
 class Grant:
     """What a ticket opens: a connection for one worker, with the layout of the shard's parts `generation` (float32
-    parts in `narrow`, the job's half-size wire, when set)."""
+    parts in `narrow`, the job's half-size wire, when set), of the tensors `names` only when set."""
 
     worker_id: str
     layout: Layout
     generation: int
     narrow: np.dtype | None = None
+    names: frozenset[str] | None = None
 
 
 class Tickets:
@@ -371,9 +376,11 @@ class Link:
     OSError or ProtocolError leaves it closed; the caller goes on over gRPC.
     """
 
-    def __init__(self, sock: socket.socket, layout: Layout, *, idle_seconds: float) -> None:
+    def __init__(self, sock: socket.socket, layout: Layout, *, idle_seconds: float,
+                 names: frozenset[str] | None = None) -> None:
         self.sock = sock
         self.layout = layout
+        self.names = names   # the tensors the layout holds (None: every part of the shard)
         self.idle_seconds = idle_seconds
         self.closed = False
         self.frames = 0   # answered frames: a link that never answered one is not reopened at once
@@ -383,9 +390,10 @@ class Link:
     @classmethod
     def connect(cls, host: str, port: int, ticket: bytes, layout: Layout, *, tls: ssl.SSLContext | None = None,
                 server_hostname: str | None = None, timeout: float = HANDSHAKE_SECONDS,
-                idle_seconds: float = 30.0) -> "Link":
+                idle_seconds: float = 30.0, names: frozenset[str] | None = None) -> "Link":
         """Connects, shows the ticket and waits for the welcome; OSError (ssl.SSLError, a timeout) when the port
-        cannot be reached or TLS fails, ProtocolError when the shard refuses the ticket."""
+        cannot be reached or TLS fails, ProtocolError when the shard refuses the ticket. `names`: the tensors the
+        ticket's layout holds (None: every part)."""
         raw = socket.create_connection((host, port), timeout=timeout)
         sock: socket.socket = raw
         try:
@@ -397,7 +405,7 @@ class Link:
             (magic,) = WELCOME.unpack(answer)
             if magic != WELCOME_OK:
                 raise ProtocolError(f"the shard refused the ticket ({magic!r}): used, expired, or never issued")
-            return cls(sock, layout, idle_seconds=idle_seconds)
+            return cls(sock, layout, idle_seconds=idle_seconds, names=names)
         except BaseException:
             sock.close()
             raise

@@ -98,9 +98,10 @@ class DataChannelServer:
     # ------------------------------------------------------------------ tickets
 
     def offer(self, worker_id: str, layout: Layout, generation: int, *, known: set[str],
-              narrow: np.dtype | None = None) -> bytes:
-        """A one-time ticket for `worker_id`'s connection with `layout` (the shard's parts `generation`, float32
-        parts in `narrow` when set); closes the connections of workers no longer `known`."""
+              narrow: np.dtype | None = None, names: frozenset[str] | None = None) -> bytes:
+        """A one-time ticket for `worker_id`'s connection with `layout` (the shard's parts `generation`, of the
+        tensors `names` when set, float32 parts in `narrow` when set); closes the connections of workers no longer
+        `known`."""
         if self._stop.is_set():
             raise DataChannelUnavailableError(f"shard {self.shard_index} is stopping")
         with self._lock:
@@ -111,7 +112,7 @@ class DataChannelServer:
         for worker in gone:
             self.close_worker(worker)
         try:
-            return self.tickets.issue(Grant(worker_id, layout, generation, narrow))
+            return self.tickets.issue(Grant(worker_id, layout, generation, narrow, names))
         except OSError as exc:
             raise ResourceExhaustedError(f"shard {self.shard_index}: {exc}") from exc
 

@@ -251,8 +251,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """PushPull from a frame of the data channel (ps_server/data_channel.py): the same domain call as the
         rpc, with the connection's buffer standing for a shared-memory segment (the gradients are read from it,
         the values written into it). On a half-size wire (`grant.narrow`) the gradients are widened and the
-        values read narrowed, as over gRPC. Returns the response header and the answer's body (None: not
-        ready); typed errors are raised for the channel to answer."""
+        values read narrowed, as over gRPC. A connection opened for some tensors (`grant.names`) carries their
+        parts only, and its frames name them in pull.names; row gradients and rows read travel in the headers.
+        Returns the response header and the answer's body (None: not ready); typed errors are raised for the
+        channel to answer."""
         worker_id, layout = grant.worker_id, grant.layout
         with self.admission.enter("PushPull", worker_id):
             frame = frames.decode_request(raw)
@@ -265,6 +267,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if wire_dtype(frame.pull.wire_dtype) != grant.narrow:
                 raise InvalidRequestError(f"PushPull on the data channel: wire_dtype {pb.DType.Name(frame.pull.wire_dtype)} "
                                           f"is not the connection's ({grant.narrow or 'float32'})")
+            if (frozenset(frame.pull.names) or None) != grant.names:
+                raise InvalidRequestError(
+                    f"PushPull on the data channel: pull.names {sorted(frame.pull.names)[:10]} are not the tensors "
+                    f"the connection was opened for ({sorted(grant.names)[:10] if grant.names else 'every part'})")
             self.shard.push_layout()   # FAILED_PRECONDITION before init
             if grant.generation != self.shard.generation:
                 raise DataChannelUnavailableError(
@@ -372,14 +378,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if self.channel is None:
             raise DataChannelUnavailableError(f"shard {self.shard.config.shard_index} serves no data channel "
                                               "(--no-data-channel); use gRPC bytes")
-        generation, parts = self.shard.part_layout()
+        names = frozenset(request.names) or None
+        generation, parts = self.shard.part_layout(names)
         known = {w.worker_id for w in self.shard.view().workers}
         if request.worker_id not in known:
             raise UnknownWorkerError(f"worker {request.worker_id!r} is not registered on this shard; "
                                      "call RegisterWorker")
         narrow = wire_dtype(request.wire_dtype)
         layout = dc.wire_layout(parts, narrow)
-        ticket = self.channel.offer(request.worker_id, layout, generation, known=known, narrow=narrow)
+        ticket = self.channel.offer(request.worker_id, layout, generation, known=known, narrow=narrow, names=names)
         return pb.DataChannelResponse(port=self.channel.port, ticket=ticket, size=layout.size,
                                       values_offset=layout.values_offset, tls=self.channel.tls is not None,
                                       idle_ms=int(self.channel.idle_seconds * 1000))

@@ -14,7 +14,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -320,13 +320,18 @@ class Shard:
                 f"shard {self.config.shard_index} has no parameters yet: push before InitParameters")
         return self.store.expected
 
-    def part_layout(self) -> tuple[int, list[tuple[PartKey, np.dtype, tuple[int, ...]]]]:
-        """(generation, every owned part's (key, dtype, shape) in shard-map order): one consistent read, e.g.
-        for a shared-memory layout."""
+    def part_layout(self, names: Collection[str] | None = None,
+                    ) -> tuple[int, list[tuple[PartKey, np.dtype, tuple[int, ...]]]]:
+        """(generation, every owned part's (key, dtype, shape) in shard-map order, of the tensors `names` only when
+        given): one consistent read, e.g. for a shared-memory layout. UnknownTensorError for a name the model
+        lacks."""
         if not self.store.initialized:
             raise NotInitializedError(f"shard {self.config.shard_index} has no parameters yet")
+        if names is not None:
+            self.store.check_names(names)
         with self._cond:
-            return self.generation, [(key, state.value.dtype, state.value.shape) for key, state in self.store.parts.items()]
+            return self.generation, [(key, state.value.dtype, state.value.shape) for key, state in self.store.parts.items()
+                                     if names is None or key[0] in names]
 
     def table_spec(self, name: str, where: str) -> ParamSpec:
         """The spec of a tensor pushed or pulled by rows (NotInitializedError, UnknownTensorError, bad name)."""

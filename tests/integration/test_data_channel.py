@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -74,12 +75,14 @@ def state(cluster, worker_id: str = "w0") -> tuple:
     return [info.step for info in infos], clocks, values
 
 
-def channel_of(worker: PSClient, shard: int = 0) -> tuple[pb.DataChannelResponse, Layout, str]:
-    """A ticket for the worker's channel with a shard (OpenDataChannel), its layout and the shard's host."""
+def channel_of(worker: PSClient, shard: int = 0, names: Sequence[str] = ()) -> tuple[pb.DataChannelResponse, Layout, str]:
+    """A ticket for the worker's channel with a shard (OpenDataChannel; of the tensors `names` only when given), its
+    layout and the shard's host."""
     with grpc.insecure_channel(worker.addresses[shard]) as ch:
         answer = pb_grpc.ParameterServerStub(ch).OpenDataChannel(
-            pb.DataChannelRequest(worker_id=worker.worker_id), timeout=TIMEOUT)
-    layout = Layout.of((p.key, p.dtype, p.shape) for p in worker.shard_map.parts_on(shard))
+            pb.DataChannelRequest(worker_id=worker.worker_id, names=names), timeout=TIMEOUT)
+    layout = Layout.of((p.key, p.dtype, p.shape) for p in worker.shard_map.parts_on(shard)
+                       if not names or p.name in names)
     return answer, layout, worker.addresses[shard].rpartition(":")[0]
 
 
@@ -160,6 +163,38 @@ def test_a_model_too_large_for_one_grpc_message_is_one_push_pull_through_the_cha
         np.testing.assert_array_equal(pulled["w"], worker.pull()["w"])
 
 
+@pytest.mark.parametrize("applied", [False, True], ids=["broke-before-the-shard-read-it", "broke-after"])
+def test_a_channel_that_breaks_under_a_model_too_large_for_one_grpc_message_falls_back_to_a_streamed_push(
+        start_cluster, applied: bool, caplog) -> None:
+    from ps_common.codec import MAX_MESSAGE_BYTES
+
+    values = model(rows=MAX_MESSAGE_BYTES // (8 * 4) + 1024)      # "w" alone is more than gRPC's message limit
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with started(cluster, values) as worker:
+        report, pulled = worker.push_pull(grads(values))
+        assert report.accepted and pulled is not None and worker._links[0].frames == 1
+        link = worker._links[0]
+        exchange = link.exchange
+
+        def broken(*args, **kwargs):
+            if applied:
+                exchange(*args, **kwargs)     # the shard took the frame; its answer is lost
+            link.close()
+            raise OSError("connection reset mid-frame")
+
+        link.exchange = broken
+        with caplog.at_level(logging.WARNING, logger="worker_client.client.ps_client"):
+            report, pulled = worker.push_pull(grads(values))
+        # not an oversized gRPC message: a streamed Push (a duplicate when the frame was applied), values left to
+        # the caller's pull
+        assert report.accepted and pulled is None and report.responses[0].duplicate == applied
+        assert any("the data channel broke" in r.getMessage() for r in caplog.records)
+        np.testing.assert_allclose(worker.pull()["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)   # applied once
+        report, pulled = worker.push_pull(grads(values))              # a new channel for the next step
+        assert report.accepted and pulled is not None and worker._links[0].frames == 1
+        np.testing.assert_allclose(pulled["w"], values["w"] - 3 * LR * 0.25, rtol=1e-6)
+
+
 def test_the_shards_typed_errors_are_raised_as_over_grpc(start_cluster) -> None:
     values = model()
     cluster = start_cluster(1, mode="async", flags=FLAGS)
@@ -175,6 +210,90 @@ def test_the_shards_typed_errors_are_raised_as_over_grpc(start_cluster) -> None:
         assert "NaN" in str(errors[0]) and "NaN" in str(errors[1])
         report, pulled = worker.push_pull(grads(values))     # and the channel goes on
         assert report.accepted and worker._links[0].frames == 2
+
+
+# ---------------------------------------------------------------------- sparse steps
+
+#: A table trained by rows beside dense tensors too many bytes for one gRPC PushPull per shard.
+SPARSE_ROWS, DIM = 256, 16
+
+
+def sparse_model() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(2)
+    return {"emb": rng.standard_normal((SPARSE_ROWS, DIM)).astype(np.float32),
+            "w": rng.standard_normal((GRPC_PUSH_PULL_MAX_BYTES // 16, 8)).astype(np.float32),
+            "b": np.zeros(8, np.float32)}
+
+
+def test_a_sparse_step_is_one_frame_per_shard_with_its_rows_and_gives_what_grpc_gives(start_cluster) -> None:
+    values = sparse_model()
+    dense = ["b", "w"]
+    first, last = 3, SPARSE_ROWS - 2
+    asked = np.array([last, first, 7, last], np.int64)
+    finals = {}
+    for path in ("channel", "grpc"):
+        cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "4096"])
+        with started(cluster, values, data_channel=path == "channel") as worker:
+            assert all(worker.shard_map.shard_bytes(i) > GRPC_PUSH_PULL_MAX_BYTES for i in (0, 1))
+            for step in range(3):
+                row_grads = {"emb": (np.array([first, last, first], np.int64), np.full((3, DIM), step + 1.0, np.float32))}
+                report, pulled, rows = worker.push_pull_rows({n: np.full_like(values[n], 0.25) for n in dense},
+                                                             row_grads, names=dense, rows={"emb": asked})
+                assert report.accepted
+                if path == "grpc":                       # too many bytes for one gRPC PushPull: a plain push
+                    assert pulled is None and rows is None and not worker._links
+                    continue
+                assert sorted(pulled) == dense and [l.names for l in worker._links.values()] == [frozenset(dense)] * 2
+                assert [l.frames for l in worker._links.values()] == [step + 1] * 2
+                np.testing.assert_array_equal(pulled["w"], worker.pull(["w"])["w"])
+                np.testing.assert_array_equal(rows["emb"], worker.pull_rows({"emb": asked})["emb"])
+            finals[path] = worker.pull()
+            if path == "channel":                        # a whole step next: a connection for every part
+                report, pulled = worker.push_pull(grads(values, 0.0))
+                assert report.accepted and [l.names for l in worker._links.values()] == [None, None]
+                np.testing.assert_array_equal(pulled["emb"], finals[path]["emb"])
+    for name in values:
+        np.testing.assert_array_equal(finals["channel"][name], finals["grpc"][name])
+    emb = values["emb"].copy()
+    emb[first] -= LR * 2 * (1 + 2 + 3)                   # row `first` twice in each step's gradient
+    emb[last] -= LR * (1 + 2 + 3)
+    np.testing.assert_allclose(finals["channel"]["emb"], emb, rtol=1e-6)
+    np.testing.assert_allclose(finals["channel"]["w"], values["w"] - 3 * LR * 0.25, rtol=1e-6)
+
+
+def test_a_connection_for_some_tensors_refuses_frames_of_others_and_unknown_names(start_cluster) -> None:
+    values = sparse_model()
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with started(cluster, values) as worker:
+        with grpc.insecure_channel(cluster.addresses[0]) as ch, pytest.raises(grpc.RpcError) as info:
+            pb_grpc.ParameterServerStub(ch).OpenDataChannel(
+                pb.DataChannelRequest(worker_id="w0", names=["b", "nope"]), timeout=TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in info.value.details()
+        before = state(cluster)
+        answer, layout, host = channel_of(worker, names=["b"])
+        assert [s.key for s in layout.values] == [("b", 0)] and answer.size == layout.size
+        link = dc.Link.connect(host, answer.port, answer.ticket, layout, timeout=TIMEOUT)
+        try:
+            gradient = [np.full(s.shape, 0.25, s.dtype) for s in layout.gradients]
+            targets = [np.empty(s.shape, s.dtype) for s in layout.values]
+            for names in ([], ["b", "w"], ["w"]):        # every part, more tensors, other tensors
+                header = frames.encode_request(pb.PushHeader(worker_id="w0", clock=0),
+                                               pb.PullAfterPush(names=names, wait_timeout_ms=100, shared_memory=True),
+                                               gradients_in_shared_memory=True)
+                magic, raw, received = link.exchange(header, gradient, targets, timeout=TIMEOUT)
+                status = pb.DataChannelStatus.FromString(raw)
+                assert magic == dc.ERROR_MAGIC and not received and status.code == "INVALID_ARGUMENT", status
+                assert "pull.names" in status.message
+            assert state(cluster) == before              # nothing applied
+            header = frames.encode_request(pb.PushHeader(worker_id="w0", clock=0),
+                                           pb.PullAfterPush(names=["b"], wait_timeout_ms=100, shared_memory=True),
+                                           gradients_in_shared_memory=True)
+            magic, raw, received = link.exchange(header, gradient, targets, timeout=TIMEOUT)
+            reply = frames.decode_response(raw)
+            assert magic == dc.REPLY_MAGIC and received and reply.push.outcome == pb.PUSH_ACCEPTED, reply
+            np.testing.assert_allclose(targets[0], values["b"] - LR * 0.25, rtol=1e-6)
+        finally:
+            link.close()
 
 
 # ---------------------------------------------------------------------- at most once

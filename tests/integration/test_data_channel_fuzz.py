@@ -1,6 +1,7 @@
 """A shard process's data channel under generated bad frames, as tests/integration/test_hostile_load.py fuzzes
 its gRPC rpcs: every connection is closed or answered with a documented status, nothing is applied, the shard
-lives and its memory stays bounded.
+lives and its memory stays bounded; on a connection of every part and on one opened for a sparse step's dense
+tensors, whose frames carry row gradients and rows to read in their headers.
 
 Bounded: PS_FUZZ_EXAMPLES connections (default 60), each with a fresh ticket and a 3 s limit.
 """
@@ -62,9 +63,15 @@ def state_of(address: str) -> tuple:
     return info.step, values
 
 
-def valid_frame(layout: Layout) -> bytes:
-    header = frames.encode_request(pb.PushHeader(worker_id=WORKER, clock=0, read_step=0),
-                                   pb.PullAfterPush(wait_timeout_ms=50, shared_memory=True),
+def valid_frame(layout: Layout, names: tuple[str, ...] = ()) -> bytes:
+    """A frame the shard takes; with `names` (a connection for those tensors) a sparse step's: "w"'s row gradients
+    in the header and two of its rows read."""
+    rows, asked = [], []
+    if names:
+        rows = [pb.RowGradient(name="w", ids=[1, 3], dtype=pb.DTYPE_FLOAT32, data=np.ones((2, 3), np.float32).tobytes())]
+        asked = [pb.RowIds(name="w", ids=[0, 2])]
+    header = frames.encode_request(pb.PushHeader(worker_id=WORKER, clock=0, read_step=0, row_gradients=rows),
+                                   pb.PullAfterPush(names=names, wait_timeout_ms=50, shared_memory=True, rows=asked),
                                    gradients_in_shared_memory=True)
     body = dc.region_views(layout.gradients, 0, layout.values_offset,
                            [np.ones(s.shape, s.dtype) for s in layout.gradients], memoryview(bytearray(64)))
@@ -101,15 +108,16 @@ def read_answers(sock: socket.socket) -> list[tuple[bytes, bytes]]:
         answers.append((magic, header))
 
 
-def test_generated_bad_frames_on_the_data_channel_change_nothing_and_get_documented_statuses(shard) -> None:
+@pytest.mark.parametrize("names", [(), ("b",)], ids=["every-part", "sparse-step"])
+def test_generated_bad_frames_on_the_data_channel_change_nothing_and_get_documented_statuses(shard, names) -> None:
     address = shard.addresses[0]
     host = address.rpartition(":")[0]
     before = state_of(address)
     rss_before = rss_bytes(shard.shards[0].pid)
     with PSClient([address], worker_id="layout", rpc_timeout=10, retry=QUICK) as client:
         parts = client.fetch_shard_map().parts_on(0)
-    layout = Layout.of((p.key, p.dtype, p.shape) for p in parts)
-    valid = valid_frame(layout)
+    layout = Layout.of((p.key, p.dtype, p.shape) for p in parts if not names or p.name in names)
+    valid = valid_frame(layout, names)
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.ParameterServerStub(channel)
     outcomes: collections.Counter[str] = collections.Counter()
@@ -118,7 +126,7 @@ def test_generated_bad_frames_on_the_data_channel_change_nothing_and_get_documen
               suppress_health_check=list(HealthCheck))
     @given(raw=mutations(valid))
     def send(raw: bytes) -> None:
-        answer = stub.OpenDataChannel(pb.DataChannelRequest(worker_id=WORKER), timeout=5)
+        answer = stub.OpenDataChannel(pb.DataChannelRequest(worker_id=WORKER, names=names), timeout=5)
         with socket.create_connection((host, answer.port), timeout=3) as sock:
             sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, answer.ticket))
             assert dc.recv_exactly(sock, dc.WELCOME.size) == dc.WELCOME.pack(dc.WELCOME_OK)

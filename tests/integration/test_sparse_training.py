@@ -30,17 +30,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        dim=DIM, bag_size=BAG, seed=0)
 
 
-def train(model: Path, tmp_path: Path, calls: dict[str, float] | None = None, **sparse: Any) -> dict[str, Any]:
-    """The run's result; `calls` gets the rpcs the shards answered OK, summed over both, by rpc."""
+def train(model: Path, tmp_path: Path, calls: dict[str, float] | None = None, data_channel: bool = True,
+          **sparse: Any) -> dict[str, Any]:
+    """The run's result; `calls` gets the rpcs the shards answered OK, summed over both, by rpc, and the frames
+    the worker's data channels carried ("frames")."""
     servers = [create_server(ServerConfig(mode="sync", shard_index=i, num_shards=2, partition_min_bytes=4096,
                                           optimizer="sgd", optimizer_params={"lr": 0.5}))[0] for i in range(2)]
-    client = PSClient([s.address for s in servers], worker_id="w0", wait_timeout=30)
+    client = PSClient([s.address for s in servers], worker_id="w0", wait_timeout=30, data_channel=data_channel)
     try:
         engine = GradientEngine(model, batch_size=BATCH, intra_op_threads=1, cache_dir=tmp_path, **sparse)
         plan = TrainingPlan(worker_index=0, num_workers=1, batch_size=BATCH, steps=STEPS, eval_every=0,
                             start_timeout=10.0, wait_timeout=30.0)
         return Trainer(client, engine, load_dataset(DATA, seed=0, model="embedding"), plan=plan).run()
     finally:
+        if calls is not None:
+            calls["frames"] = sum(link.frames for link in client._links.values())
         client.close()
         for s in servers:
             if calls is not None:
@@ -64,13 +68,16 @@ def test_sparse_and_dense_training_reach_the_same_auc_and_sparse_bytes_follow_th
         assert dense[key] >= VOCAB * DIM * 4         # dense moves the whole table every step
 
 
-def test_a_sparse_step_is_one_push_pull_per_shard_whose_pull_also_reads_the_next_batchs_rows(model, tmp_path):
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data-channel", "grpc"])
+def test_a_sparse_step_is_one_push_pull_per_shard_whose_pull_also_reads_the_next_batchs_rows(model, tmp_path,
+                                                                                            data_channel):
     calls: dict[str, float] = {}
-    result = train(model, tmp_path, calls, sparse_tables=["embedding.weight"])
+    result = train(model, tmp_path, calls, data_channel=data_channel, sparse_tables=["embedding.weight"])
     assert result["steps"] == STEPS and result["iterations"] == STEPS
     # every step one PushPull on each shard (the row gradients in its header, the next batch's rows in its
-    # pull); PullRows only for the first batch and the final evaluation's chunks; no Push, no Pull of its own
-    assert calls["PushPull"] == 2 * STEPS, calls
+    # pull), a frame of the data channel opened for the dense tensors when there is one; PullRows only for the
+    # first batch and the final evaluation's chunks; no Push, no Pull of its own
+    assert (calls["frames"], calls["PushPull"]) == ((2 * STEPS, 0) if data_channel else (0, 2 * STEPS)), calls
     assert calls["Push"] == 0 and calls["Pull"] <= 2 * 2, calls
     test_chunks = -(-load_dataset(DATA, seed=0, model="embedding").num_test // BATCH)
     assert calls["PullRows"] <= 2 * (1 + test_chunks), calls

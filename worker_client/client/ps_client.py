@@ -98,6 +98,8 @@ GRPC_PUSH_PULL_MAX_BYTES = 256 << 10
 #: `ps_bench.pushpull_bench` on loopback, 2 cores (GB/s, shared memory / channel): 0.25 MB 0.44 / 0.82,
 #: 1 MB 1.13 / 1.72, 2 MB 1.88 / 1.84, 4 MB 2.62 / 2.04, 8 MB 3.23 / 1.99.
 SHARED_MEMORY_MIN_BYTES = 2 << 20
+#: Bytes of a data-channel frame's header kept for its fields other than row gradients (names, ids, the pull).
+FRAME_HEADER_ROOM = 1 << 20
 #: Where PushPull's bytes go when the data channel cannot be had (its warning says which).
 THEN_GRPC = "go over gRPC"
 THEN_SHARED_MEMORY = "go through shared memory where the shard shares this host, else over gRPC"
@@ -718,43 +720,45 @@ class PSClient:
         steps = list(self.steps if read_steps is None else read_steps)
 
         def send(shard: int, stub: pb_grpc.ParameterServerStub) -> pb.PushResponse:
-            response = send_once(shard, stub)
+            rows = rows_by_shard.get(shard, [])
+            response = self._push_to(shard, stub, shard_map, gradients, clock, steps[shard], rows)
             if fresh and response.duplicate and response.clock > clock + 1:
                 # The shard's record is ahead of a clock we never sent: it restarted and took
                 # this worker back at a later clock. Resend at the shard's clock, or the
                 # gradient would be acknowledged and silently not applied.
                 log.info("shard %d is at clock %d for %s, ahead of %d: resending there", shard, response.clock,
                          self.worker_id, clock)
-                response = send_once(shard, stub, at_clock=response.clock)
+                response = self._push_to(shard, stub, shard_map, gradients, response.clock, steps[shard], rows)
             return response
-
-        def send_once(shard: int, stub: pb_grpc.ParameterServerStub, at_clock: int | None = None) -> pb.PushResponse:
-            header = pb.PushHeader(worker_id=self.worker_id, clock=clock if at_clock is None else at_clock,
-                                   read_step=steps[shard], row_gradients=rows_by_shard.get(shard, []))
-
-            def call() -> pb.PushResponse:
-                messages = codec.pack_encoded(self._part_chunks(shard_map, shard, gradients, narrow=True),
-                                              header.SerializeToString(),
-                                              chunk_bytes=self.chunk_bytes)
-                return self._raw_pushes[shard](messages, timeout=self._deadline(shard), metadata=self.metadata)
-
-            try:
-                return call()
-            except grpc.RpcError as exc:
-                # A restarted shard may not know this worker (it registered after the shard's
-                # last checkpoint): register again and send once more. The push was not taken.
-                if reason_of(exc) != UnknownWorkerError.reason:
-                    raise
-                log.info("shard %d forgot worker %s; registering again", shard, self.worker_id)
-                stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout,
-                                    metadata=self.metadata)
-                return call()
 
         responses = self._on_all("Push", send)
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
             sparse.wire_bytes(grads) for grads in rows_by_shard.values())
         return PushReport(responses, clock, steps)
+
+    def _push_to(self, shard: int, stub: pb_grpc.ParameterServerStub, shard_map: ShardMap,
+                 gradients: Mapping[str, np.ndarray], clock: int, read_step: int,
+                 rows: Sequence[pb.RowGradient]) -> pb.PushResponse:
+        """One streamed Push of the shard's parts of `gradients` and its row gradients `rows` to one shard."""
+        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step, row_gradients=rows)
+
+        def call() -> pb.PushResponse:
+            messages = codec.pack_encoded(self._part_chunks(shard_map, shard, gradients, narrow=True),
+                                          header.SerializeToString(), chunk_bytes=self.chunk_bytes)
+            return self._raw_pushes[shard](messages, timeout=self._deadline(shard), metadata=self.metadata)
+
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            # A restarted shard may not know this worker (it registered after the shard's
+            # last checkpoint): register again and send once more. The push was not taken.
+            if reason_of(exc) != UnknownWorkerError.reason:
+                raise
+            log.info("shard %d forgot worker %s; registering again", shard, self.worker_id)
+            stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout,
+                                metadata=self.metadata)
+            return call()
 
     def pull_rows(self, rows: Mapping[str, np.ndarray], *, min_steps: Sequence[int] | int | None = None,
                   ssp: bool = False, timeout: float | None = None) -> dict[str, np.ndarray]:
@@ -810,9 +814,11 @@ class PSClient:
 
         `names` pulls only those tensors; `row_gradients` (sparse tables, with `names`: the
         dense tensors, since the tables' rows are pulled by id) ride in the push's header.
-        Either one sends gRPC bytes (shared memory carries every part of a shard), and a
-        plain push when a shard's bytes are too many for one message, or when `names` is
-        empty or missing beside row gradients (PushPull would read "no names" as every tensor).
+        Such a step's dense bytes go through a data channel opened for `names` (rows in its
+        frames' headers), else as gRPC bytes (shared memory carries every part of a shard); it is
+        a plain push when a shard's bytes are too many for one gRPC message and no channel takes
+        them, or when `names` is empty or missing beside row gradients (PushPull would read "no
+        names" as every tensor).
         """
         if self._replicated:   # the read after the push waits in short slices (PSClient._deadline)
             wait = min(wait, REPLICA_WAIT_SECONDS)
@@ -842,11 +848,18 @@ class PSClient:
         steps = list(self.steps if read_steps is None else read_steps)
         rows_by_shard = sparse.row_gradients_by_shard(shard_map, row_gradients or {}, self.wire_dtype)
         wanted_rows = sparse.route_rows(shard_map, rows) if rows else {}   # shard -> [(table, positions, ids)]
+        partial_links: dict[int, Link | None] = {}   # a step of some tensors: each shard's channel for them
         if names is not None or row_gradients or rows:
-            # gRPC bytes: a shard's segment holds every part of it, a sparse table's included
-            if not names or not all(self._small(shard_map, i, names, rows_by_shard.get(i, ()), wanted_rows.get(i, ()))
-                                    for i in range(self.num_shards)):
+            # a data channel opened for `names`, else gRPC bytes: a shard's segment holds every part of it, a
+            # sparse table's included
+            if not names:
                 return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None
+            for i in range(self.num_shards):
+                grads, asked = rows_by_shard.get(i, ()), wanted_rows.get(i, ())
+                partial_links[i] = self._link(i, gradients, names=frozenset(names), shard_map=shard_map) \
+                    if self._rows_fit_a_frame(shard_map, grads, asked) else None
+                if partial_links[i] is None and not self._small(shard_map, i, names, grads, asked):
+                    return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None
         elif not all(any(self._bytes_path(i, shard_map, gradients)) or self._small(shard_map, i)
                      for i in range(self.num_shards)):
             return self.push(gradients, read_steps=steps), None, None
@@ -855,7 +868,8 @@ class PSClient:
         destination = self._destination(shard_map, out, threading.Lock(), self._buffers)
 
         def one(shard: int) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
-            segment, link = self._bytes_path(shard, shard_map, gradients) if wanted is None else (None, None)
+            segment, link = self._bytes_path(shard, shard_map, gradients) if wanted is None else \
+                (None, partial_links.get(shard))
             grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
             reply, values = self._exchange(shard, shard_map, gradients, clock, steps[shard], segment, link,
                                            wait_for_step, ssp, wait, grads, names, asked, destination)
@@ -894,9 +908,15 @@ class PSClient:
         `destination`; {} when not ready)."""
         if link is not None:
             answered = self._push_pull_link(shard, link, shard_map, gradients, clock, read_step, wait_for_step,
-                                            ssp, wait, destination)
+                                            ssp, wait, destination, rows, asked)
             if answered is not None:
                 return answered
+        if segment is None and not self._small(shard_map, shard, names, rows, asked):
+            # Too many bytes for one gRPC message (the channel that was to take them broke): a streamed Push, and
+            # the values are left to the caller's pull, as when a wait runs out.
+            response = self._call(shard, "Push", lambda stub: self._push_to(shard, stub, shard_map, gradients, clock,
+                                                                             read_step, rows))
+            return frames.PushPullReply(response, ready=False), {}
         reply, segment = self._push_pull_once(shard, shard_map, gradients, clock, read_step, segment, wait_for_step,
                                               ssp, wait, rows, names, asked)
         if not reply.ready:
@@ -918,16 +938,19 @@ class PSClient:
 
     def _push_pull_link(self, shard: int, link: Link, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
                         clock: int, read_step: int, wait_for_step: bool, ssp: bool, wait: float, destination,
+                        rows: Sequence[pb.RowGradient] = (), asked: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
                         ) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]] | None:
         """One PushPull over the shard's data channel: gradients sent from the arrays, values received straight
-        into their destinations. None: the call goes over gRPC instead (the channel broke, the shard is
-        stopping or busy, its layout changed, it forgot this worker); the push may have been applied, and the
-        resend with the same clock is then answered as a duplicate, never applied twice. The errors gRPC would
-        raise are raised as the same classes."""
+        into their destinations; a channel opened for some tensors (`link.names`) pulls those, with the row
+        gradients `rows` and the rows `asked` in the frames' headers. None: the call goes over gRPC instead
+        (the channel broke, the shard is stopping or busy, its layout changed, it forgot this worker); the push
+        may have been applied, and the resend with the same clock is then answered as a duplicate, never applied
+        twice. The errors gRPC would raise are raised as the same classes."""
         layout = link.layout
-        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step)
-        pull = pb.PullAfterPush(wait_for_step=wait_for_step, ssp=ssp, wait_timeout_ms=max(1, int(wait * 1000)),
-                                shared_memory=True, wire_dtype=self._wire_value)
+        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step, row_gradients=rows)
+        pull = pb.PullAfterPush(names=sorted(link.names or ()), wait_for_step=wait_for_step, ssp=ssp,
+                                wait_timeout_ms=max(1, int(wait * 1000)), shared_memory=True,
+                                wire_dtype=self._wire_value, rows=[pb.RowIds(name=n, ids=ids) for n, _, ids in asked])
         pieces = []
         for slot in layout.gradients:
             array = np.asarray(gradients[slot.key[0]])
@@ -953,7 +976,7 @@ class PSClient:
                               retry_now=link.frames > 0)
             return None
         if magic == dc.REPLY_MAGIC:
-            reply = frames.decode_response(answer, shard=shard)
+            reply = frames.decode_response(answer, rows_asked=len(asked), shard=shard)
             if reply.ready != got_values:   # a ready answer must bring the values, and only a ready one
                 self._link_failed(shard, f"the shard's answer says ready={reply.ready} with "
                                   f"{'' if got_values else 'no '}values", retry_now=False)
@@ -1075,6 +1098,15 @@ class PSClient:
         size += sum(len(ids) * shard_map.specs[name].row_bytes for name, _, ids in asked)
         return size <= GRPC_PUSH_PULL_MAX_BYTES
 
+    @staticmethod
+    def _rows_fit_a_frame(shard_map: ShardMap, rows: Sequence[pb.RowGradient],
+                          asked: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> bool:
+        """Whether a step's row gradients to a shard and the rows asked of it fit a data-channel frame's headers
+        (the request's within dc.MAX_HEADER_BYTES, with room for its other fields; the answer's rows within one
+        answer, codec.CHUNK_BYTES, as the shard reads them)."""
+        asked_bytes = sum(len(ids) * shard_map.specs[name].row_bytes for name, _, ids in asked)
+        return sparse.wire_bytes(rows) <= dc.MAX_HEADER_BYTES - FRAME_HEADER_ROOM and asked_bytes <= codec.CHUNK_BYTES
+
     def _bytes_path(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
                     ) -> tuple[tuple[Segment, Layout] | None, Link | None]:
         """How a whole-shard PushPull's bytes travel: (the shared-memory segment, None), (None, the data
@@ -1121,11 +1153,15 @@ class PSClient:
             self._no_segment_until.pop(shard, None)
         return found
 
-    def _link(self, shard: int, gradients: Mapping[str, np.ndarray], *, then: str = THEN_GRPC) -> Link | None:
+    def _link(self, shard: int, gradients: Mapping[str, np.ndarray], *, then: str = THEN_GRPC,
+              names: frozenset[str] | None = None, shard_map: ShardMap | None = None) -> Link | None:
         """The data channel with a shard, opened on first use; None: not for this call (gRPC bytes).
 
-        Only for a call whose gradients cover every trainable part of the shard (the frame
-        carries the layout's whole gradient region). A shard that could not give one is asked
+        Only for a call whose gradients cover every trainable part of the layout (the frame
+        carries its whole gradient region): every part of the shard, or with `names` the parts of
+        those tensors (a sparse step's dense ones; the gradients must then name no other tensor
+        this shard holds). A channel opened for other names is closed and a new one opened: one
+        per worker and shard. A shard that could not give one is asked
         again after DATA_CHANNEL_RETRY_SECONDS; one whose channel broke is asked at the next call.
         The first failure with each shard is logged as a warning, later ones at debug level. A
         replicated shard's bytes go over gRPC, whose keepalive finds a frozen primary (a raw
@@ -1135,25 +1171,30 @@ class PSClient:
         if not self.data_channel or len(self.replicas[shard]) > 1:
             return None
         found = self._links.get(shard)
-        if found is not None and not found.usable():
-            self._drop_link(shard)   # cut as idle by the shard, or closed: a fresh ticket
+        if found is not None and (not found.usable() or found.names != names):
+            self._drop_link(shard)   # cut as idle by the shard, closed, or for other tensors: a fresh ticket
             found = None
         if found is None and time.monotonic() >= self._no_link_until.get(shard, 0.0):
-            found = self._open_link(shard, then)
+            found = self._open_link(shard, then, names)
         if found is None:
             return None
         if not all(slot.key[0] in gradients for slot in found.layout.gradients):
             return None
+        if names is not None:
+            held = {p.name for p in (shard_map or self._require_map()).parts_on(shard)}
+            if any(name in held and name not in names for name in gradients):
+                return None   # the frame has no room for it
         return found
 
-    def _open_link(self, shard: int, then: str = THEN_GRPC) -> Link | None:
+    def _open_link(self, shard: int, then: str = THEN_GRPC, names: frozenset[str] | None = None) -> Link | None:
         shard_map = self._require_map()
         narrow = None if self.wire_dtype == np.float32 else self.wire_dtype
-        layout = dc.wire_layout([(p.key, p.dtype, p.shape) for p in shard_map.parts_on(shard)], narrow)
+        layout = dc.wire_layout([(p.key, p.dtype, p.shape) for p in shard_map.parts_on(shard)
+                                 if names is None or p.name in names], narrow)
         try:
             answer = self._call(shard, "OpenDataChannel", lambda s: s.OpenDataChannel(
-                pb.DataChannelRequest(worker_id=self.worker_id, wire_dtype=self._wire_value), timeout=self.rpc_timeout,
-                metadata=self.metadata))
+                pb.DataChannelRequest(worker_id=self.worker_id, wire_dtype=self._wire_value,
+                                      names=sorted(names or ())), timeout=self.rpc_timeout, metadata=self.metadata))
             if (answer.size, answer.values_offset) != (layout.size, layout.values_offset):
                 raise ValueError(f"layout differs: shard says {answer.size} bytes, values at "
                                  f"{answer.values_offset}; computed {layout.size}, {layout.values_offset}")
@@ -1164,14 +1205,15 @@ class PSClient:
             link = Link.connect(host, answer.port, answer.ticket, layout,
                                 tls=self.data_channel_tls if answer.tls else None, server_hostname=name,
                                 timeout=min(dc.HANDSHAKE_SECONDS, self.rpc_timeout),
-                                idle_seconds=max(0.001, answer.idle_ms / 1000))
+                                idle_seconds=max(0.001, answer.idle_ms / 1000), names=names)
         except (ServerError, OSError, ValueError, ProtocolError) as exc:
             code = getattr(getattr(exc, "code", None), "name", "")
             why = "the shard has no OpenDataChannel (an older version)" if code == "UNIMPLEMENTED" else str(exc)
             self._link_failed(shard, f"no data channel ({why})", then=then)
             return None
-        log.info("shard %d: PushPull's bytes through the data channel (port %d%s, %d bytes of layout)", shard,
-                 answer.port, ", TLS" if answer.tls else "", layout.size)
+        log.info("shard %d: PushPull's bytes through the data channel (port %d%s, %d bytes of layout%s)", shard,
+                 answer.port, ", TLS" if answer.tls else "", layout.size,
+                 "" if names is None else f" of {len(names)} tensors")
         self._links[shard] = link
         self._no_link_until.pop(shard, None)
         return link

@@ -332,12 +332,14 @@ class SharedMemoryResponse(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., values_offset: _Optional[int] = ..., door: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class DataChannelRequest(_message.Message):
-    __slots__ = ("worker_id", "wire_dtype")
+    __slots__ = ("worker_id", "wire_dtype", "names")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     wire_dtype: DType
-    def __init__(self, worker_id: _Optional[str] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DataChannelResponse(_message.Message):
     __slots__ = ("port", "ticket", "size", "values_offset", "tls", "idle_ms")

@@ -180,8 +180,7 @@ def run_ours(case: Case, path: str, *, profile_out: Path | None = None) -> list[
     fast = [r["shared_memory_segments"] + r["data_channels"] for r in results]
     if path == "shm" and case.net is None and min(fast) < case.shards:
         log(f"train_bench: {case.model.name}: a worker moved its bytes through shared memory or the data channel "
-            f"with only {min(fast)} of {case.shards} shard(s), over gRPC with the "
-            f"rest{' (a step with tables trained by rows goes over gRPC)' if case.tables else ''}")
+            f"with only {min(fast)} of {case.shards} shard(s), over gRPC with the rest")
     return results
 
 
@@ -383,7 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="also profile one step of ours (the MLP, 1 worker)")
     p.add_argument("--profile-only", action="store_true", help="only the profile")
     p.add_argument("--profile-modes", default="async,sync", help="modes of the profile (default async,sync)")
-    p.add_argument("--no-torch", action="store_true", help="our side only, even when torch is importable")
+    p.add_argument("--no-torch", action="store_true",
+                   help="our side only, even when torch is importable (which still exports the torch models)")
     args = p.parse_args(argv)
     preset = PEERS_PRESET if args.peers else CLASSIC
     for key, value in preset.items():
@@ -430,7 +430,7 @@ def run_all(args: argparse.Namespace, work: Path, with_torch: bool, net: Network
         args.path_list = [p for p in args.path_list if p != "channel"]
     for name in args.model_list:
         model = peers.MODELS[name]
-        if model.needs_torch and not with_torch:
+        if model.needs_torch and not harness.torch_available():   # --no-torch still exports with torch
             log(f"train_bench: {name} left out: its ONNX file is exported from torch, not importable here")
             continue
         for workers in args.workers_list:

@@ -53,3 +53,28 @@ def test_a_row_gradient_of_the_wrong_shape_is_refused_before_anything_is_sent():
     with pytest.raises(InvalidTensorError, match=r"2 rows of float32\[100, 8\] need \[2, 8\]"):
         sparse.row_gradients_by_shard(SHARD_MAP, {"emb": (np.array([0, 1]), np.zeros((2, DIM + 1), np.float32))},
                                       np.dtype("<f4"))
+
+
+def test_a_sparse_step_takes_a_data_channel_frame_only_when_its_rows_fit_the_headers(monkeypatch):
+    from ps_common import data_channel as dc
+    from worker_client.client import ps_client
+
+    fits = ps_client.PSClient._rows_fit_a_frame
+    row_bytes = SHARD_MAP.specs["emb"].row_bytes
+    ids = np.arange(10, dtype=np.int64)
+    grads = sparse.row_gradients_by_shard(SHARD_MAP, {"emb": (ids, np.ones((10, DIM), np.float32))},
+                                          np.dtype("<f4"))[SHARD_MAP.parts_of("emb")[0].shard]
+    asked = [("emb", np.arange(10), ids)]
+    assert fits(SHARD_MAP, grads, asked)
+    # the request header: row gradients and asked ids together, within the bound less the room kept
+    request = sparse.wire_bytes(grads) + 8 * len(ids)
+    monkeypatch.setattr(dc, "MAX_HEADER_BYTES", ps_client.FRAME_HEADER_ROOM + request)
+    assert fits(SHARD_MAP, grads, asked)
+    monkeypatch.setattr(dc, "MAX_HEADER_BYTES", ps_client.FRAME_HEADER_ROOM + request - 1)
+    assert not fits(SHARD_MAP, grads, asked)
+    monkeypatch.undo()
+    # the answer's rows: within one answer (the shard's bound on rows read at once)
+    many = np.zeros(codec.CHUNK_BYTES // row_bytes, np.int64)
+    assert fits(SHARD_MAP, [], [("emb", np.arange(len(many)), many)])
+    more = np.zeros(len(many) + 1, np.int64)
+    assert not fits(SHARD_MAP, [], [("emb", np.arange(len(more)), more)])

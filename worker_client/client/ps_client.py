@@ -1102,10 +1102,11 @@ class PSClient:
     def _rows_fit_a_frame(shard_map: ShardMap, rows: Sequence[pb.RowGradient],
                           asked: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> bool:
         """Whether a step's row gradients to a shard and the rows asked of it fit a data-channel frame's headers
-        (the request's within dc.MAX_HEADER_BYTES, with room for its other fields; the answer's rows within one
-        answer, codec.CHUNK_BYTES, as the shard reads them)."""
+        (the request's, with the asked ids, within dc.MAX_HEADER_BYTES less room for its other fields; the
+        answer's rows within one answer, codec.CHUNK_BYTES, as the shard reads them)."""
         asked_bytes = sum(len(ids) * shard_map.specs[name].row_bytes for name, _, ids in asked)
-        return sparse.wire_bytes(rows) <= dc.MAX_HEADER_BYTES - FRAME_HEADER_ROOM and asked_bytes <= codec.CHUNK_BYTES
+        request_bytes = sparse.wire_bytes(rows) + 8 * sum(len(ids) for _, _, ids in asked)
+        return request_bytes <= dc.MAX_HEADER_BYTES - FRAME_HEADER_ROOM and asked_bytes <= codec.CHUNK_BYTES
 
     def _bytes_path(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
                     ) -> tuple[tuple[Segment, Layout] | None, Link | None]:

@@ -23,6 +23,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -44,6 +45,8 @@ CLOSE_SECONDS = 2.0
 #: serve(grant, raw request header, buffer) -> (response header, the answer's body: the layout's values region as
 #: byte views, or None when the values are not ready)
 Serve = Callable[[Grant, bytes, FrameBuffer], tuple[bytes, "list[memoryview] | None"]]
+#: observe(rpc, status code name, seconds): a frame answered, as the metrics interceptor records a gRPC call
+Observe = Callable[[str, str, float], None]
 
 
 class Violation(Exception):
@@ -68,8 +71,10 @@ class DataChannelServer:
     """The listener, its tickets and its connections (one per worker at most). Thread-safe."""
 
     def __init__(self, host: str, port: int, serve: Serve, *, shard_index: int = 0, limit: int = 4096,
-                 idle_seconds: float = 30.0, tls: ssl.SSLContext | None = None) -> None:
+                 idle_seconds: float = 30.0, tls: ssl.SSLContext | None = None,
+                 observe: Observe | None = None) -> None:
         self.serve = serve
+        self.observe = observe   # each answered frame counts as a PushPull call in the shard's metrics
         self.shard_index = shard_index
         self.limit = limit
         self.idle_seconds = idle_seconds
@@ -244,6 +249,7 @@ class DataChannelServer:
             except TimeoutError as exc:
                 raise ProtocolError(f"stalled mid-frame for {self.idle_seconds:g} s (stream_idle_seconds)") from exc
             close_after = False
+            code, started = "OK", time.perf_counter()
             try:
                 answer, body = self.serve(grant, header, buffer)
                 body = body or []
@@ -255,10 +261,14 @@ class DataChannelServer:
                 raise ProtocolError(str(exc)) from exc
             except PSError as exc:
                 close_after = isinstance(exc, DataChannelUnavailableError)
-                frame = _error_frame(status_of(exc).name, exc.reason, str(exc))
+                code = status_of(exc).name
+                frame = _error_frame(code, exc.reason, str(exc))
             except Exception as exc:  # a bug: logged, answered INTERNAL as gRPC would, the connection kept
                 log.exception("internal error in the data channel's PushPull")
-                frame = _error_frame("INTERNAL", "", f"internal error in PushPull: {type(exc).__name__}: {exc}")
+                code = "INTERNAL"
+                frame = _error_frame(code, "", f"internal error in PushPull: {type(exc).__name__}: {exc}")
+            if self.observe is not None:
+                self.observe("PushPull", code, time.perf_counter() - started)
             dc.send_views(conn.sock, frame)
             if close_after:
                 return

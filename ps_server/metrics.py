@@ -16,6 +16,8 @@ Metric names (all prefixed `ps_`):
   push_staleness_steps                  histogram of t - read_step when a push arrives
   rpc_duration_seconds{rpc}             histogram of rpc latency, incl. waits (Pull, Barrier)
   rpcs_total{rpc,code}                  finished rpcs by gRPC status code
+                                        (both: a PushPull frame answered on the data channel counts as a
+                                        PushPull, timed from the frame read whole to its answer made)
   step, initialized, parts, parameter_bytes, workers_registered, workers_live,
   worker_clock{worker}, effective_replicas (sync only)   gauges read at scrape time
   dynamic_table_rows{table}             live rows of each dynamic table on this shard (read at scrape time)

@@ -125,7 +125,7 @@ class ShardServer:
                     shard_index=config.shard_index, limit=config.max_registered_workers,
                     idle_seconds=config.stream_idle_seconds,
                     tls=dc.server_tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-                    if security.tls_enabled(config) else None)
+                    if security.tls_enabled(config) else None, observe=self.metrics.observe_rpc)
             except BaseException:
                 self.server.stop(0)
                 raise

@@ -195,6 +195,30 @@ def test_a_channel_that_breaks_under_a_model_too_large_for_one_grpc_message_fall
         np.testing.assert_allclose(pulled["w"], values["w"] - 3 * LR * 0.25, rtol=1e-6)
 
 
+def test_the_shards_metrics_count_each_answered_frame_as_a_push_pull() -> None:
+    from ps_server.config import ServerConfig
+    from ps_server.server import create_server
+
+    server = create_server(ServerConfig(mode="async", optimizer="sgd", optimizer_params={"lr": LR}))[0]
+    values = model()
+    try:
+        with joined(PSClient([server.address], worker_id="w0", shared_memory=False, retry=QUICK), values) as worker:
+            for _ in range(2):
+                assert worker.push_pull(grads(values))[0].accepted
+            with pytest.raises(ServerError):
+                worker.push_pull({**grads(values), "w": np.full((16, 8), np.nan, np.float32)})
+            assert worker._links[0].frames == 3                  # all three went through the channel
+
+        def sample(name: str, **labels: str) -> float:
+            return server.metrics.registry.get_sample_value(name, {"shard": "0", "rpc": "PushPull", **labels}) or 0.0
+
+        assert sample("ps_rpcs_total", code="OK") == 2
+        assert sample("ps_rpcs_total", code="INVALID_ARGUMENT") == 1
+        assert sample("ps_rpc_duration_seconds_count") == 3
+    finally:
+        server.stop()
+
+
 def test_the_shards_typed_errors_are_raised_as_over_grpc(start_cluster) -> None:
     values = model()
     cluster = start_cluster(1, mode="async", flags=FLAGS)

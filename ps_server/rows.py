@@ -18,6 +18,24 @@ from ps_common.errors import InvalidRequestError, InvalidTensorError, UnknownTen
 from ps_common.shard_map import ParamSpec, Part, ShardMap
 
 
+def all_finite(values: np.ndarray) -> bool:
+    """Whether every element of a gradient (dense or rows) is finite, in one pass over it when it is.
+
+    A NaN or an inf anywhere makes the float32 or float64 sum non-finite (inf + finite is inf,
+    inf - inf is NaN, NaN spreads), so a finite sum proves every element finite: one reduction,
+    where min and max take two. Only a non-finite sum, which finite values can also give by
+    overflowing, is settled by min and max (they propagate NaN and show inf). Other dtypes take
+    min and max at once. Empty: True.
+    """
+    if not values.size:
+        return True
+    if values.dtype in (np.float32, np.float64):
+        with np.errstate(over="ignore", invalid="ignore"):   # an overflowing sum is an answer, not a warning
+            if np.isfinite(np.add.reduce(values, axis=None)):
+                return True
+    return bool(np.isfinite(values.min()) and np.isfinite(values.max()))
+
+
 @dataclass
 class RowGrad:
     """The gradient of rows `rows` (part-local, sorted, unique) of a part with `part_rows` rows
@@ -125,7 +143,7 @@ def split_gradient(shard_map: ShardMap, shard_index: int, name: str, ids: np.nda
     if values.dtype != np.dtype(spec.dtype) or tuple(values.shape) != tuple(want):
         raise InvalidTensorError(f"{where}: row gradient of {name!r} is {values.dtype}{list(values.shape)}, "
                                  f"expected {spec.dtype}{list(want)}")
-    if values.size and not (np.isfinite(values.min()) and np.isfinite(values.max())):
+    if not all_finite(values):
         raise InvalidTensorError(f"{where}: row gradient of {name!r} holds NaN or inf")
     return {part.key: RowGrad.summed(ids[pos] - part.row_start, values[pos], part.row_end - part.row_start)
             for part, pos in found}
@@ -160,6 +178,6 @@ def dynamic_gradient(spec: ParamSpec, ids: np.ndarray, values: np.ndarray, shard
     if values.dtype != np.dtype(spec.dtype) or tuple(values.shape) != want:
         raise InvalidTensorError(f"{where}: row gradient of dynamic table {spec.name!r} is "
                                  f"{values.dtype}{list(values.shape)}, expected {spec.dtype}{list(want)}")
-    if values.size and not (np.isfinite(values.min()) and np.isfinite(values.max())):
+    if not all_finite(values):
         raise InvalidTensorError(f"{where}: row gradient of dynamic table {spec.name!r} holds NaN or inf")
     return RowGrad.summed(ids, values, None)

@@ -44,7 +44,8 @@ from ps_server.events import Events
 from ps_server.membership import Membership, PushResult, WorkerRecord
 from ps_server.operations import Op, Push, PushPullResult, Read, ReplicationLog, StateRead, Values
 from ps_server.optimizers import make_optimizer
-from ps_server.rows import RowGrad, check_table_name, checked_ids, dynamic_gradient, owned_parts, split_gradient
+from ps_server.rows import (RowGrad, all_finite, check_table_name, checked_ids, dynamic_gradient, owned_parts,
+                            split_gradient)
 from ps_server.store import ParameterStore, PartKey, PartState, dynamic_key
 
 log = logging.getLogger(__name__)
@@ -454,8 +455,7 @@ class Shard:
                 raise InvalidTensorError(
                     f"push from {worker_id!r} at clock {clock}: {name!r} rows from {row_start} is {grad.dtype.name}: "
                     "only floating-point parameters train; push no gradient for it")
-            # min and max propagate NaN and show inf: two fast reductions, no temporary array
-            if grad.size and not (np.isfinite(grad.min()) and np.isfinite(grad.max())):
+            if not all_finite(grad):
                 raise InvalidRequestError(
                     f"push from {worker_id!r} at clock {clock}: gradient of {name!r} rows from {row_start} holds NaN or inf")
         return grads

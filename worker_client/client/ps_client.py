@@ -854,9 +854,10 @@ class PSClient:
             # sparse table's included
             if not names:
                 return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None
+            named = frozenset(names)
             for i in range(self.num_shards):
                 grads, asked = rows_by_shard.get(i, ()), wanted_rows.get(i, ())
-                partial_links[i] = self._link(i, gradients, names=frozenset(names), shard_map=shard_map) \
+                partial_links[i] = self._link(i, gradients, names=named, shard_map=shard_map) \
                     if self._rows_fit_a_frame(shard_map, grads, asked) else None
                 if partial_links[i] is None and not self._small(shard_map, i, names, grads, asked):
                     return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None
@@ -1092,10 +1093,12 @@ class PSClient:
                rows: Sequence[pb.RowGradient] = (), asked: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()) -> bool:
         """Whether a shard's parts (those in `names`; None: all), with its row gradients and the rows asked of
         it, are few enough bytes for PushPull over gRPC (GRPC_PUSH_PULL_MAX_BYTES)."""
-        wanted = None if names is None else set(names)
-        size = sum(p.nbytes for p in shard_map.parts_on(shard) if wanted is None or p.name in wanted)
-        size += sparse.wire_bytes(rows)
-        size += sum(len(ids) * shard_map.specs[name].row_bytes for name, _, ids in asked)
+        if names is None:
+            size = shard_map.shard_bytes(shard)
+        else:
+            wanted = set(names)
+            size = sum(p.nbytes for p in shard_map.parts_on(shard) if p.name in wanted)
+        size += sparse.wire_bytes(rows) + sparse.asked_bytes(shard_map, asked)
         return size <= GRPC_PUSH_PULL_MAX_BYTES
 
     @staticmethod
@@ -1104,9 +1107,9 @@ class PSClient:
         """Whether a step's row gradients to a shard and the rows asked of it fit a data-channel frame's headers
         (the request's, with the asked ids, within dc.MAX_HEADER_BYTES less room for its other fields; the
         answer's rows within one answer, codec.CHUNK_BYTES, as the shard reads them)."""
-        asked_bytes = sum(len(ids) * shard_map.specs[name].row_bytes for name, _, ids in asked)
         request_bytes = sparse.wire_bytes(rows) + 8 * sum(len(ids) for _, _, ids in asked)
-        return request_bytes <= dc.MAX_HEADER_BYTES - FRAME_HEADER_ROOM and asked_bytes <= codec.CHUNK_BYTES
+        return request_bytes <= dc.MAX_HEADER_BYTES - FRAME_HEADER_ROOM and \
+            sparse.asked_bytes(shard_map, asked) <= codec.CHUNK_BYTES
 
     def _bytes_path(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
                     ) -> tuple[tuple[Segment, Layout] | None, Link | None]:

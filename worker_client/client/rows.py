@@ -89,6 +89,11 @@ def wire_bytes(gradients: Iterable[pb.RowGradient]) -> int:
     return sum(len(g.data) + 8 * len(g.ids) for g in gradients)
 
 
+def asked_bytes(shard_map: ShardMap, asked: Iterable[tuple[str, np.ndarray, np.ndarray]]) -> int:
+    """The bytes of the rows a read asks a shard for (route_rows' entries: table, positions, ids), as stored."""
+    return sum(len(ids) * shard_map.specs[name].row_bytes for name, _, ids in asked)
+
+
 def row_gradients_by_shard(shard_map: ShardMap, row_gradients: Mapping[str, tuple[np.ndarray, np.ndarray]],
                            wire_dtype: np.dtype) -> dict[int, list[pb.RowGradient]]:
     """shard -> the RowGradients it gets: for each table, one per shard holding a part of it (maybe empty).

@@ -24,7 +24,7 @@ from ps_common import codec, frames
 from ps_common import data_channel as dc
 from ps_common.boundary import safe_deserializer, translate_errors
 from ps_common.data_channel import DataChannelUnavailableError, FrameBuffer, Grant
-from ps_common.errors import InvalidRequestError, UnknownWorkerError
+from ps_common.errors import InvalidRequestError, ResourceExhaustedError, UnknownWorkerError
 from ps_common.shard_map import PartKey
 from ps_common.shared_memory import Layout, Segment
 from ps_proto.v1 import parameter_server_pb2 as pb
@@ -47,15 +47,56 @@ RAW_REQUESTS = frozenset({"Push", "InitParameters", "PushPull"})
 RAW_RESPONSES = frozenset({"Pull", "PushPull"})
 
 
-def _header_and_chunks(requests: Iterator[bytes], rpc: str, header_type):
+#: PushRequest's field of row gradients continued past the header (parameter_server.proto).
+ROW_PIECES_FIELD = 3
+
+
+class RowPieces:
+    """The PushRequest.row_gradients of one Push stream, gathered as its messages are walked: at most `limit`
+    bytes of them (ResourceExhaustedError on the message that passes it, before the rest is read)."""
+
+    def __init__(self, rpc: str, limit: Callable[[], int]) -> None:
+        self.rpc, self.limit = rpc, limit   # the bound, asked for when the first piece arrives
+        self.views: list[memoryview] = []
+        self.nbytes = 0
+        self._bound: int | None = None
+
+    def add(self, views: list[memoryview]) -> None:
+        if not views:
+            return
+        if self._bound is None:
+            self._bound = self.limit()
+        self.nbytes += sum(len(v) for v in views)
+        if self.nbytes > self._bound:
+            raise ResourceExhaustedError(
+                f"{self.rpc}: row gradients continued past the header take more than {self._bound} bytes (at least "
+                f"{self.nbytes}), more than one push may carry (8 MiB, or the shard's parameter bytes if more)")
+        self.views.extend(views)
+
+    def parsed(self) -> list[pb.RowGradient]:
+        try:
+            return [pb.RowGradient.FromString(bytes(view)) for view in self.views]
+        except Exception as exc:  # protobuf's DecodeError
+            raise InvalidRequestError(f"{self.rpc}: malformed row gradient piece: {exc}") from exc
+
+
+def _header_and_chunks(requests: Iterator[bytes], rpc: str, header_type, pieces: RowPieces | None = None):
     """(header, chunks) of a client stream of serialized requests (PushRequest, InitRequest).
 
     The requests arrive as bytes (see add_to_server) and are walked by
     codec.decode_message, so the tensor bytes are used where they arrived. The first
-    message must carry the header; headers in later messages are ignored.
+    message must carry the header; headers in later messages are ignored. With `pieces`
+    (a Push), each message's continued row gradients are gathered into it as the chunks are read.
     """
+    def decode(raw: bytes) -> tuple[int | memoryview | None, list[codec.ChunkView]]:
+        if pieces is None:
+            return codec.decode_message(raw)
+        first, chunks, extras = codec.decode_with_extras(raw, frozenset({ROW_PIECES_FIELD}))
+        pieces.add(extras[ROW_PIECES_FIELD])
+        return first, chunks
+
     first = next(requests, None)
-    header, chunks = codec.decode_message(first) if first is not None else (None, [])
+    header, chunks = decode(first) if first is not None else (None, [])
     if not isinstance(header, memoryview):
         raise InvalidRequestError(f"{rpc}: the first message must carry a header")
     try:
@@ -66,9 +107,40 @@ def _header_and_chunks(requests: Iterator[bytes], rpc: str, header_type):
     def all_chunks() -> Iterator[codec.ChunkView]:
         yield from chunks
         for raw in requests:
-            yield from codec.decode_message(raw)[1]
+            yield from decode(raw)[1]
 
     return parsed, all_chunks()
+
+
+def joined_row_gradients(header: pb.PushHeader, pieces: list[pb.RowGradient], rpc: str) -> list[pb.RowGradient]:
+    """The header's row gradients with the pieces that continue them appended (ids and rows, in order).
+
+    A piece must name a table the header has a row gradient for, in that gradient's dtype (InvalidRequestError
+    otherwise). A table named twice in the header keeps both, for the shard to refuse."""
+    if not pieces:
+        return list(header.row_gradients)
+    joined = [pb.RowGradient(name=rg.name, dtype=rg.dtype) for rg in header.row_gradients]
+    ids: list[list] = [[rg.ids] for rg in header.row_gradients]
+    data: list[list[bytes]] = [[rg.data] for rg in header.row_gradients]
+    first = {}
+    for index, rg in enumerate(header.row_gradients):
+        first.setdefault(rg.name, index)
+    for piece in pieces:
+        index = first.get(piece.name)
+        if index is None:
+            raise InvalidRequestError(f"{rpc}: a row gradient piece of {piece.name!r} continues no row gradient of "
+                                      f"the header (it has {sorted(first)[:10]})")
+        if piece.dtype != joined[index].dtype:
+            raise InvalidRequestError(f"{rpc}: a row gradient piece of {piece.name!r} is "
+                                      f"{codec.dtype_name(piece.dtype)}, its header's is "
+                                      f"{codec.dtype_name(joined[index].dtype)}")
+        ids[index].append(piece.ids)
+        data[index].append(piece.data)
+    for rg, its_ids, its_data in zip(joined, ids, data):
+        for part in its_ids:
+            rg.ids.extend(part)
+        rg.data = b"".join(its_data)
+    return joined
 
 
 def _assemble(chunks: Iterator[codec.ChunkView], layout, *, widen: bool = False) -> dict:
@@ -102,7 +174,7 @@ def cluster_info(shard: Shard, view: ShardView) -> pb.ClusterInfo:
         staleness=-1 if c.staleness == float("inf") else int(c.staleness), max_staleness=c.max_staleness,
         step=view.step, initialized=view.initialized, optimizer=view.optimizer,
         partition_min_bytes=c.partition_min_bytes, chunk_bytes=c.chunk_bytes, dropped_stale=view.dropped,
-        effective_replicas=view.policy.effective_replicas,
+        effective_replicas=view.policy.effective_replicas, row_gradients_continue=True,
     )
     if view.shard_map is not None:
         for spec in sorted(view.shard_map.specs.values(), key=lambda s: s.name):
@@ -191,10 +263,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @translate_errors
     def Push(self, request_iterator, context):
         with self.admission.enter("Push", caller_of(context)):
+            pieces = RowPieces("Push", lambda: max(codec.MAX_MESSAGE_BYTES, self.shard.parameter_bytes()))
             header, chunks = _header_and_chunks(self._stream(request_iterator, context, "Push"), "Push",
-                                                pb.PushHeader)
+                                                pb.PushHeader, pieces)
             grads = _assemble(chunks, self.shard.push_layout(), widen=True)   # half-size wire: widened
-            result = self.shard.push(self._push(header, grads))
+            result = self.shard.push(self._push(header, grads, joined_row_gradients(header, pieces.parsed(), "Push")))
         return push_response(result)
 
     def Pull(self, request, context):
@@ -302,11 +375,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     # ------------------------------------------------------------------ checks: requests to domain values
 
-    def _push(self, header: pb.PushHeader, grads: Mapping[PartKey, np.ndarray]) -> Push:
-        """The domain's Push of a header and its decoded dense gradients; row gradients decoded (widened from a
-        half-size wire) against their tables' specs."""
+    def _push(self, header: pb.PushHeader, grads: Mapping[PartKey, np.ndarray],
+              row_gradients: list[pb.RowGradient] | None = None) -> Push:
+        """The domain's Push of a header and its decoded dense gradients; row gradients (the header's, or
+        `row_gradients` where a Push stream continued them) decoded (widened from a half-size wire) against their
+        tables' specs."""
         row_grads = []
-        for rg in header.row_gradients:
+        for rg in header.row_gradients if row_gradients is None else row_gradients:
             spec = self.shard.table_spec(rg.name, "row gradient")
             ids = np.array(rg.ids, dtype=np.int64)
             row_grads.append((rg.name, ids, codec.rows_from_wire(rg.name, rg.dtype, rg.data, len(ids), spec.row_shape,

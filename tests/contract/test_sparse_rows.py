@@ -220,3 +220,60 @@ def test_a_push_pull_asking_bad_rows_is_refused_before_its_push_and_changes_noth
     code = grpc.StatusCode.NOT_FOUND if what == "an unknown tensor" else grpc.StatusCode.INVALID_ARGUMENT
     expect_status(code, lambda: ready.stubs[shard].PushPull(request, timeout=RPC_TIMEOUT), asked[0].name)
     assert ready.snapshot(shard, [worker]) == before
+
+
+def continued(target: Target, shard: int, worker_id: str, clock: int, read_step: int, header_rows: list[pb.RowGradient],
+              pieces: list[list[pb.RowGradient]]) -> pb.PushResponse:
+    """A push whose row gradients go on past the header: `pieces` in the messages after it, one list each."""
+    messages = target.push_messages(worker_id, clock, read_step, [])
+    messages[0].header.row_gradients.extend(header_rows)
+    messages += [pb.PushRequest(row_gradients=group) for group in pieces]
+    return target.push_raw(shard, messages)
+
+
+def test_row_gradients_continued_past_the_header_apply_as_one_push(async_ready: Target, workers: Workers) -> None:
+    worker, shard, (a, b), before, clock, step = new_worker_on_the_table(async_ready, workers)
+    assert async_ready.info(shard).row_gradients_continue
+    response = continued(async_ready, shard, worker, clock, step, [row_gradient([a], np.ones((1, 16), np.float32))],
+                         [[row_gradient([b, a], np.full((2, 16), 2.0, np.float32))],
+                          [row_gradient([b], np.full((1, 16), 4.0, np.float32))]])
+    assert response.outcome == pb.PUSH_ACCEPTED and response.step == step + 1   # one push: one step
+    after = rows_of(pull_rows(async_ready, shard, [a, b]))
+    np.testing.assert_allclose(after[0], before[0] - LR * 3.0, rtol=1e-6)   # 1 + 2: the pieces joined, summed
+    np.testing.assert_allclose(after[1], before[1] - LR * 6.0, rtol=1e-6)   # 2 + 4
+
+
+PIECES_BAD = {
+    "a table the header has no row gradient for": (
+        lambda ids: [[row_gradient(ids[:1], np.ones((1, 1), np.float32), name="contract.w")]],
+        "continues no row gradient of the header"),
+    "another dtype than the header's": (
+        lambda ids: [[row_gradient(ids[:1], np.ones((1, 16), np.float16))]], "is float16, its header's is float32"),
+    "an id of another shard's rows": (lambda ids: [[row_gradient([0 if ids[0] else 95], np.ones((1, 16), np.float32))]],
+                                      "belongs to shard"),
+}
+
+
+@pytest.mark.parametrize("what", list(PIECES_BAD))
+def test_a_bad_continued_row_gradient_is_invalid_argument_and_changes_nothing(async_ready: Target, workers: Workers,
+                                                                            what: str) -> None:
+    worker, shard, ids, _, clock, step = new_worker_on_the_table(async_ready, workers)
+    pieces, needle = PIECES_BAD[what]
+    before = async_ready.snapshot(shard, [worker])
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, lambda: continued(
+        async_ready, shard, worker, clock, step, [row_gradient(ids[:1], np.ones((1, 16), np.float32))], pieces(ids)),
+        needle)
+    assert async_ready.snapshot(shard, [worker]) == before
+
+
+def test_continued_row_gradients_past_the_bound_are_resource_exhausted_and_change_nothing(async_ready: Target,
+                                                                                        workers: Workers) -> None:
+    # at most max(8 MiB, the shard's parameter bytes) of rows per push: three messages of 3 MiB pass it
+    worker, shard, (a, _), _, clock, step = new_worker_on_the_table(async_ready, workers)
+    count = (3 << 20) // (16 * 4)
+    piece = row_gradient(np.full(count, a), np.zeros((count, 16), np.float32))
+    before = async_ready.snapshot(shard, [worker])
+    expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: continued(
+        async_ready, shard, worker, clock, step, [row_gradient([a], np.ones((1, 16), np.float32))],
+        [[piece], [piece], [piece]]), "row gradients continued past the header take more than 8388608 bytes")
+    assert async_ready.snapshot(shard, [worker]) == before

@@ -15,6 +15,7 @@ client is used by one thread at a time (its heartbeat thread is internal).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import ssl
 import threading
@@ -100,6 +101,10 @@ GRPC_PUSH_PULL_MAX_BYTES = 256 << 10
 SHARED_MEMORY_MIN_BYTES = 2 << 20
 #: Bytes of a data-channel frame's header kept for its fields other than row gradients (names, ids, the pull).
 FRAME_HEADER_ROOM = 1 << 20
+#: A Push's row gradients above this many wire bytes go on past its header, in messages of at most ROW_PIECE_BYTES
+#: (the header's message also carries up to a chunk of dense gradients, within one gRPC message).
+ROWS_IN_HEADER_BYTES = 2 << 20
+ROW_PIECE_BYTES = codec.CHUNK_BYTES
 #: Where PushPull's bytes go when the data channel cannot be had (its warning says which).
 THEN_GRPC = "go over gRPC"
 THEN_SHARED_MEMORY = "go through shared memory where the shard shares this host, else over gRPC"
@@ -281,6 +286,7 @@ class PSClient:
         self._links: dict[int, Link] = {}                         # shard -> its open data channel
         self._no_link_until: dict[int, float] = {}                # shard -> when to ask it for one again
         self._link_failures_logged: set[int] = set()              # shards whose channel failure was logged
+        self._rows_continue: dict[int, bool] = {}                 # shard -> takes row gradients past a header
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="ps-client")
         self.shard_map: ShardMap | None = None
         self.steps: list[int] = [0] * len(self.addresses)   # step of each shard at the last pull
@@ -362,6 +368,7 @@ class PSClient:
         self._drop_link(shard)
         self._no_segment_until.pop(shard, None)
         self._no_link_until.pop(shard, None)
+        self._rows_continue.pop(shard, None)
 
     def _call(self, shard: int, what: str, fn: Callable[[pb_grpc.ParameterServerStub], T]) -> T:
         """Runs fn(stub) for one shard, retrying UNAVAILABLE and OVERLOADED with bounded backoff (self.retry); a
@@ -740,12 +747,22 @@ class PSClient:
     def _push_to(self, shard: int, stub: pb_grpc.ParameterServerStub, shard_map: ShardMap,
                  gradients: Mapping[str, np.ndarray], clock: int, read_step: int,
                  rows: Sequence[pb.RowGradient]) -> pb.PushResponse:
-        """One streamed Push of the shard's parts of `gradients` and its row gradients `rows` to one shard."""
+        """One streamed Push of the shard's parts of `gradients` and its row gradients `rows` to one shard.
+
+        Row gradients of more than ROWS_IN_HEADER_BYTES go on in messages after the header's (PushRequest.
+        row_gradients) when the shard takes that (ClusterInfo.row_gradients_continue); a shard that predates it
+        gets them all in the header, as before."""
+        continued: list[list[pb.RowGradient]] = []
+        if sparse.wire_bytes(rows) > ROWS_IN_HEADER_BYTES and self._continues_rows(shard):
+            rows, continued = sparse.split_row_gradients(rows, header_bytes=ROWS_IN_HEADER_BYTES,
+                                                         piece_bytes=ROW_PIECE_BYTES)
         header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step, row_gradients=rows)
 
         def call() -> pb.PushResponse:
-            messages = codec.pack_encoded(self._part_chunks(shard_map, shard, gradients, narrow=True),
-                                          header.SerializeToString(), chunk_bytes=self.chunk_bytes)
+            messages = itertools.chain(
+                codec.pack_encoded(self._part_chunks(shard_map, shard, gradients, narrow=True),
+                                   header.SerializeToString(), chunk_bytes=self.chunk_bytes),
+                (pb.PushRequest(row_gradients=pieces).SerializeToString() for pieces in continued))
             return self._raw_pushes[shard](messages, timeout=self._deadline(shard), metadata=self.metadata)
 
         try:
@@ -760,41 +777,56 @@ class PSClient:
                                 metadata=self.metadata)
             return call()
 
+    def _continues_rows(self, shard: int) -> bool:
+        """Whether the shard takes row gradients continued past a push's header (asked once per shard)."""
+        known = self._rows_continue.get(shard)
+        if known is None:
+            known = self._rows_continue[shard] = self.cluster_info(shard).row_gradients_continue
+        return known
+
     def pull_rows(self, rows: Mapping[str, np.ndarray], *, min_steps: Sequence[int] | int | None = None,
                   ssp: bool = False, timeout: float | None = None) -> dict[str, np.ndarray]:
         """The rows `ids` of each named table (global row ids, any order, repeats allowed), from the shards
-        that own them (one PullRows per shard), as {name: array of shape (len(ids), *row shape)}.
-        For a dynamic table the ids are any int64 values, sent to the shard their hash names.
+        that own them, as {name: array of shape (len(ids), *row shape)}. For a dynamic table the ids are any
+        int64 values, sent to the shard their hash names.
 
-        Waits as `pull` does (min_steps, ssp, timeout) and records the step of each shard it asked.
+        One PullRows per shard, or several where its rows are more than one answer carries (4 MiB: the
+        shard's bound); each of those may read at a later step than the one before, and the shard's step
+        recorded is the earliest. Waits as `pull` does (min_steps, ssp, timeout).
         """
         shard_map = self._require_map()
         mins = self._per_shard(min_steps)
         wait = self.wait_timeout if timeout is None else timeout
         plan = sparse.route_rows(shard_map, rows)   # shard -> [(name, positions, ids)]
+        reads = [(shard, asked) for shard in sorted(plan) for asked in sparse.split_asked(
+            shard_map, plan[shard], answer_bytes=codec.CHUNK_BYTES, request_bytes=codec.CHUNK_BYTES)]
 
-        def fetch(shard: int) -> pb.PullRowsResponse:
-            request = pb.PullRowsRequest(tables=[pb.RowIds(name=n, ids=ids) for n, _, ids in plan[shard]],
+        def fetch(read: tuple[int, list[tuple[str, np.ndarray, np.ndarray]]]) -> pb.PullRowsResponse:
+            shard, asked = read
+            request = pb.PullRowsRequest(tables=[pb.RowIds(name=n, ids=ids) for n, _, ids in asked],
                                          min_step=mins[shard], wait_timeout_ms=int(wait * 1000),
                                          worker_id=self.worker_id if ssp else "", clock=self.clock if ssp else 0)
             return self._call(shard, "PullRows", lambda stub: stub.PullRows(
                 request, timeout=wait + self._deadline(shard), metadata=self.metadata))
 
-        targets = sorted(plan)
-        answers = [fetch(targets[0])] if len(targets) == 1 else list(self._pool.map(fetch, targets))
-        for shard, answer in zip(targets, answers):
-            self.steps[shard] = answer.step
-        return self._received_rows(shard_map, rows, plan, {s: a.tables for s, a in zip(targets, answers)})
+        answers = [fetch(reads[0])] if len(reads) == 1 else list(self._pool.map(fetch, reads))
+        steps: dict[int, int] = {}
+        for (shard, _), answer in zip(reads, answers):
+            steps[shard] = min(steps.get(shard, answer.step), answer.step)
+        for shard, step in steps.items():
+            self.steps[shard] = step
+        return self._received_rows(shard_map, rows, [(asked, answer.tables) for (_, asked), answer in zip(reads, answers)])
 
     def _received_rows(self, shard_map: ShardMap, rows: Mapping[str, np.ndarray],
-                       plan: Mapping[int, Sequence[tuple[str, np.ndarray, np.ndarray]]],
-                       answers: Mapping[int, Iterable[pb.RowValues]]) -> dict[str, np.ndarray]:
-        """The rows `rows` asked for, {name: (len(ids), *row shape)}, put together from each shard's answer to
-        its part of `plan` (sparse.route_rows), and counted in bytes_pulled with their int64 ids."""
+                       answered: Iterable[tuple[Sequence[tuple[str, np.ndarray, np.ndarray]], Iterable[pb.RowValues]]],
+                       ) -> dict[str, np.ndarray]:
+        """The rows `rows` asked for, {name: (len(ids), *row shape)}, put together from the answers to the reads
+        they were cut into ((what one read asked: route_rows' entries, its answer's tables)), and counted in
+        bytes_pulled with their int64 ids."""
         out = {name: np.empty((len(ids), *shard_map.specs[name].row_shape), dtype=shard_map.specs[name].dtype)
                for name, ids in rows.items()}
-        for shard, asked in plan.items():
-            sparse.place_rows(out, asked, answers[shard])
+        for asked, tables in answered:
+            sparse.place_rows(out, asked, tables)
         self.bytes_pulled += sum(v.nbytes + 8 * len(v) for v in out.values())
         return out
 
@@ -896,8 +928,8 @@ class PSClient:
             self._place(shard_map, out, parts)
         if not rows:
             return report, out, None
-        return report, out, self._received_rows(shard_map, rows, wanted_rows,
-                                                {shard: results[shard][0].rows for shard in wanted_rows})
+        return report, out, self._received_rows(shard_map, rows, [(asked, results[shard][0].rows)
+                                                                  for shard, asked in wanted_rows.items()])
 
     def _exchange(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray], clock: int,
                   read_step: int, segment: tuple[Segment, Layout] | None, link: Link | None, wait_for_step: bool,

@@ -124,12 +124,14 @@ class InitResponse(_message.Message):
     def __init__(self, already_initialized: _Optional[bool] = ..., step: _Optional[int] = ..., num_parts: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("header", "chunks")
+    __slots__ = ("header", "chunks", "row_gradients")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ROW_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+    row_gradients: _containers.RepeatedCompositeFieldContainer[RowGradient]
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., row_gradients: _Optional[_Iterable[_Union[RowGradient, _Mapping]]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("worker_id", "clock", "read_step", "row_gradients")
@@ -456,7 +458,7 @@ class PartAssignment(_message.Message):
     def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "mode", "replicas_to_aggregate", "total_replicas", "staleness", "max_staleness", "step", "initialized", "parameters", "parts", "workers", "optimizer", "partition_min_bytes", "chunk_bytes", "effective_replicas", "dropped_stale", "dynamic_tables")
+    __slots__ = ("shard_index", "num_shards", "mode", "replicas_to_aggregate", "total_replicas", "staleness", "max_staleness", "step", "initialized", "parameters", "parts", "workers", "optimizer", "partition_min_bytes", "chunk_bytes", "effective_replicas", "dropped_stale", "dynamic_tables", "row_gradients_continue")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -475,6 +477,7 @@ class ClusterInfo(_message.Message):
     EFFECTIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_TABLES_FIELD_NUMBER: _ClassVar[int]
+    ROW_GRADIENTS_CONTINUE_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     mode: ConsistencyMode
@@ -493,7 +496,8 @@ class ClusterInfo(_message.Message):
     effective_replicas: int
     dropped_stale: int
     dynamic_tables: _containers.RepeatedCompositeFieldContainer[DynamicTableInfo]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[_Union[ConsistencyMode, str]] = ..., replicas_to_aggregate: _Optional[int] = ..., total_replicas: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., step: _Optional[int] = ..., initialized: _Optional[bool] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[PartAssignment, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., optimizer: _Optional[str] = ..., partition_min_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., effective_replicas: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dynamic_tables: _Optional[_Iterable[_Union[DynamicTableInfo, _Mapping]]] = ...) -> None: ...
+    row_gradients_continue: bool
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[_Union[ConsistencyMode, str]] = ..., replicas_to_aggregate: _Optional[int] = ..., total_replicas: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., step: _Optional[int] = ..., initialized: _Optional[bool] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[PartAssignment, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., optimizer: _Optional[str] = ..., partition_min_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., effective_replicas: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dynamic_tables: _Optional[_Iterable[_Union[DynamicTableInfo, _Mapping]]] = ..., row_gradients_continue: _Optional[bool] = ...) -> None: ...
 
 class DynamicTableInfo(_message.Message):
     __slots__ = ("name", "rows", "created", "evicted")

@@ -583,7 +583,7 @@ def _rewritten_agrees(model: onnx.ModelProto, rewrite: Callable[[onnx.ModelProto
 
 
 @pytest.mark.parametrize("strides, dilations", [([1, 1], [1, 1]), ([2, 1], [1, 2])])
-def test_a_large_kernel_conv_rewritten_as_one_gemm_computes_the_same(
+def test_a_large_kernel_conv_rewritten_as_a_gemm_per_output_position_computes_the_same(
         strides: list[int], dilations: list[int]) -> None:
     """The shape of onnx-ad's Conv weight adjoint: a kernel spanning most of the feature
     map; the strided, dilated case also leaves a remainder row."""

@@ -45,10 +45,12 @@ def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
     with the output adjoint as a filter bank, so the kernel spans the whole feature map and
     the output is only the original kernel's size (3 x 3). onnxruntime runs that as one
     im2col + skinny GEMM per input channel. Here the input window under each of the few
-    output positions (i, j) is sliced out, the windows are stacked, and a single GEMM with
-    the flattened filters computes every output at once -- the same multiply-adds in one
-    well-shaped GEMM. Matches ungrouped, unpadded, bias-free Convs with static shapes.
-    Returns the number rewritten.
+    output positions (i, j) is sliced out and one well-shaped GEMM per window with the
+    flattened filters computes that position's outputs -- the same multiply-adds. The small
+    results are stacked, not the windows: stacking the windows first (one GEMM for all) copied
+    the activations nine more times, and on a ResNet-18 layer at 32 x 32 took 38 ms where the
+    GEMMs per window take 24 (16 x 16: 25 and 18.5; 4 x 4: 20.7 and 19.1). Matches ungrouped,
+    unpadded, bias-free Convs with static shapes. Returns the number rewritten.
     """
     shapes = static_shapes(model)
     emit = Emitter(model, "conv_gemm")
@@ -79,25 +81,24 @@ def _conv_as_gemm(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...],
                   emit: Emitter) -> list[onnx.NodeProto]:
     batch, filters = x[0], w[0]
     window = w[1] * w[2] * w[3]
-    positions = y[2] * y[3]
     flat_filters, filters_2d = emit.reshape(node.input[1], [filters, window])
     nodes = [flat_filters]
-    patches = []
+    products = []
     for i in range(y[2]):
         for j in range(y[3]):
             start = [i * strides[0], j * strides[1]]
             end = [start[0] + (w[2] - 1) * dilations[0] + 1,
                    start[1] + (w[3] - 1) * dilations[1] + 1]
-            patch = emit.name()
-            nodes.append(helper.make_node(
-                "Slice", [node.input[0], emit.ints(start), emit.ints(end), emit.ints([2, 3]),
-                          emit.ints(dilations)], [patch], name=patch))
-            patches.append(patch)
-    stacked, product, grid = emit.name(), emit.name(), emit.name()
-    to_rows, rows = emit.reshape(stacked, [positions * batch, window])
-    nodes += [helper.make_node("Concat", patches, [stacked], name=stacked, axis=0), to_rows,
-              helper.make_node("Gemm", [rows, filters_2d], [product], name=product, transB=1),
-              emit.reshape(product, [y[2], y[3], batch, filters], out=grid)[0],
+            patch, product = emit.name(), emit.name()
+            to_rows, rows = emit.reshape(patch, [batch, window])
+            nodes += [helper.make_node("Slice", [node.input[0], emit.ints(start), emit.ints(end), emit.ints([2, 3]),
+                                                 emit.ints(dilations)], [patch], name=patch),
+                      to_rows,
+                      helper.make_node("Gemm", [rows, filters_2d], [product], name=product, transB=1)]
+            products.append(product)
+    stacked, grid = emit.name(), emit.name()
+    nodes += [helper.make_node("Concat", products, [stacked], name=stacked, axis=0),
+              emit.reshape(stacked, [y[2], y[3], batch, filters], out=grid)[0],
               helper.make_node("Transpose", [grid], [node.output[0]],
                                name=node.name or node.output[0], perm=[2, 3, 0, 1])]
     return nodes

@@ -3,6 +3,7 @@ kernels, and Dropout masks drawn and fed over the keep rate."""
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from worker_client import GradientEngine
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
+from worker_client.engine.rewrites.nchwc import NCHWC_DOMAIN, block_convs, nchwc_block_size
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
 
 OPSET = 18
@@ -224,3 +226,106 @@ def test_masks_the_step_draws_follow_the_seed(tmp_path: Path) -> None:
                          for _ in range(2)]
     assert losses["a"] == losses["b"] and losses["a"][0] != losses["a"][1]
     assert losses["a"] != losses["c"]
+
+
+# --- convolutions on onnxruntime's channel-blocked kernels (rewrites/nchwc.py) ----------------------------------
+
+BLOCK = nchwc_block_size()
+needs_blocked_kernels = pytest.mark.skipif(not BLOCK, reason="this CPU or onnxruntime build has no NCHWc kernels")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return {flag for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+                for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the NCHWc block sizes are x86's")
+def test_the_probe_finds_the_block_onnxruntime_uses_on_this_cpu() -> None:
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    assert BLOCK == (16 if "avx512f" in flags else 8 if "avx2" in flags else 0), (BLOCK, sorted(flags)[:20])
+
+
+def _conv_model(x: list[int], w: list[int], bias: bool = False, weight_constant: bool = False,
+                **attributes) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(sum(x) + sum(w))
+    feeds = {"x": rng.standard_normal(x).astype(np.float32), "w": (rng.standard_normal(w) * 0.1).astype(np.float32)}
+    inputs = ["x", "w"] + (["b"] if bias else [])
+    if bias:
+        feeds["b"] = rng.standard_normal(w[0]).astype(np.float32)
+    model = _model([helper.make_node("Conv", inputs, ["y"], name="conv", **attributes)],
+                   {name: list(value.shape) for name, value in feeds.items()}, ["y"])
+    if weight_constant:
+        model.graph.initializer.append(numpy_helper.from_array(feeds.pop("w"), "w"))
+        model.graph.ClearField("input")
+        model.graph.input.extend([helper.make_tensor_value_info(n, TensorProto.FLOAT, list(feeds[n].shape))
+                                  for n in feeds])
+    return model, feeds
+
+
+@needs_blocked_kernels
+@pytest.mark.parametrize("x, w, bias, attributes", [
+    ([2, 16, 16, 16], [32, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # a ResNet block's conv
+    ([2, 32, 34, 33], [16, 32, 3, 3], True, {"strides": [2, 2], "pads": [1, 0, 2, 1]}),  # strided, uneven pads
+    ([1, 16, 24, 20], [16, 16, 3, 2], False, {"dilations": [2, 1]}),                     # dilated, unpadded
+])
+def test_a_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w, bias, attributes) -> None:
+    model, feeds = _conv_model(x, w, bias, **attributes)
+    count, changed = _rewritten_agrees(model, lambda m: block_convs(m, BLOCK), feeds)
+    assert count == 1
+    assert [n.op_type for n in changed.graph.node if n.domain == NCHWC_DOMAIN] == ["ReorderInput", "Conv",
+                                                                                    "ReorderOutput"]
+
+
+@pytest.mark.parametrize("x, w, constant, attributes", [
+    ([2, 32, 16, 16], [32, 16, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 2}),   # grouped
+    ([2, 3, 32, 32], [16, 3, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # 3 input channels (a stem)
+    ([2, 16, 8, 8], [16, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # 64 positions: no gain
+    ([2, 16, 32, 32], [32, 16, 1, 1], False, {"strides": [2, 2]}),                  # one tap: no gain
+    ([2, 16, 16, 16], [16, 16, 3, 3], True, {"pads": [1, 1, 1, 1]}),                # onnxruntime blocks it itself
+    ([2, 16, 16, 16], [16, 16, 3, 3], False, {"auto_pad": "SAME_UPPER"}),
+])
+def test_convs_the_blocked_kernels_would_not_speed_up_are_left_alone(x, w, constant, attributes) -> None:
+    model, _ = _conv_model(x, w, weight_constant=constant, **attributes)
+    assert block_convs(model, 16) == 0 and [n.op_type for n in model.graph.node] == ["Conv"]
+    assert block_convs(_conv_model([2, 16, 16, 16], [16, 16, 3, 3], pads=[1, 1, 1, 1])[0], 0) == 0   # no kernels
+
+
+def _cnn_engine(tmp_path: Path) -> GradientEngine:
+    """conv 16 -> 32 on 16 x 16, ReLU, global average, a linear head: one Conv the blocked kernels take."""
+    rng = np.random.default_rng(3)
+    weights = {"conv.w": (rng.standard_normal((32, 16, 3, 3)) * 0.1).astype(np.float32),
+               "head.w": (rng.standard_normal((32, 10)) * 0.1).astype(np.float32)}
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["image", "conv.w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+         helper.make_node("Flatten", ["g"], ["f"]), helper.make_node("MatMul", ["f", "head.w"], ["logits"])],
+        "cnn", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 16, 16, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
+        [numpy_helper.from_array(v, n) for n, v in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.save(model, tmp_path / "cnn.onnx")
+    return GradientEngine(tmp_path / "cnn.onnx", batch_size=4, intra_op_threads=1, cache_dir=tmp_path)
+
+
+@needs_blocked_kernels
+def test_the_cpu_session_runs_the_blocked_convs_and_gives_the_gradients_of_the_plain_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(4)
+    batch = {"image": rng.standard_normal((4, 16, 16, 16)).astype(np.float32), "labels": np.arange(4)}
+    blocked = _cnn_engine(tmp_path)
+    ran = blocked._for_placement(blocked._graph.model)
+    assert sum(n.domain == NCHWC_DOMAIN and n.op_type == "Conv" for n in ran.graph.node) >= 1
+    assert not any(n.domain == NCHWC_DOMAIN for n in blocked._graph.model.graph.node)   # the cached graph: plain
+    monkeypatch.setattr("worker_client.engine.engine.nchwc_block_size", lambda: 0)
+    plain = _cnn_engine(tmp_path)
+    assert plain._for_placement(plain._graph.model) is plain._graph.model
+    got, want = (engine.step(engine.parameters(), batch) for engine in (blocked, plain))
+    assert got.loss == pytest.approx(want.loss, rel=1e-5)
+    for name in want.gradients:
+        np.testing.assert_allclose(got.gradients[name], want.gradients[name], rtol=1e-4, atol=1e-5, err_msg=name)

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from ps_common.errors import UnsupportedModelError
@@ -35,6 +36,7 @@ from worker_client.engine.load import clamp_ir_version, load_model, read_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
+from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
 from worker_client.engine.session import open_session, placement, run_bound
 from worker_client.engine.sparse import SparsePlan, declared_dynamic_tables, find_sparse_tables, rewrite_sparse
 from worker_client.engine.support import warn_caller
@@ -182,9 +184,22 @@ class GradientEngine:
                                      inputs=self.input_gradient_names)
         self._graph, self.cache_hit = cached_or_built(self.cache_path,
                                                       lambda: self._gradient_graph(loss))
-        self._session = open_session(self._graph.model, self._placement,
+        self._session = open_session(self._for_placement(self._graph.model), self._placement,
                                      threads=self._threads, source=self.model_path)
         self._prepare_gradient_run(self._graph)
+
+    def _for_placement(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """The gradient model as this placement's session runs it: on the CPU, with the Convs that gain on
+        onnxruntime's channel-blocked kernels moved there (rewrites/nchwc.py; a copy, the cached graph is
+        left device-neutral)."""
+        if self._placement.cuda_index is not None:
+            return model
+        block = nchwc_block_size()
+        if not block or not any(n.op_type == "Conv" for n in model.graph.node):
+            return model
+        blocked = onnx.ModelProto()
+        blocked.CopyFrom(model)
+        return blocked if block_convs(blocked, block) else model
 
     def _gradient_graph(self, loss: LossSpec) -> GradientGraph:
         """The stages that turn the lifted model into the gradient model, in order (run

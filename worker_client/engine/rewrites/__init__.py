@@ -16,6 +16,8 @@ avoids and why the replacement is exact.
 - `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
   those axes;
 - `prune`: nodes and initializers nothing reads, dropped;
+- `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
+  session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
 - `toolkit`: what the passes share (static shapes, constants, fresh names).
 """
 

@@ -88,12 +88,20 @@ def _valid_unary(method: str) -> bytes:
     return examples[method].SerializeToString()
 
 
-def _valid_push() -> bytes:
-    """A complete push from a worker that is not registered: refused NOT_FOUND even when it parses."""
-    header = pb.PushHeader(worker_id="stranger", clock=0, read_step=0).SerializeToString()
+def _valid_push(continued: bool = False) -> bytes:
+    """A complete push from a worker that is not registered: refused NOT_FOUND even when it parses. `continued`:
+    `w` by rows instead, a row gradient in the header and a piece that continues it (PushRequest.row_gradients)."""
+    header = pb.PushHeader(worker_id="stranger", clock=0, read_step=0)
     grads = {"w": np.ones((4, 3), np.float32), "b": np.ones(3, np.float32)}
+    if continued:
+        del grads["w"]
+        header.row_gradients.add(name="w", ids=[0], dtype=pb.DTYPE_FLOAT32, data=np.ones(3, np.float32).tobytes())
     chunks = [f for n, g in grads.items() for f in codec.chunk_fields(n, g)]
-    return b"".join(codec.pack_encoded(chunks, header))
+    raw = b"".join(codec.pack_encoded(chunks, header.SerializeToString()))
+    if continued:
+        raw += codec.message_field(3, pb.RowGradient(name="w", ids=[2, 3], dtype=pb.DTYPE_FLOAT32,
+                                                     data=np.ones(6, np.float32).tobytes()).SerializeToString())
+    return raw
 
 
 def _valid_init() -> bytes:
@@ -147,7 +155,7 @@ def test_generated_malformed_requests_to_every_rpc_get_documented_statuses_and_c
             path = f"/{service.full_name}/{method.name}"
             request_type = getattr(pb, method.input_type.name)
             if method.client_streaming:
-                valid = _valid_push() if method.name == "Push" else _valid_init()
+                valid = _valid_push(continued=True) if method.name == "Push" else _valid_init()
                 call = channel.stream_unary(path, request_serializer=None, response_deserializer=None)
             elif method.server_streaming:
                 valid = _valid_unary(method.name)

@@ -314,18 +314,32 @@ def _cnn_engine(tmp_path: Path) -> GradientEngine:
 
 
 @needs_blocked_kernels
-def test_the_cpu_session_runs_the_blocked_convs_and_gives_the_gradients_of_the_plain_ones(
+def test_the_cpu_sessions_run_the_blocked_convs_and_give_what_the_plain_ones_give(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(4)
     batch = {"image": rng.standard_normal((4, 16, 16, 16)).astype(np.float32), "labels": np.arange(4)}
+    moved: list[int] = []
+
+    def counted(model: onnx.ModelProto, block: int) -> int:
+        moved.append(block_convs(model, block))
+        return moved[-1]
+
+    def run(engine: GradientEngine) -> tuple:
+        """A training step, the forward pass a pipeline stage runs (static batch) and an evaluation."""
+        return (engine.step(engine.parameters(), batch), engine.forward(engine.parameters(), {"image": batch["image"]})[0],
+                engine.predict(engine.parameters(), {"image": batch["image"][:3]}))
+
+    monkeypatch.setattr("worker_client.engine.engine.block_convs", counted)
     blocked = _cnn_engine(tmp_path)
-    ran = blocked._for_placement(blocked._graph.model)
-    assert sum(n.domain == NCHWC_DOMAIN and n.op_type == "Conv" for n in ran.graph.node) >= 1
     assert not any(n.domain == NCHWC_DOMAIN for n in blocked._graph.model.graph.node)   # the cached graph: plain
+    got = run(blocked)
+    assert moved[:2] == [1, 1]   # the gradient and the forward sessions' Conv; evaluation's batch is not static
     monkeypatch.setattr("worker_client.engine.engine.nchwc_block_size", lambda: 0)
     plain = _cnn_engine(tmp_path)
     assert plain._for_placement(plain._graph.model) is plain._graph.model
-    got, want = (engine.step(engine.parameters(), batch) for engine in (blocked, plain))
-    assert got.loss == pytest.approx(want.loss, rel=1e-5)
-    for name in want.gradients:
-        np.testing.assert_allclose(got.gradients[name], want.gradients[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    want = run(plain)
+    assert got[0].loss == pytest.approx(want[0].loss, rel=1e-5)
+    for name in want[0].gradients:
+        np.testing.assert_allclose(got[0].gradients[name], want[0].gradients[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    for got_out, want_out in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(got_out["logits"], want_out["logits"], rtol=1e-5, atol=1e-6)

@@ -189,9 +189,9 @@ class GradientEngine:
         self._prepare_gradient_run(self._graph)
 
     def _for_placement(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        """The gradient model as this placement's session runs it: on the CPU, with the Convs that gain on
-        onnxruntime's channel-blocked kernels moved there (rewrites/nchwc.py; a copy, the cached graph is
-        left device-neutral)."""
+        """A model as this placement's session runs it (the gradient, forward or evaluation model): on the CPU,
+        with the Convs that gain on onnxruntime's channel-blocked kernels moved there (rewrites/nchwc.py; only
+        Convs of static shapes; a copy, so the cached gradient graph is left device-neutral)."""
         if self._placement.cuda_index is not None:
             return model
         block = nchwc_block_size()
@@ -408,8 +408,8 @@ class GradientEngine:
                                                          for name in self.state_names]
             self._forward_inputs = {v.name: (element_dtype(v), declared_dims(v))
                                     for v in model.graph.input}
-            self._forward_session = open_session(model, self._placement, threads=self._threads,
-                                                 source=self.model_path)
+            self._forward_session = open_session(self._for_placement(model), self._placement,
+                                                 threads=self._threads, source=self.model_path)
         feed = parameter_feed(parameters, {**self._initial, **self._state_initial})
         feed.update(self._mask_feed(inputs))
         unknown = set(inputs) - set(self.input_names) - set(self._masks) - {"labels"}
@@ -493,7 +493,7 @@ class GradientEngine:
         exported with a fixed batch size is run on zero-padded chunks of that size.
         """
         if self._eval_session is None:
-            self._eval_session = open_session(inference_form(self._lifted), self._placement,
+            self._eval_session = open_session(self._for_placement(inference_form(self._lifted)), self._placement,
                                               threads=self._threads, source=self.model_path)
         feed = parameter_feed(parameters, {**self._initial, **self._state_initial})
         declared = {v.name: v for v in self._lifted.graph.input}

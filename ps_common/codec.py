@@ -552,3 +552,74 @@ def rows_from_wire(name: str, dtype: int, data: bytes, count: int, row_shape: Se
                                  f"{list(shape[1:])} {got.name}, which need {need}")
     rows = np.frombuffer(data, dtype=got).reshape(shape) if need else np.zeros(shape, got)
     return rows.astype(want) if want is not None and got != want else rows
+
+
+#: The most bytes one id takes on the wire (a packed int64 varint; a negative dynamic id takes ten).
+ID_WIRE_BYTES = 10
+
+
+def split_row_gradients(gradients: Sequence[pb.RowGradient], *, header_bytes: int, piece_bytes: int
+                        ) -> tuple[list[pb.RowGradient], list[list[pb.RowGradient]]]:
+    """Row gradients too many for one message, cut for a stream that continues them (PushRequest.row_gradients;
+    a replicated push's Follow items): (the first message's, one per table with its first rows, at most
+    `header_bytes` in all; the messages after it, lists of pieces of at most `piece_bytes` each, ids counted at
+    ID_WIRE_BYTES). Pieces follow the first message's tables in order, so join_row_gradients gives back every
+    table's rows as they were."""
+    header: list[pb.RowGradient] = []
+    pieces: list[pb.RowGradient] = []
+    room = header_bytes
+    for grad in gradients:
+        ids = np.asarray(grad.ids, dtype=np.int64)
+        count = len(ids)
+        row = len(grad.data) // count if count else 0
+        cost = row + ID_WIRE_BYTES
+        take = min(count, max(0, room // cost))
+        room -= take * cost
+        header.append(pb.RowGradient(name=grad.name, dtype=grad.dtype, ids=ids[:take], data=grad.data[:take * row]))
+        per = max(1, piece_bytes // cost)
+        for start in range(take, count, per):
+            end = min(count, start + per)
+            pieces.append(pb.RowGradient(name=grad.name, dtype=grad.dtype, ids=ids[start:end],
+                                         data=grad.data[start * row:end * row]))
+    messages: list[list[pb.RowGradient]] = []
+    size = 0
+    for piece in pieces:
+        cost = len(piece.data) + ID_WIRE_BYTES * len(piece.ids)
+        if not messages or size + cost > piece_bytes:
+            messages.append([])
+            size = 0
+        messages[-1].append(piece)
+        size += cost
+    return header, messages
+
+
+def join_row_gradients(first: Sequence[pb.RowGradient], pieces: Sequence[pb.RowGradient],
+                       where: str) -> list[pb.RowGradient]:
+    """The row gradients of a stream's first message with the pieces that continue them appended (ids and rows,
+    in order): what split_row_gradients cut.
+
+    A piece must name a table the first message has a row gradient for, in that gradient's dtype
+    (InvalidRequestError naming `where` otherwise). A table named twice there keeps both, for the shard to refuse."""
+    if not pieces:
+        return list(first)
+    joined = [pb.RowGradient(name=rg.name, dtype=rg.dtype) for rg in first]
+    ids: list[list] = [[rg.ids] for rg in first]
+    data: list[list[bytes]] = [[rg.data] for rg in first]
+    index_of: dict[str, int] = {}
+    for index, rg in enumerate(first):
+        index_of.setdefault(rg.name, index)
+    for piece in pieces:
+        index = index_of.get(piece.name)
+        if index is None:
+            raise InvalidRequestError(f"{where}: a row gradient piece of {piece.name!r} continues no row gradient of "
+                                      f"the header (it has {sorted(index_of)[:10]})")
+        if piece.dtype != joined[index].dtype:
+            raise InvalidRequestError(f"{where}: a row gradient piece of {piece.name!r} is "
+                                      f"{dtype_name(piece.dtype)}, its header's is {dtype_name(joined[index].dtype)}")
+        ids[index].append(piece.ids)
+        data[index].append(piece.data)
+    for rg, its_ids, its_data in zip(joined, ids, data):
+        for part in its_ids:
+            rg.ids.extend(part)
+        rg.data = b"".join(its_data)
+    return joined

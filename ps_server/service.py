@@ -112,37 +112,6 @@ def _header_and_chunks(requests: Iterator[bytes], rpc: str, header_type, pieces:
     return parsed, all_chunks()
 
 
-def joined_row_gradients(header: pb.PushHeader, pieces: list[pb.RowGradient], rpc: str) -> list[pb.RowGradient]:
-    """The header's row gradients with the pieces that continue them appended (ids and rows, in order).
-
-    A piece must name a table the header has a row gradient for, in that gradient's dtype (InvalidRequestError
-    otherwise). A table named twice in the header keeps both, for the shard to refuse."""
-    if not pieces:
-        return list(header.row_gradients)
-    joined = [pb.RowGradient(name=rg.name, dtype=rg.dtype) for rg in header.row_gradients]
-    ids: list[list] = [[rg.ids] for rg in header.row_gradients]
-    data: list[list[bytes]] = [[rg.data] for rg in header.row_gradients]
-    first = {}
-    for index, rg in enumerate(header.row_gradients):
-        first.setdefault(rg.name, index)
-    for piece in pieces:
-        index = first.get(piece.name)
-        if index is None:
-            raise InvalidRequestError(f"{rpc}: a row gradient piece of {piece.name!r} continues no row gradient of "
-                                      f"the header (it has {sorted(first)[:10]})")
-        if piece.dtype != joined[index].dtype:
-            raise InvalidRequestError(f"{rpc}: a row gradient piece of {piece.name!r} is "
-                                      f"{codec.dtype_name(piece.dtype)}, its header's is "
-                                      f"{codec.dtype_name(joined[index].dtype)}")
-        ids[index].append(piece.ids)
-        data[index].append(piece.data)
-    for rg, its_ids, its_data in zip(joined, ids, data):
-        for part in its_ids:
-            rg.ids.extend(part)
-        rg.data = b"".join(its_data)
-    return joined
-
-
 def _assemble(chunks: Iterator[codec.ChunkView], layout, *, widen: bool = False) -> dict:
     assembler = codec.PartAssembler(layout, widen=widen)
     for chunk in chunks:
@@ -267,7 +236,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             header, chunks = _header_and_chunks(self._stream(request_iterator, context, "Push"), "Push",
                                                 pb.PushHeader, pieces)
             grads = _assemble(chunks, self.shard.push_layout(), widen=True)   # half-size wire: widened
-            result = self.shard.push(self._push(header, grads, joined_row_gradients(header, pieces.parsed(), "Push")))
+            result = self.shard.push(self._push(header, grads, codec.join_row_gradients(
+                header.row_gradients, pieces.parsed(), "Push")))
         return push_response(result)
 
     def Pull(self, request, context):

@@ -335,10 +335,9 @@ class Shard:
                                      if names is None or key[0] in names]
 
     def parameter_bytes(self) -> int:
-        """Bytes of the parameter values this shard holds now (dense parts and dynamic tables' live rows), read
-        without the lock: a bound for what one request may bring, not an exact figure."""
-        parts, tables = list(self.store.parts.values()), list(self.store.dynamic.values())
-        return sum(state.value.nbytes for state in parts) + sum(table.nbytes for table in tables)
+        """Bytes of the parameter values this shard holds now (ParameterStore.nbytes), read without the lock: a
+        bound for what one request may bring, not an exact figure."""
+        return self.store.nbytes
 
     def table_spec(self, name: str, where: str) -> ParamSpec:
         """The spec of a tensor pushed or pulled by rows (NotInitializedError, UnknownTensorError, bad name)."""

@@ -199,8 +199,10 @@ class ParameterStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of parameter values held (dense parts and the dynamic tables' live rows)."""
-        return sum(state.value.nbytes for state in self.parts.values()) + sum(t.nbytes for t in self.dynamic.values())
+        """Bytes of parameter values held (dense parts and the dynamic tables' live rows). Safe to read without the
+        shard's lock (a request's bound): both dicts are snapshotted before they are summed."""
+        parts, tables = list(self.parts.values()), list(self.dynamic.values())
+        return sum(state.value.nbytes for state in parts) + sum(table.nbytes for table in tables)
 
 
 def dynamic_key(name: str) -> PartKey:

@@ -2,9 +2,9 @@
 
 An operation (ps_server.operations.Op) becomes one or more FollowItems: its fields and its
 tensors as TensorChunks of at most CHUNK_BYTES, several items when they are many (`more` on
-all but the last); a push's row gradients go in pieces of at most about CHUNK_BYTES an item
-too (a table's pieces in order, joined by the follower). A snapshot (the shard's whole state, ps_server.checkpoints' ShardState)
-travels in the checkpoint format: its metadata in the first part, its tensors as chunks keyed
+all but the last); a push's row gradients too (codec.split_row_gradients: at most about
+CHUNK_BYTES of them an item, joined by the follower with codec.join_row_gradients). A
+snapshot (the shard's whole state, ps_server.checkpoints' ShardState) travels in the checkpoint format: its metadata in the first part, its tensors as chunks keyed
 by their checkpoint keys, `last` on the final part. Both decoders check every chunk against
 what they declare (codec.PartAssembler), so a malformed stream is an error, never a wrong state.
 """
@@ -56,11 +56,17 @@ def op_items(op: Op, seq: int, epoch: int) -> Iterator[rpb.FollowItem]:
     """The items of one operation (its tensors spread over several when they are many)."""
     message = rpb.ReplicaOp(kind=op.kind, worker_id=op.worker_id, clock=op.clock, live_count=op.live_count)
     arrays: list[tuple[str, int, np.ndarray]] = []
-    row_groups: list[list[pb.RowGradient]] = [[]]
+    continued: list[list[pb.RowGradient]] = []   # row gradients of the items after the first
     if op.push is not None:
         push = op.push
         message.push.CopyFrom(pb.PushHeader(worker_id=push.worker_id, clock=push.clock, read_step=push.read_step))
-        row_groups = _row_groups(push.row_grads)
+        rows = []
+        for name, ids, values in push.row_grads:
+            dtype, data = codec.rows_to_wire(np.asarray(values))
+            rows.append(pb.RowGradient(name=name, ids=np.asarray(ids, np.int64), dtype=dtype, data=data))
+        if sum(len(rg.data) + codec.ID_WIRE_BYTES * len(rg.ids) for rg in rows) > CHUNK_BYTES:
+            rows, continued = codec.split_row_gradients(rows, header_bytes=CHUNK_BYTES, piece_bytes=CHUNK_BYTES)
+        message.push.row_gradients.extend(rows)
         arrays = [(name, row_start, value) for (name, row_start), value in push.grads.items()]
     if op.result is not None:
         message.accepted, message.step_after, message.clock_after = op.result
@@ -68,36 +74,15 @@ def op_items(op: Op, seq: int, epoch: int) -> Iterator[rpb.FollowItem]:
         message.specs.extend(codec.param_spec_to_wire(s) for s in op.specs)
         arrays = [(name, row_start, value) for (name, row_start), value in (op.values or {}).items()]
     groups = list(_batched(_chunks(arrays)))
-    count = max(len(groups), len(row_groups))
+    count = max(len(groups), 1 + len(continued))
     for i in range(count):
         item = rpb.FollowItem(epoch=epoch, seq=seq, more=i < count - 1)
         item.op.CopyFrom(message if i == 0 else rpb.ReplicaOp(kind=op.kind))
         if i < len(groups):
             item.op.chunks.extend(groups[i])
-        if i < len(row_groups) and row_groups[i]:
-            item.op.push.row_gradients.extend(row_groups[i])
+        if 0 < i <= len(continued):
+            item.op.push.row_gradients.extend(continued[i - 1])
         yield item
-
-
-def _row_groups(row_grads: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> list[list[pb.RowGradient]]:
-    """A push's row gradients as the items carry them: each table's rows in pieces, in order, at most about
-    CHUNK_BYTES of them per item (the first item names every table, maybe with no rows); the follower joins a
-    table's pieces (OpAssembler)."""
-    groups: list[list[pb.RowGradient]] = [[]]
-    size = 0
-    for name, ids, rows in row_grads:
-        ids, rows = np.asarray(ids, np.int64), np.asarray(rows)
-        per = max(1, CHUNK_BYTES // max(1, rows[:1].nbytes + 8)) if len(ids) else 1
-        for start in range(0, max(1, len(ids)), per):
-            piece_ids, piece_rows = ids[start:start + per], rows[start:start + per]
-            dtype, data = codec.rows_to_wire(piece_rows)
-            cost = len(data) + 8 * len(piece_ids)
-            if start and size + cost > CHUNK_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append(pb.RowGradient(name=name, ids=piece_ids.tolist(), dtype=dtype, data=data))
-            size += cost
-    return groups
 
 
 class OpAssembler:
@@ -118,8 +103,9 @@ class OpAssembler:
         elif item.seq != self._seq:
             raise InvalidRequestError(f"operation {self._seq} is cut: an item of operation {item.seq} came before "
                                       "its last part")
+        else:   # the first item's row gradients are the push's own; later items' continue them
+            self._rows.extend(item.op.push.row_gradients)
         self._chunks.extend(item.op.chunks)
-        self._rows.extend(item.op.push.row_gradients)
         if item.more:
             return None
         first, chunks, rows, seq = self._first, self._chunks, self._rows, self._seq
@@ -139,13 +125,9 @@ def _op_of(message: rpb.ReplicaOp, chunks: Sequence[pb.TensorChunk], row_pieces:
     kind = message.kind
     if kind == "push":
         header = message.push
-        pieces: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-        for rg in row_pieces:   # a table's pieces, in order (_row_groups)
-            pieces.setdefault(rg.name, []).append(
-                (np.array(rg.ids, np.int64), codec.rows_from_wire(rg.name, rg.dtype, rg.data, len(rg.ids),
-                                                                   row_shape(rg.name))))
-        rows = [(name, np.concatenate([i for i, _ in got]), np.concatenate([r for _, r in got]))
-                for name, got in pieces.items()]
+        rows = [(rg.name, np.array(rg.ids, np.int64),
+                 np.array(codec.rows_from_wire(rg.name, rg.dtype, rg.data, len(rg.ids), row_shape(rg.name))))
+                for rg in codec.join_row_gradients(header.row_gradients, row_pieces, "replicated push")]
         push = Push(header.worker_id, header.clock, header.read_step, _values(chunks), rows)
         return Op("push", push=push, live_count=message.live_count,
                   result=(message.accepted, message.step_after, message.clock_after))

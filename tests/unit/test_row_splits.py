@@ -1,7 +1,7 @@
 """Rows too many for one message, cut and joined again: a read of rows cut into PullRows calls within one answer
-(worker_client/client/rows.py split_asked), a push's row gradients continued past its header (split_row_gradients,
-and the shard's joined_row_gradients), and a replicated push's rows over several Follow items (ps_server/replication/
-wire.py). Every cut joins back to what was cut, in order, within its bounds."""
+(worker_client/client/rows.py split_asked), a push's row gradients continued past its header (ps_common/codec.py
+split_row_gradients and join_row_gradients), and a replicated push's rows over several Follow items (ps_server/
+replication/wire.py). Every cut joins back to what was cut, in order, within its bounds."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ps_common.shard_map import ParamSpec, build_shard_map
 from ps_proto.v1 import parameter_server_pb2 as pb
 from ps_server.operations import Op, Push
 from ps_server.replication.wire import CHUNK_BYTES, OpAssembler, op_items
-from ps_server.service import RowPieces, joined_row_gradients
+from ps_server.service import RowPieces
 from worker_client.client import rows as sparse
 
 WIDTHS = {"wide": 64, "narrow": 1, "mid": 5}
@@ -44,7 +44,7 @@ def test_a_read_is_cut_into_calls_within_both_bounds_that_join_back_to_it(entrie
         rows = sum(len(ids) * SHARD_MAP.specs[name].row_bytes for name, _, ids in read)
         count = sum(len(ids) for _, _, ids in read)
         # within both bounds, unless one row alone passes one of them (a call of its own)
-        assert (rows <= answer_bytes and count * sparse.ID_WIRE_BYTES <= request_bytes) or count == 1, (rows, count)
+        assert (rows <= answer_bytes and count * codec.ID_WIRE_BYTES <= request_bytes) or count == 1, (rows, count)
     for name, pos, ids in entries:   # every table's rows, in order, each once
         got = [(p, i) for read in reads for n, p, i in read if n == name]
         assert np.array_equal(np.concatenate([p for p, _ in got]), pos)
@@ -73,31 +73,31 @@ def row_gradients(draw_counts: list[int], dtype=np.float32) -> list[pb.RowGradie
 @given(st.lists(st.integers(0, 400), min_size=1, max_size=3), st.integers(0, 5000), st.integers(50, 5000))
 def test_row_gradients_continued_past_the_header_join_back_on_the_shard(counts, header_bytes, piece_bytes):
     grads = row_gradients(counts)
-    header, messages = sparse.split_row_gradients(grads, header_bytes=header_bytes, piece_bytes=piece_bytes)
+    header, messages = codec.split_row_gradients(grads, header_bytes=header_bytes, piece_bytes=piece_bytes)
     assert [g.name for g in header] == [g.name for g in grads]       # the header names every table
-    assert sum(len(g.data) + sparse.ID_WIRE_BYTES * len(g.ids) for g in header) <= header_bytes
+    assert sum(len(g.data) + codec.ID_WIRE_BYTES * len(g.ids) for g in header) <= header_bytes
     for message in messages:
-        size = sum(len(p.data) + sparse.ID_WIRE_BYTES * len(p.ids) for p in message)
+        size = sum(len(p.data) + codec.ID_WIRE_BYTES * len(p.ids) for p in message)
         assert size <= piece_bytes or sum(len(p.ids) for p in message) == 1, size
     # what the shard receives: the header, then each message's pieces, serialized and parsed again
     pieces = [pb.RowGradient.FromString(p.SerializeToString()) for message in messages for p in message]
-    joined = joined_row_gradients(pb.PushHeader(row_gradients=header), pieces, "Push")
+    joined = codec.join_row_gradients(header, pieces, "Push")
     assert [(g.name, list(g.ids), g.dtype, g.data) for g in joined] == \
         [(g.name, list(g.ids), g.dtype, g.data) for g in grads]
 
 
 def test_row_gradients_within_the_header_are_left_as_they_are():
     grads = row_gradients([3, 4])
-    assert joined_row_gradients(pb.PushHeader(row_gradients=grads), [], "Push") == grads
+    assert codec.join_row_gradients(grads, [], "Push") == grads
 
 
 def test_a_piece_of_a_table_the_header_lacks_or_in_another_dtype_is_refused_naming_both():
-    header = pb.PushHeader(row_gradients=row_gradients([2, 2]))   # "mid" and "narrow"
+    header = row_gradients([2, 2])   # "mid" and "narrow"
     with pytest.raises(InvalidRequestError, match=r"'wide' continues no row gradient of the header .*'mid', 'narrow'"):
-        joined_row_gradients(header, row_gradients([0, 0, 1])[2:], "Push")
+        codec.join_row_gradients(header, row_gradients([0, 0, 1])[2:], "Push")
     half = row_gradients([1], dtype=np.float16)
     with pytest.raises(InvalidRequestError, match="'mid' is float16, its header's is float32"):
-        joined_row_gradients(header, half, "Push")
+        codec.join_row_gradients(header, half, "Push")
 
 
 def test_pieces_past_their_bound_are_refused_when_they_arrive_and_the_bound_is_asked_for_once():

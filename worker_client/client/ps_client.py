@@ -754,8 +754,8 @@ class PSClient:
         gets them all in the header, as before."""
         continued: list[list[pb.RowGradient]] = []
         if sparse.wire_bytes(rows) > ROWS_IN_HEADER_BYTES and self._continues_rows(shard):
-            rows, continued = sparse.split_row_gradients(rows, header_bytes=ROWS_IN_HEADER_BYTES,
-                                                         piece_bytes=ROW_PIECE_BYTES)
+            rows, continued = codec.split_row_gradients(rows, header_bytes=ROWS_IN_HEADER_BYTES,
+                                                        piece_bytes=ROW_PIECE_BYTES)
         header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step, row_gradients=rows)
 
         def call() -> pb.PushResponse:

@@ -84,10 +84,6 @@ def place_rows(out: dict[str, np.ndarray], tables: Sequence[tuple[str, np.ndarra
                                               want=out[name].dtype)
 
 
-#: The most bytes one id takes on the wire (a packed int64 varint; a negative dynamic id takes ten).
-ID_WIRE_BYTES = 10
-
-
 def split_asked(shard_map: ShardMap, asked: Sequence[tuple[str, np.ndarray, np.ndarray]], *, answer_bytes: int,
                 request_bytes: int) -> list[list[tuple[str, np.ndarray, np.ndarray]]]:
     """One shard's rows asked for (route_rows' entries), cut into reads whose rows take at most `answer_bytes`
@@ -100,7 +96,7 @@ def split_asked(shard_map: ShardMap, asked: Sequence[tuple[str, np.ndarray, np.n
         row = shard_map.specs[name].row_bytes
         start = 0
         while start < len(ids):
-            fit = min(rows_room // row if row else len(ids), ids_room // ID_WIRE_BYTES)
+            fit = min(rows_room // row if row else len(ids), ids_room // codec.ID_WIRE_BYTES)
             if fit <= 0 and current:   # this read is full: the rest goes in the next one
                 reads.append(current)
                 current, rows_room, ids_room = [], answer_bytes, request_bytes
@@ -108,45 +104,11 @@ def split_asked(shard_map: ShardMap, asked: Sequence[tuple[str, np.ndarray, np.n
             end = min(len(ids), start + max(1, fit))
             current.append((name, pos[start:end], ids[start:end]))
             rows_room -= (end - start) * row
-            ids_room -= (end - start) * ID_WIRE_BYTES
+            ids_room -= (end - start) * codec.ID_WIRE_BYTES
             start = end
     if current:
         reads.append(current)
     return reads
-
-
-def split_row_gradients(gradients: Sequence[pb.RowGradient], *, header_bytes: int, piece_bytes: int
-                        ) -> tuple[list[pb.RowGradient], list[list[pb.RowGradient]]]:
-    """Row gradients too many for a push's first message, cut for a Push stream that continues them
-    (PushRequest.row_gradients): (the header's, one per table with its first rows, at most `header_bytes` in
-    all; the messages after it, lists of pieces of at most `piece_bytes` each). Pieces follow the header's
-    tables in order, so the shard joins every table's rows as they were."""
-    header: list[pb.RowGradient] = []
-    pieces: list[pb.RowGradient] = []
-    room = header_bytes
-    for grad in gradients:
-        ids = np.asarray(grad.ids, dtype=np.int64)
-        count = len(ids)
-        row = len(grad.data) // count if count else 0
-        cost = row + ID_WIRE_BYTES
-        take = min(count, max(0, room // cost))
-        room -= take * cost
-        header.append(pb.RowGradient(name=grad.name, dtype=grad.dtype, ids=ids[:take], data=grad.data[:take * row]))
-        per = max(1, piece_bytes // cost)
-        for start in range(take, count, per):
-            end = min(count, start + per)
-            pieces.append(pb.RowGradient(name=grad.name, dtype=grad.dtype, ids=ids[start:end],
-                                         data=grad.data[start * row:end * row]))
-    messages: list[list[pb.RowGradient]] = []
-    size = 0
-    for piece in pieces:
-        cost = len(piece.data) + ID_WIRE_BYTES * len(piece.ids)
-        if not messages or size + cost > piece_bytes:
-            messages.append([])
-            size = 0
-        messages[-1].append(piece)
-        size += cost
-    return header, messages
 
 
 def wire_bytes(gradients: Iterable[pb.RowGradient]) -> int:

@@ -741,7 +741,7 @@ class PSClient:
         responses = self._on_all("Push", send)
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
-            sparse.wire_bytes(grads) for grads in rows_by_shard.values())
+            sparse.payload_bytes(grads) for grads in rows_by_shard.values())
         return PushReport(responses, clock, steps)
 
     def _push_to(self, shard: int, stub: pb_grpc.ParameterServerStub, shard_map: ShardMap,
@@ -919,7 +919,7 @@ class PSClient:
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         report = PushReport(responses, clock, steps)
         self.bytes_pushed += sum(np.asarray(g).nbytes for g in gradients.values()) + sum(
-            sparse.wire_bytes(grads) for grads in rows_by_shard.values())
+            sparse.payload_bytes(grads) for grads in rows_by_shard.values())
         if not all(reply.ready for reply, _ in results):
             return report, None, None
         self.bytes_pulled += sum(p.nbytes for p in shard_map.parts if wanted is None or p.name in wanted)
@@ -1139,7 +1139,7 @@ class PSClient:
         """Whether a step's row gradients to a shard and the rows asked of it fit a data-channel frame's headers
         (the request's, with the asked ids, within dc.MAX_HEADER_BYTES less room for its other fields; the
         answer's rows within one answer, codec.CHUNK_BYTES, as the shard reads them)."""
-        request_bytes = sparse.wire_bytes(rows) + 8 * sum(len(ids) for _, _, ids in asked)
+        request_bytes = sparse.wire_bytes(rows) + codec.ID_WIRE_BYTES * sum(len(ids) for _, _, ids in asked)
         return request_bytes <= dc.MAX_HEADER_BYTES - FRAME_HEADER_ROOM and \
             sparse.asked_bytes(shard_map, asked) <= codec.CHUNK_BYTES
 

@@ -70,3 +70,17 @@ def test_the_push_pull_benchmark_names_a_torch_variant_it_does_not_know(tmp_path
                           cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
     assert done.returncode == 2, done.stderr
     assert f"--torch-variants: {says}" in done.stderr and done.stdout == ""
+
+
+@pytest.mark.parametrize("module", ["ps_bench.grad_bench", "ps_bench.kernel_bench"])
+def test_a_benchmark_against_torch_says_how_to_get_torch_where_it_is_missing(tmp_path: Path, module: str) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torch is installed here: the message for its absence cannot show")
+    done = subprocess.run([sys.executable, "-P", "-m", module], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1 and done.stdout == "", done.stderr[-2000:]
+    assert f"{module} compares against torch, which is not installed here" in done.stderr

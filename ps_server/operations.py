@@ -118,11 +118,18 @@ class Op:
 
 
 class ReplicationLog(Protocol):
-    """Where a replicated shard tells its changes (the primary side of ps_server/replication); called under the shard's lock,
-    in order, so it must not block."""
+    """Where a replicated shard tells its changes (the primary side of ps_server/replication): `record` is called under
+    the shard's lock, in order, so it must not block; `wait` outside it, before an answer."""
+
+    #: the sequence number of the last operation recorded (0: none yet)
+    seq: int
 
     def record(self, op: Op) -> int:
         """Takes `op` for the backups; returns its sequence number."""
+
+    def wait(self, seq: int) -> None:
+        """Returns once every in-sync backup holds the operations up to `seq` and this replica may still answer
+        (NotPrimaryError otherwise)."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ from ps_common.errors import (
     InvalidRequestError,
     InvalidTensorError,
     NotInitializedError,
+    NotPrimaryError,
     ReplayMismatchError,
     ResourceExhaustedError,
     ShuttingDownError,
@@ -300,13 +301,17 @@ class Shard:
         with self._cond:
             shard_map, already = self.store.plan(specs)   # again: another init may have won the race
             if already:
-                return True, self.step, len(self.store.parts)
-            replicated = None if self.replication is None else {k: np.array(v, copy=True) for k, v in values.items()}
-            self.store.install(shard_map, values)
-            self.generation += 1
-            self._cond.notify_all()
-            seq = self._record(Op("init", specs=tuple(specs), values=replicated))
-        self._confirmed(seq)
+                step, seq = self.step, self._last_seq()
+            else:
+                replicated = None if self.replication is None else {k: np.array(v, copy=True)
+                                                                    for k, v in values.items()}
+                self.store.install(shard_map, values)
+                self.generation += 1
+                self._cond.notify_all()
+                seq = self._record(Op("init", specs=tuple(specs), values=replicated))
+        self._confirmed(seq)   # already initialized: the step it reports is one the backups hold too
+        if already:
+            return True, step, len(self.store.parts)
         log.info("shard %d initialized by %r: %d tensors, %d parts here (%d bytes)", self.config.shard_index,
                  worker_id, len(specs), len(self.store.parts), self.store.nbytes)
         self.events.emit("init")
@@ -375,6 +380,8 @@ class Shard:
             self._wait_for(read.min_step, read.worker_id if read.ssp else "", read.clock, read.timeout,
                            f"pull by {read.worker_id or 'a client'!r} on shard {self.config.shard_index}")
             values = self._read_locked(read, plan)
+            seq = self._last_seq()
+        self._confirmed(seq)   # read committed: never a step the backups lack
         self.events.emit("pull", nbytes=plan.nbytes)
         return values
 
@@ -399,6 +406,7 @@ class Shard:
                 self._wait_for(min_step, push.worker_id if read.ssp else "", result.clock, read.timeout,
                                f"PushPull by {push.worker_id!r} on shard {self.config.shard_index}")
                 values, why = self._read_locked(read, plan), ""
+                seq = max(seq, self._last_seq())   # read committed: the step read, not only the push
             except WaitTimeoutError as exc:
                 values, why = None, str(exc)
             except ResourceExhaustedError as exc:   # new dynamic rows would pass max_shard_bytes
@@ -468,12 +476,15 @@ class Shard:
     def _push_locked(self, push: Push, grads: Mapping[PartKey, np.ndarray | RowGrad],
                      replicated: Push | None = None) -> tuple[PushResult, int]:
         """The push under the lock: the worker's record, the read step, the policy's decision carried out; with the
-        sequence number of its replicated operation (0: none, as for a retry or an unreplicated shard)."""
+        sequence number its answer waits for (`_confirmed`): its replicated operation's, for a retry the last one
+        recorded (0: an unreplicated shard)."""
         self._check_running()
         worker_id, clock, read_step = push.worker_id, push.clock, push.read_step
         record = self.membership.get(worker_id)
         if clock < record.clock:
-            return self._duplicate(record, clock), 0
+            # answered once the backups hold what this replica holds: the first push among it, which may still be
+            # on its way to them (the retry came while the first waited for their confirmation)
+            return self._duplicate(record, clock), self._last_seq()
         if clock > record.clock + self.config.max_clock_ahead:
             raise InvalidRequestError(
                 f"push from {worker_id!r}: clock {clock} is more than max_clock_ahead={self.config.max_clock_ahead} "
@@ -508,11 +519,21 @@ class Shard:
         """Tells the replication log a change (under the lock, in order); its sequence number, 0 when unreplicated."""
         return 0 if self.replication is None else self.replication.record(op)
 
+    def _last_seq(self) -> int:
+        """(Lock held) The last change told to the replication log: everything a read or an answer now reflects;
+        0 when unreplicated."""
+        return 0 if self.replication is None else self.replication.seq
+
     def _confirmed(self, seq: int) -> None:
         """Waits (outside the lock) until every in-sync backup has operation `seq`, and this replica may still
         acknowledge: NotPrimaryError otherwise (the change stays here; the client retries on the new primary)."""
-        if seq and self.replication is not None:
-            self.replication.wait(seq)
+        if not seq:
+            return
+        log_ = self.replication
+        if log_ is None:
+            raise NotPrimaryError(f"shard {self.config.shard_index}: this replica stepped down before its backups "
+                                  "confirmed the change; ask the new primary")
+        log_.wait(seq)
 
     def replay(self, op: Op) -> None:
         """A backup applies its primary's operation exactly as the primary did: the same code under the lock, the

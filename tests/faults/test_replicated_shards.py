@@ -32,6 +32,10 @@ SHARDS, REPLICAS, WORKERS = 2, 2, 3
 #: by run (0.950-0.975, with or without a failover), so a killed run fell more than the 1-point bound below its
 #: fault-free twin in 2 of 7 tries; at 1800 the pairs were 0.978-0.986 and within 0.6 points.
 STEPS = 1800
+#: How far below its fault-free twin a run across a failover may end. Later ssp runs at 1800 steps ranged
+#: 0.972-0.986 with or without a failover, and one pair was 1.4 points apart: two points, so that the bound
+#: catches a failover that breaks training, not the spread of two runs' push orders.
+ACCURACY_MARGIN = 0.02
 #: the issue's bound on a failover's stall, as a worker sees it (progress events 0.1 s apart)
 MAX_STALL = 3.0
 
@@ -188,7 +192,8 @@ def test_a_killed_primary_fails_over_without_a_restart_and_loses_or_doubles_noth
           f"{plain[0]['test_accuracy']:.4f})")
     assert stall <= MAX_STALL, f"a worker stalled {stall:.2f} s across the failover"
     accuracy, plain_accuracy = results[0]["test_accuracy"], plain[0]["test_accuracy"]
-    assert accuracy >= plain_accuracy - 0.01, (accuracy, plain_accuracy)
+    # training still works across the failover; the exact check of what was applied is the line below
+    assert accuracy >= plain_accuracy - ACCURACY_MARGIN, (accuracy, plain_accuracy)
     check_applied_equals_acknowledged(job, results)
 
 

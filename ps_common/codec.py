@@ -558,6 +558,13 @@ def rows_from_wire(name: str, dtype: int, data: bytes, count: int, row_shape: Se
 ID_WIRE_BYTES = 10
 
 
+def row_gradients_wire_bytes(gradients: Iterable[pb.RowGradient]) -> int:
+    """The most bytes row gradients take in a message: their rows, and their ids as packed varints
+    (ID_WIRE_BYTES each, what a negative dynamic id takes; a small id takes fewer). The bound every decision of
+    what fits a message uses, split_row_gradients' cuts included."""
+    return sum(len(g.data) + ID_WIRE_BYTES * len(g.ids) for g in gradients)
+
+
 def split_row_gradients(gradients: Sequence[pb.RowGradient], *, header_bytes: int, piece_bytes: int
                         ) -> tuple[list[pb.RowGradient], list[list[pb.RowGradient]]]:
     """Row gradients too many for one message, cut for a stream that continues them (PushRequest.row_gradients;
@@ -584,7 +591,7 @@ def split_row_gradients(gradients: Sequence[pb.RowGradient], *, header_bytes: in
     messages: list[list[pb.RowGradient]] = []
     size = 0
     for piece in pieces:
-        cost = len(piece.data) + ID_WIRE_BYTES * len(piece.ids)
+        cost = row_gradients_wire_bytes([piece])
         if not messages or size + cost > piece_bytes:
             messages.append([])
             size = 0

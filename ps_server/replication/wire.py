@@ -64,7 +64,7 @@ def op_items(op: Op, seq: int, epoch: int) -> Iterator[rpb.FollowItem]:
         for name, ids, values in push.row_grads:
             dtype, data = codec.rows_to_wire(np.asarray(values))
             rows.append(pb.RowGradient(name=name, ids=np.asarray(ids, np.int64), dtype=dtype, data=data))
-        if sum(len(rg.data) + codec.ID_WIRE_BYTES * len(rg.ids) for rg in rows) > CHUNK_BYTES:
+        if codec.row_gradients_wire_bytes(rows) > CHUNK_BYTES:
             rows, continued = codec.split_row_gradients(rows, header_bytes=CHUNK_BYTES, piece_bytes=CHUNK_BYTES)
         message.push.row_gradients.extend(rows)
         arrays = [(name, row_start, value) for (name, row_start), value in push.grads.items()]

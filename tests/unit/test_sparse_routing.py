@@ -67,7 +67,7 @@ def test_a_sparse_step_takes_a_data_channel_frame_only_when_its_rows_fit_the_hea
     asked = [("emb", np.arange(10), ids)]
     assert fits(SHARD_MAP, grads, asked)
     # the request header: row gradients and asked ids together, within the bound less the room kept
-    request = sparse.wire_bytes(grads) + codec.ID_WIRE_BYTES * len(ids)
+    request = codec.row_gradients_wire_bytes(grads) + codec.ID_WIRE_BYTES * len(ids)
     monkeypatch.setattr(dc, "MAX_HEADER_BYTES", ps_client.FRAME_HEADER_ROOM + request)
     assert fits(SHARD_MAP, grads, asked)
     monkeypatch.setattr(dc, "MAX_HEADER_BYTES", ps_client.FRAME_HEADER_ROOM + request - 1)
@@ -88,6 +88,6 @@ def test_wire_bytes_bounds_what_row_gradients_take_in_a_message_whatever_their_i
     data = np.zeros((len(ids), DIM), np.float32).tobytes()
     grad = pb.RowGradient(name="emb", ids=ids, dtype=pb.DTYPE_FLOAT32, data=data)
     framing = len(pb.RowGradient(name="emb", dtype=pb.DTYPE_FLOAT32).SerializeToString()) + 2 * 6  # two length prefixes
-    assert grad.ByteSize() <= sparse.wire_bytes([grad]) + framing
+    assert grad.ByteSize() <= codec.row_gradients_wire_bytes([grad]) + framing
     # the counters add what the tensors hold, ids as int64
     assert sparse.payload_bytes([grad]) == len(data) + 8 * len(ids)

@@ -753,7 +753,7 @@ class PSClient:
         row_gradients) when the shard takes that (ClusterInfo.row_gradients_continue); a shard that predates it
         gets them all in the header, as before."""
         continued: list[list[pb.RowGradient]] = []
-        if sparse.wire_bytes(rows) > ROWS_IN_HEADER_BYTES and self._continues_rows(shard):
+        if codec.row_gradients_wire_bytes(rows) > ROWS_IN_HEADER_BYTES and self._continues_rows(shard):
             rows, continued = codec.split_row_gradients(rows, header_bytes=ROWS_IN_HEADER_BYTES,
                                                         piece_bytes=ROW_PIECE_BYTES)
         header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step, row_gradients=rows)
@@ -1130,7 +1130,7 @@ class PSClient:
         else:
             wanted = set(names)
             size = sum(p.nbytes for p in shard_map.parts_on(shard) if p.name in wanted)
-        size += sparse.wire_bytes(rows) + sparse.asked_bytes(shard_map, asked)
+        size += codec.row_gradients_wire_bytes(rows) + sparse.asked_bytes(shard_map, asked)
         return size <= GRPC_PUSH_PULL_MAX_BYTES
 
     @staticmethod
@@ -1139,7 +1139,7 @@ class PSClient:
         """Whether a step's row gradients to a shard and the rows asked of it fit a data-channel frame's headers
         (the request's, with the asked ids, within dc.MAX_HEADER_BYTES less room for its other fields; the
         answer's rows within one answer, codec.CHUNK_BYTES, as the shard reads them)."""
-        request_bytes = sparse.wire_bytes(rows) + codec.ID_WIRE_BYTES * sum(len(ids) for _, _, ids in asked)
+        request_bytes = codec.row_gradients_wire_bytes(rows) + codec.ID_WIRE_BYTES * sum(len(ids) for _, _, ids in asked)
         return request_bytes <= dc.MAX_HEADER_BYTES - FRAME_HEADER_ROOM and \
             sparse.asked_bytes(shard_map, asked) <= codec.CHUNK_BYTES
 

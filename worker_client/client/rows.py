@@ -111,13 +111,6 @@ def split_asked(shard_map: ShardMap, asked: Sequence[tuple[str, np.ndarray, np.n
     return reads
 
 
-def wire_bytes(gradients: Iterable[pb.RowGradient]) -> int:
-    """The most bytes row gradients take in a message: their rows, and their ids as packed varints
-    (codec.ID_WIRE_BYTES each, what a negative dynamic id takes; a small id takes fewer). The bound every
-    decision of what fits a message uses, as the cuts of codec.split_row_gradients do."""
-    return sum(len(g.data) + codec.ID_WIRE_BYTES * len(g.ids) for g in gradients)
-
-
 def payload_bytes(gradients: Iterable[pb.RowGradient]) -> int:
     """The bytes row gradients hold: their rows and their ids as int64 (what the client's byte counters add)."""
     return sum(len(g.data) + 8 * len(g.ids) for g in gradients)

@@ -148,24 +148,36 @@ def test_events_are_json_lines_with_the_fields_the_launcher_reads(start: Any, mo
 class _Recorder:
     """Wraps a client's push_pull and an engine's step, noting each call's interval and the steps a push read."""
 
-    def __init__(self, client: PSClient, engine: GradientEngine, *, push_delay: float = 0.0) -> None:
-        """`push_delay` s are added to every push_pull, inside its interval (a round trip through the data channel
-        can end before an overlapped gradient even starts)."""
+    def __init__(self, client: PSClient, engine: GradientEngine, *, await_gradient: float = 0.0,
+                 gradients: int = 0) -> None:
+        """With `await_gradient` s, push t of a run of `gradients` (t < `gradients`) holds its answer until
+        gradient t + 1 has begun, or that long (`met` notes which). Only a push that runs beside the next gradient
+        sees it begin, so the count does not hang on how a loaded machine schedules two short intervals."""
         self.pushes: list[tuple[float, float, list[int]]] = []
         self.steps: list[tuple[float, float]] = []
+        self.met: list[bool] = []
+        begun = threading.Condition()
+        count, called = [0], [0]   # gradients begun, pushes called
         push_pull, step = client.push_pull, engine.step
 
         def recorded_push_pull(*args: Any, **kwargs: Any):
             began = time.monotonic()
             reads = list(kwargs.get("read_steps") or client.steps)
             try:
-                time.sleep(push_delay)
                 return push_pull(*args, **kwargs)
             finally:
+                with begun:
+                    called[0] += 1
+                    following = called[0] + 1   # push t (1-based) is gradient t's; gradient t + 1 follows it
+                    if await_gradient and following <= gradients:
+                        self.met.append(begun.wait_for(lambda: count[0] >= following, timeout=await_gradient))
                 self.pushes.append((began, time.monotonic(), reads))
 
         def recorded_step(*args: Any, **kwargs: Any):
             began = time.monotonic()
+            with begun:
+                count[0] += 1
+                begun.notify_all()
             try:
                 return step(*args, **kwargs)
             finally:
@@ -185,16 +197,19 @@ def test_async_overlaps_each_push_with_the_next_gradient_adding_exactly_one_step
     shard, client = start
     server = shard(mode="async")
     worker = trainer(client(server, "w0"), model, digits, steps=12, overlap=overlap)
-    recorder = _Recorder(worker.client, worker.engine, push_delay=0.02)
+    # with overlap, every push but the last is still in flight when the next gradient begins; without, none is
+    # (the push would hold the gradient back, so it is not made to wait for it)
+    recorder = _Recorder(worker.client, worker.engine, await_gradient=10.0 if overlap else 0.0, gradients=12)
     result = worker.run()
     assert (result["steps"], result["iterations"], result["dropped"]) == (12, 12, 0)
     # one worker: push t (1-based) read the step its gradient was computed at
     reads = [r[0] for _, _, r in sorted(recorder.pushes)]
     if overlap:
         assert reads == [0, 0, *range(1, 11)]   # t - 2 (the first two on the initial values)
-        assert recorder.overlapped() >= 5        # most pushes ran beside the next gradient
+        assert recorder.met == [True] * 11       # pushes 1-11 each ran beside the next gradient
     else:
         assert reads == list(range(12))          # t - 1
+        assert recorder.met == []
         assert recorder.overlapped() == 0
 
 

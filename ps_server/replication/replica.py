@@ -172,6 +172,8 @@ class PrimaryLog:
         self.seq = seq
         self.ops: collections.deque[tuple[int, Op]] = collections.deque()
         self.followers: dict[str, _Follower] = {}
+        #: caught-up backups on their way into the ISR: every answer waits for them as for the ISR's own
+        self.joining: set[str] = set()
         self.changed = threading.Condition()
 
     # -- the shard's side
@@ -198,17 +200,52 @@ class PrimaryLog:
         deadline = time.monotonic() + replica.config.replication_timeout
         with self.changed:
             while True:
-                missing = [r for r in replica.isr if r != replica.config.id and
+                missing = [r for r in (*replica.isr, *sorted(self.joining - set(replica.isr)))
+                           if r != replica.config.id and
                            (r not in self.followers or self.followers[r].confirmed < seq)]
                 if not missing or replica.role != PRIMARY:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    # a joining backup this late does not join (Replica.add_to_isr checks under its lock; if
+                    # the quorum already has it, shrink_isr takes it out again before this answer goes)
+                    self.joining.difference_update(missing)
                     break
                 self.changed.wait(left)
         if replica.role == PRIMARY and missing:
             replica.shrink_isr(missing)
         replica.check_primary()
+
+    def catch_up(self, replica: str, timeout: float) -> bool:
+        """Marks a backup as joining the ISR (`wait` holds every answer for it from now on), then waits until it
+        confirmed every operation recorded before, which may have been answered without it. False (and not
+        joining) when it does not within `timeout`, went away, or is joining or in the ISR already."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            if replica in self.joining or replica in self.replica.isr:
+                return False
+            self.joining.add(replica)
+            target = self.seq
+            while True:
+                follower = self.followers.get(replica)
+                if follower is not None and follower.confirmed >= target:
+                    return True
+                left = deadline - time.monotonic()
+                if follower is None or follower.gone.is_set() or left <= 0 or self.replica.role != PRIMARY:
+                    self.joining.discard(replica)
+                    self.changed.notify_all()
+                    return False
+                self.changed.wait(left)
+
+    def still_joining(self, replica: str) -> bool:
+        with self.changed:
+            return replica in self.joining
+
+    def joined(self, replica: str) -> None:
+        """The backup is in the ISR, or did not get in: it waits as an ISR member or not at all."""
+        with self.changed:
+            self.joining.discard(replica)
+            self.changed.notify_all()
 
     # -- the followers' side
 
@@ -405,16 +442,30 @@ class Replica:
             else:
                 self.step_down(f"the quorum did not accept the in-sync replicas {list(isr)}")
 
-    def _add_to_isr(self, replica: str) -> None:
-        with self._lock:
-            if self.role != PRIMARY or replica in self.isr:
-                return
-            isr = (*self.isr, replica)
-            answers = self.quorum.ask("SetIsr", rpb.IsrRequest(shard=self.config.shard, epoch=self.epoch,
-                                                               holder=self.config.id, isr=list(isr)))
-            if self.quorum.granted(answers):
-                self.isr = isr
-                log.info("shard %d: replica %s caught up: in-sync replicas %s", self.config.shard, replica, list(isr))
+    def add_to_isr(self, replica: str) -> None:
+        """A backup that confirmed every operation joins the ISR through the quorum.
+
+        Once the voters list it, it may be elected, so it must hold every operation answered from then on and
+        every one answered before: `PrimaryLog.catch_up` makes answers wait for it first, and waits until it
+        confirmed what was recorded before that. Only then are the voters asked; a backup that misses an answer's
+        deadline meanwhile is no longer joining, and is not added (or is taken out again: PrimaryLog.wait)."""
+        log_ = self.log
+        if self.role != PRIMARY or log_ is None or not log_.catch_up(replica, self.config.replication_timeout):
+            return
+        try:
+            with self._lock:
+                if self.role != PRIMARY or self.log is not log_ or replica in self.isr or \
+                        not log_.still_joining(replica):
+                    return
+                isr = (*self.isr, replica)
+                answers = self.quorum.ask("SetIsr", rpb.IsrRequest(shard=self.config.shard, epoch=self.epoch,
+                                                                   holder=self.config.id, isr=list(isr)))
+                if self.quorum.granted(answers):
+                    self.isr = isr
+                    log.info("shard %d: replica %s caught up: in-sync replicas %s", self.config.shard, replica,
+                             list(isr))
+        finally:
+            log_.joined(replica)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.config.lease / 6):
@@ -456,8 +507,9 @@ class Replica:
             try:
                 for ack in requests:
                     log_.confirm(follower, ack.confirmed)
-                    if ack.confirmed >= log_.seq and follower.replica not in self.isr:
-                        threading.Thread(target=self._add_to_isr, args=(follower.replica,), daemon=True).start()
+                    if ack.confirmed >= log_.seq and follower.replica not in self.isr and \
+                            not log_.still_joining(follower.replica):
+                        threading.Thread(target=self.add_to_isr, args=(follower.replica,), daemon=True).start()
             except grpc.RpcError:
                 pass
             finally:

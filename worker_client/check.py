@@ -204,7 +204,9 @@ def check_model(path: str | Path, *, batch_size: int = DEFAULT_BATCH,
             report.constants.append((name, shapes[name], reason))
     report.unsupported = [(node_label(n), n.op_type)
                           for n in _downstream(model, chosen, unsupported_nodes(model))]
-    if engine is None:
+    if engine is None:   # the parameters that would train, so the refusal can be acted on (--exclude)
+        types = {t.name: onnx.helper.tensor_dtype_to_np_dtype(t.data_type) for t in model.graph.initializer}
+        report.parameters = [(n, shapes[n], str(np.dtype(types[n]))) for n in roles if n in chosen]
         return report
     values = {**engine.parameters(), **engine.state()}
     report.parameters = [(n, tuple(v.shape), str(v.dtype))
@@ -436,7 +438,8 @@ def format_report(report: CheckReport) -> str:
     if before:
         lines.append(f"opset {before}" + (f", upgraded to {after} for the gradient rules"
                                           if after != before else ""))
-    lines.append(f"trainable parameters: {len(report.parameters)} "
+    heading = "trainable parameters" if report.error is None else "parameters that would train"
+    lines.append(f"{heading}: {len(report.parameters)} "
                  f"({sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in report.parameters)} "
                  f"values)")
     lines += [f"  {name} {shape} {dtype}" for name, shape, dtype in report.parameters]

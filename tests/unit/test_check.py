@@ -35,6 +35,8 @@ EXPECTED = {
     "torch/scalar_temperature": ("cross_entropy", 5, 0, 0, 0),
     "torch/bn_dropout_train": ("cross_entropy", 6, 2, 1, 0),
     "torch/resnet_bn_train": ("cross_entropy", 47, 30, 0, 0),   # at batch 4: the hard case
+    "torch/conv_decoder": ("mse", 7, 0, 0, 0),                  # ConvTransposes that train
+    "torch/padded_strided": ("cross_entropy", 10, 0, 0, 0),     # copying pads, steps, strided depthwise
     "keras/keras_cnn": ("cross_entropy", 6, 0, 0, 0),
     "keras/keras_layernorm_mlp": ("cross_entropy", 6, 0, 0, 1),
     "jax/jax_mlp": ("cross_entropy", 4, 0, 0, 2),   # jax2onnx's 0-d Gemm biases

@@ -19,7 +19,7 @@ from worker_client.engine.rewrites.layout import canonicalize_layout_ops
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
-TORCH_MODELS = ["mlp", "cnn", "embedding_bag", "transformer", "conv_bn_eval"]
+TORCH_MODELS = ["mlp", "cnn", "embedding_bag", "transformer", "conv_bn_eval", "conv_decoder", "padded_strided"]
 OPSET = 18
 
 

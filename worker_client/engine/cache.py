@@ -20,7 +20,7 @@ from worker_client.engine.support import warn_caller
 __all__ = ["GRAPH_FORMAT", "cached_or_built", "default_cache_dir", "entry_path"]
 
 #: Bumped whenever the gradient graph built for the same options changes.
-GRAPH_FORMAT = 16
+GRAPH_FORMAT = 17
 #: Hex digits of the SHA-256 content hash kept in an entry's file name.
 KEY_DIGITS = 40
 

@@ -4,13 +4,20 @@ Every pass computes the same values as the graph it replaces (tests/unit/
 test_gradient_engine.py checks each one); each module's docstrings say which slow path it
 avoids and why the replacement is exact.
 
+- `transposed`: ConvTransposes with a trainable weight as Convs with the kernel swapped and
+  reversed (on the forward graph: onnx-ad has no weight adjoint for ConvTranspose);
 - `grouped`: grouped and depthwise Convs with a trainable weight as a batched MatMul over
   the kernel windows (on the forward graph: onnx-ad has no weight adjoint for group > 1);
+- `indexing`: Slices with a step other than 1 and Pads in mode edge, reflect or wrap as
+  step-1 Slices, Reshapes and Gathers (on the forward graph, after the two above, which write
+  stepped Slices themselves: onnx-ad differentiates neither form);
 - `matmul`: batched weight MatMuls flattened to one GEMM (on the forward graph, so that
   onnx-ad's weight adjoint is one GEMM too);
 - `fold`: shape queries on static tensors folded into constants;
 - `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops; conv input
-  adjoints (ConvTranspose) as Convs;
+  adjoints (ConvTranspose) as Convs; a ConvTranspose's output_shape as the pads it implies
+  (onnx's shape inference gets the first wrong, and onnxruntime ignores the pads onnx-ad
+  writes beside it, on both graphs); a pool's ceil_mode dropped where no window overhangs;
 - `scatter`: Gather adjoints that rebuild a whole tensor from its pieces (an attention's
   query, key and value) as one Concat;
 - `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
@@ -27,6 +34,8 @@ import onnx
 
 from worker_client.engine.rewrites.conv import (
     assign_unique_scatters,
+    drop_idle_ceil_modes,
+    explicit_transposed_conv_pads,
     flip_unit_stride_transposed_convs,
     gemm_large_kernel_convs,
     resize_window_spreads,
@@ -35,10 +44,12 @@ from worker_client.engine.rewrites.conv import (
 )
 from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.grouped import expand_grouped_convs
+from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
 from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
+from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
 
 __all__ = ["rewrite_adjoints", "rewrite_forward"]
 
@@ -48,16 +59,40 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
 
     Its inferred shapes are dropped when anything changed; differentiation infers afresh.
     """
-    changed = expand_grouped_convs(model)
+    changed = 0
+    if _bounds_matter(model):   # their passes need static shapes past an exporter's computed bounds
+        changed += fold_shape_queries(model)
+    changed += explicit_transposed_conv_pads(model, adjoints=False)
+    changed += convolve_trained_transposed_convs(model)
+    changed += expand_grouped_convs(model)
+    changed += index_without_steps_or_copying_pads(model)
+    changed += drop_idle_ceil_modes(model)
     changed += flatten_weight_matmuls(model)
     if changed:
         model.graph.ClearField("value_info")
     return model
 
 
+def _bounds_matter(model: onnx.ModelProto) -> bool:
+    """Whether the graph has a node the forward passes rewrite only with static shapes around it: a
+    ConvTranspose, a Pad or pool whose form onnx-ad refuses, or a Slice with steps. torch's exporter (constant
+    folding off) computes a Slice's bounds and a Pad's pads in the graph, from Constants and Shapes, and onnx's
+    shape inference stops at them; folding those computations first makes what follows static. Other graphs are
+    left as they are."""
+    for node in model.graph.node:
+        attributes = {a.name: a for a in node.attribute}
+        if node.op_type == "ConvTranspose" or (node.op_type == "Slice" and len(node.input) > 4) or \
+                (node.op_type == "Pad" and "mode" in attributes and attributes["mode"].s != b"constant") or \
+                (node.op_type in ("AveragePool", "MaxPool", "LpPool") and "ceil_mode" in attributes and
+                 attributes["ceil_mode"].i):
+            return True
+    return False
+
+
 def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     """The differentiated model, rewritten in place and returned; the passes run in order."""
     fold_shape_queries(model)           # everything static, so the passes below apply
+    explicit_transposed_conv_pads(model, adjoints=True)   # before anything reads a ConvTranspose's inferred shape
     gemm_large_kernel_convs(model)
     resize_window_spreads(model)
     flip_unit_stride_transposed_convs(model)

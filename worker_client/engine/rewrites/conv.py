@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,8 +11,9 @@ from onnx import helper
 
 from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
 
-__all__ = ["assign_unique_scatters", "flip_unit_stride_transposed_convs", "gemm_large_kernel_convs",
-           "resize_window_spreads", "route_max_pool_adjoints", "split_strided_transposed_convs"]
+__all__ = ["assign_unique_scatters", "drop_idle_ceil_modes", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
+           "gemm_large_kernel_convs", "resize_window_spreads", "route_max_pool_adjoints",
+           "split_strided_transposed_convs"]
 
 #: Slice's end for a negative step that runs past index 0.
 _BEFORE_START = int(np.iinfo(np.int64).min)
@@ -104,7 +106,111 @@ def _conv_as_gemm(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...],
     return nodes
 
 
-def flip_unit_stride_transposed_convs(model: onnx.ModelProto) -> int:
+def drop_idle_ceil_modes(model: onnx.ModelProto) -> int:
+    """Set ceil_mode to 0 on each pool whose windows all fit the (padded) input anyway, in place.
+
+    onnx-ad refuses an AveragePool with ceil_mode=1 in reverse mode, since a window could then
+    overhang the input. Where rounding the output size up and down give the same size -- a
+    2x2 pool of stride 2 on an even map, as ceil_mode models mostly are -- the windows are the
+    same in both modes and none overhangs, so the flag changes nothing. Matches pools of static
+    input shape without auto_pad. Returns the number rewritten.
+    """
+    shapes = static_shapes(model)
+    rewritten = 0
+    for node in model.graph.node:
+        if node.op_type not in ("AveragePool", "MaxPool", "LpPool"):
+            continue
+        attributes = _attributes(node)
+        x = shapes.get(node.input[0])
+        if not attributes.get("ceil_mode", 0) or x is None or \
+                attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            continue
+        kernel = list(attributes.get("kernel_shape", []))
+        spatial = len(kernel)
+        strides = list(attributes.get("strides", [1] * spatial))
+        pads = list(attributes.get("pads", [0] * 2 * spatial))
+        dilations = list(attributes.get("dilations", [1] * spatial))
+        if not spatial or len(x) != spatial + 2 or len(strides) != spatial or len(pads) != 2 * spatial or \
+                len(dilations) != spatial:
+            continue
+        spans = [x[a + 2] + pads[a] + pads[a + spatial] - ((kernel[a] - 1) * dilations[a] + 1)
+                 for a in range(spatial)]
+        if any(span < 0 or span % stride for span, stride in zip(spans, strides)):
+            continue   # a window would overhang: ceil_mode matters there
+        kept = [a for a in node.attribute if a.name != "ceil_mode"]
+        node.ClearField("attribute")
+        node.attribute.extend(kept)
+        rewritten += 1
+    return rewritten
+
+
+def explicit_transposed_conv_pads(model: onnx.ModelProto, *, adjoints: bool) -> int:
+    """Give each ConvTranspose that states its output_shape the pads that shape implies instead, in place.
+
+    onnx's shape inference (1.23) gives some such nodes an output of rank 2 -- [N, C], no
+    spatial axes; a 9x9 input, a 2x2 kernel and output_shape 8x8, for one -- and onnxruntime, which runs the node correctly, refuses to load a graph in
+    which a Reshape then meets that rank-2 shape ("Dimension could not be inferred:
+    incompatible shapes"). And given an output_shape, onnxruntime ignores the node's pads: it
+    splits the total padding the shape implies with the larger half at the head (`_head_pads`).
+
+    onnx-ad writes output_shape, with the pads it means, on a Conv's input adjoint: the adjoint
+    of a Conv padded (b, e) drops b at the head. Where the forward padding was heavier at the
+    end (the phase convolutions of a strided ConvTranspose, `split_strided_transposed_convs`,
+    pad (0, 1)), onnxruntime's split dropped one row too many at the head, and the gradient
+    flowing back through the Conv was shifted. So on a differentiated graph (`adjoints`) the
+    head is the node's own pads' head where it has pads; on the forward graph, and where a node
+    has no pads, it is onnxruntime's split, which is what the model computes there. The tail
+    takes the rest of the total. A shape that needs more output than the kernel gives (a
+    negative total) is left as it is. Needs the input and weight shapes static, and no
+    auto_pad. In sweeps: the rank-2 shape of one such node hides the shapes after it, so the
+    input of the next is static only once the one before is rewritten. Returns the number
+    rewritten.
+    """
+    rewritten = 0
+    for _ in range(sum(node.op_type == "ConvTranspose" for node in model.graph.node)):
+        done = _explicit_transposed_conv_pads_once(model, adjoints)
+        rewritten += done
+        if not done:
+            break
+    return rewritten
+
+
+def _explicit_transposed_conv_pads_once(model: onnx.ModelProto, adjoints: bool) -> int:
+    shapes = static_shapes(model)
+    rewritten = 0
+    for node in model.graph.node:
+        if node.op_type != "ConvTranspose":
+            continue
+        attributes = _attributes(node)
+        x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
+        if "output_shape" not in attributes or x is None or w is None or len(x) != len(w) or \
+                attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            continue
+        spatial = len(x) - 2
+        wanted = list(attributes["output_shape"])[-spatial:]
+        strides = list(attributes.get("strides", [1] * spatial))
+        extra = list(attributes.get("output_padding", [0] * spatial))
+        dilations = list(attributes.get("dilations", [1] * spatial))
+        if len(wanted) != spatial or len(strides) != spatial or len(extra) != spatial or len(dilations) != spatial:
+            continue
+        totals = [strides[a] * (x[a + 2] - 1) + extra[a] + (w[a + 2] - 1) * dilations[a] + 1 - wanted[a]
+                  for a in range(spatial)]
+        if any(t < 0 for t in totals):
+            continue
+        given = list(attributes.get("pads", []))
+        heads = given[:spatial] if adjoints and len(given) == 2 * spatial else [t - t // 2 for t in totals]
+        if any(h > t for h, t in zip(heads, totals)):
+            continue
+        kept = [a for a in node.attribute if a.name not in ("output_shape", "pads")]
+        node.ClearField("attribute")
+        node.attribute.extend(kept)
+        node.attribute.append(helper.make_attribute("pads", heads + [t - h for t, h in zip(totals, heads)]))
+        rewritten += 1
+    return rewritten
+
+
+def flip_unit_stride_transposed_convs(model: onnx.ModelProto,
+                                      only: Callable[[onnx.NodeProto], bool] | None = None) -> int:
     """Rewrite each ungrouped, unit-stride ConvTranspose as a Conv with the flipped kernel, in place.
 
     onnx-ad's input adjoint of a Conv is a ConvTranspose of the output adjoint with the
@@ -117,14 +223,15 @@ def flip_unit_stride_transposed_convs(model: onnx.ModelProto) -> int:
     kernel. The kernel is swapped and reversed in the graph (it is a parameter, fed every
     step): a Transpose and a Slice with step -1, a copy of the weight. Matches bias-free
     ConvTransposes with group 1, stride 1, no output padding, no auto_pad, pads no larger
-    than (k - 1) * dilation, and an output whose static shape is the one those pads give.
-    Returns the number rewritten.
+    than (k - 1) * dilation, and an output whose static shape is the one those pads give;
+    with `only`, those it accepts. Returns the number rewritten.
     """
     shapes = static_shapes(model)
     emit = Emitter(model, "flipped_conv")
     replacements: dict[int, list[onnx.NodeProto]] = {}
     for index, node in enumerate(model.graph.node):
-        if node.op_type != "ConvTranspose" or (len(node.input) > _BIAS and node.input[_BIAS]):
+        if node.op_type != "ConvTranspose" or (len(node.input) > _BIAS and node.input[_BIAS]) or \
+                (only is not None and not only(node)):
             continue
         x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
         if x is None or w is None or y is None or len(x) < 3 or len(w) != len(x) or len(y) != len(x):
@@ -188,7 +295,8 @@ def _head_pads(attributes: dict[str, Any], x: tuple[int, ...], kernel: list[int]
     return heads
 
 
-def split_strided_transposed_convs(model: onnx.ModelProto) -> int:
+def split_strided_transposed_convs(model: onnx.ModelProto,
+                                   only: Callable[[onnx.NodeProto], bool] | None = None) -> int:
     """Rewrite each ungrouped 2-D ConvTranspose of stride s > 1 as s*s Convs, one per output phase.
 
     The input adjoint of a strided Conv (a ResNet's downsampling convs) is a strided
@@ -197,15 +305,18 @@ def split_strided_transposed_convs(model: onnx.ModelProto) -> int:
     kernel taps k = (a + head) mod s (+ s, + 2s ...) along each axis, so each of the s*s phases
     is a unit-stride convolution of the input with that sub-kernel, swapped and reversed; the
     phases are stacked on the channel axis and interleaved by DepthToSpace. The same
-    multiply-adds, on the Conv kernel. Matches bias-free ConvTransposes with group 1, dilation
-    1, the same stride s on both axes, a kernel of at least s, no auto_pad, and a static output
-    whose height and width divide by s. Returns the number rewritten.
+    multiply-adds, on the Conv kernel. An output whose height or width does not divide by s
+    is computed to the next multiple of s (the transposed convolution goes on past the end, as
+    more output padding would make it) and cut back. Matches bias-free ConvTransposes with group
+    1, dilation 1, the same stride s on both axes, a kernel of at least s, no auto_pad, and a
+    static output; with `only`, those it accepts. Returns the number rewritten.
     """
     shapes = static_shapes(model)
     emit = Emitter(model, "phase_conv")
     replacements: dict[int, list[onnx.NodeProto]] = {}
     for index, node in enumerate(model.graph.node):
-        if node.op_type != "ConvTranspose" or (len(node.input) > _BIAS and node.input[_BIAS]):
+        if node.op_type != "ConvTranspose" or (len(node.input) > _BIAS and node.input[_BIAS]) or \
+                (only is not None and not only(node)):
             continue
         x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
         if x is None or w is None or y is None or len(x) != 4 or len(w) != 4 or len(y) != 4:
@@ -217,12 +328,21 @@ def split_strided_transposed_convs(model: onnx.ModelProto) -> int:
                  and list(attributes.get("dilations", [1, 1])) == [1, 1]
                  and attributes.get("auto_pad", b"NOTSET") == b"NOTSET"
                  and all(k >= stride for k in w[2:])
-                 and all(size % stride == 0 for size in y[2:])
                  and tuple(y[:2]) == (x[0], w[1]))
         if not plain:
             continue
         heads = _head_pads(attributes, x, list(w[2:]), y)
-        replacements[index] = _phase_convs(node, x, w, y, stride, heads, emit)
+        whole = tuple(y[:2]) + tuple(-(-size // stride) * stride for size in y[2:])
+        if whole == tuple(y):
+            replacements[index] = _phase_convs(node, x, w, y, stride, heads, emit)
+            continue
+        longer = emit.name()
+        extended = onnx.NodeProto()
+        extended.CopyFrom(node)
+        extended.output[0] = longer
+        replacements[index] = _phase_convs(extended, x, w, whole, stride, heads, emit) + [
+            helper.make_node("Slice", [longer, emit.ints([0, 0]), emit.ints(list(y[2:])), emit.ints([2, 3])],
+                             [node.output[0]], name=emit.name())]
     if replacements:
         _replace(model, replacements, emit)
     return len(replacements)

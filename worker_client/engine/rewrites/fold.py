@@ -9,7 +9,7 @@ from onnx.reference import ReferenceEvaluator
 
 from worker_client.engine.rewrites.toolkit import constants, opset_of, static_shapes
 
-__all__ = ["fold_shape_queries"]
+__all__ = ["evaluate_node", "fold_shape_queries"]
 
 #: Largest integer tensor (elements) that shape folding turns into a constant.
 _FOLD_LIMIT = 64
@@ -17,7 +17,7 @@ _FOLD_LIMIT = 64
 _MAX_FOLD_ROUNDS = 16
 
 
-def _evaluate(node: onnx.NodeProto, values: dict[str, np.ndarray],
+def evaluate_node(node: onnx.NodeProto, values: dict[str, np.ndarray],
               opset: int) -> list[np.ndarray] | None:
     """The outputs of one node on constant operands, by onnx's reference evaluator."""
     try:
@@ -56,7 +56,7 @@ def fold_shape_queries(model: onnx.ModelProto) -> int:
                 results = [np.array(int(np.prod(shape, dtype=np.int64)), np.int64)]
             elif node.op_type != "Constant" and node.input and not _subgraphs(node) and all(
                     not name or name in values for name in node.input):
-                results = _evaluate(node, values, opset)
+                results = evaluate_node(node, values, opset)
                 if results is not None and not all(
                         r.dtype.kind in "iub" and r.size <= _FOLD_LIMIT for r in results):
                     results = None

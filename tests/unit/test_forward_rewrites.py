@@ -1,0 +1,248 @@
+"""The passes that put forms onnx-ad refuses into ones it differentiates (rewrites/indexing.py, transposed.py, and
+conv.py's explicit_transposed_conv_pads and drop_idle_ceil_modes) compute what the graph computed; and a gradient
+flowing back through a Conv padded more at its end is right (onnxruntime ignores the pads onnx-ad writes beside an
+output_shape). Whole torch models with these layers are checked against torch autograd in test_gradient_engine.py
+(fixtures conv_decoder and padded_strided)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from worker_client import GradientEngine
+from worker_client.engine.rewrites.conv import drop_idle_ceil_modes, explicit_transposed_conv_pads
+from worker_client.engine.rewrites.indexing import gather_copying_pads, unstep_slices
+from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
+
+OPSET = 18
+INT64_MIN = int(np.iinfo(np.int64).min)
+
+
+def _model(nodes, inputs, initializers=(), outputs=("y",)) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        list(nodes), "rewrite",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape)) for name, shape in inputs],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
+        initializer=list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    return model
+
+
+def _ints(name: str, values) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _agrees(model: onnx.ModelProto, rewrite: Callable[[onnx.ModelProto], int], feeds: dict[str, np.ndarray],
+            *, ops_left: tuple[str, ...] = ()) -> int:
+    """Rewrite a copy; its outputs equal the original's exactly (the passes copy values, never compute them,
+    except the convolutions, which sum the same products in another order). Returns the number rewritten."""
+    before = _run(model, feeds)
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    count = rewrite(changed)
+    for op in ops_left:
+        assert op not in {n.op_type for n in changed.graph.node}, f"a {op} is left"
+    for old, new in zip(before, _run(changed, feeds)):
+        assert old.shape == new.shape
+        np.testing.assert_allclose(new, old, rtol=1e-5, atol=1e-5)
+    return count
+
+
+def _feeds(**shapes) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+# --- stepped slices -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("starts, ends, axes, steps", [
+    ([1], [7], [1], [2]),                      # every second of a middle stretch
+    ([0], [7], [1], [3]),                      # the last window passes the end (7 = 3 * 3 - 2)
+    ([-1], [INT64_MIN], [2], [-1]),            # a reversal
+    ([-2], [0], [2], [-3]),                    # a reversed stride, stopping before index 0
+    ([0, 8, 1], [5, 0, 6], [0, 2, 1], [2, -2, 1]),   # two stepped axes and a plain one
+    ([100], [-100], [-1], [-4]),               # bounds past both ends, clamped
+])
+def test_a_stepped_slice_becomes_plain_slices_reshapes_and_gathers_with_the_same_values(
+        starts, ends, axes, steps) -> None:
+    model = _model([helper.make_node("Slice", ["x", "s", "e", "a", "st"], ["y"], name="slice")], [("x", (5, 7, 9))],
+                   [_ints("s", starts), _ints("e", ends), _ints("a", axes), _ints("st", steps)])
+    feeds = _feeds(x=(5, 7, 9))
+    assert _agrees(model, unstep_slices, feeds) == 1
+
+
+def test_a_slice_whose_bounds_are_computed_from_constants_and_shapes_is_rewritten_too() -> None:
+    """As torch exports `h[:, ::2]` with constant folding off: Unsqueezes of Constants, and a Shape."""
+    nodes = [
+        helper.make_node("Constant", [], ["two"], value=numpy_helper.from_array(np.array(2, np.int64))),
+        helper.make_node("Unsqueeze", ["two", "zero_axis"], ["step"]),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "one"], ["width"], axis=0),
+        helper.make_node("Unsqueeze", ["width", "zero_axis"], ["end"]),
+        helper.make_node("Slice", ["x", "start", "end", "axis", "step"], ["y"], name="slice"),
+    ]
+    model = _model(nodes, [("x", (3, 6))], [_ints("zero_axis", [0]), _ints("one", 1), _ints("start", [0]),
+                                          _ints("axis", [1])])
+    assert _agrees(model, unstep_slices, _feeds(x=(3, 6))) == 1
+
+
+def test_a_plain_slice_and_one_of_unknown_shape_are_left_alone() -> None:
+    model = _model([helper.make_node("Slice", ["x", "s", "e", "a"], ["y"], name="plain")], [("x", (4, 4))],
+                   [_ints("s", [1]), _ints("e", [3]), _ints("a", [0])])
+    assert unstep_slices(model) == 0
+    dynamic = _model([helper.make_node("Slice", ["x", "s", "e", "a", "st"], ["y"], name="dynamic")],
+                     [("x", ("batch", 4))], [_ints("s", [0]), _ints("e", [4]), _ints("a", [0]), _ints("st", [2])])
+    assert unstep_slices(dynamic) == 0
+
+
+# --- copying pads -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, pads, axes", [
+    ("edge", [0, 0, 2, 1, 0, 0, 1, 3], None),
+    ("reflect", [0, 1, 2, 1, 0, 2, 1, 3], None),
+    ("wrap", [0, 0, 3, 5, 0, 0, 1, 6], None),
+    ("edge", [0, 0, -1, 2, 0, 0, 1, -2], None),    # a negative pad crops
+    ("reflect", [2, 3, 1, 0], [3, 2]),              # pads for the axes named, in their order
+])
+def test_an_edge_reflect_or_wrap_pad_becomes_gathers_with_the_same_values(mode, pads, axes) -> None:
+    inputs = ["x", "pads", "", "axes"] if axes is not None else ["x", "pads"]
+    initializers = [_ints("pads", pads)] + ([_ints("axes", axes)] if axes is not None else [])
+    model = _model([helper.make_node("Pad", inputs, ["y"], name="pad", mode=mode)], [("x", (2, 3, 5, 4))],
+                   initializers)
+    assert _agrees(model, gather_copying_pads, _feeds(x=(2, 3, 5, 4)), ops_left=("Pad",)) == 1
+
+
+def test_a_constant_pad_and_a_reflect_pad_wider_than_its_axis_are_left_alone() -> None:
+    constant = _model([helper.make_node("Pad", ["x", "pads"], ["y"], name="pad")], [("x", (2, 3))],
+                      [_ints("pads", [1, 1, 1, 1])])
+    assert gather_copying_pads(constant) == 0
+    wide = _model([helper.make_node("Pad", ["x", "pads"], ["y"], name="pad", mode="reflect")], [("x", (2, 3))],
+                  [_ints("pads", [0, 3, 0, 0])])
+    assert gather_copying_pads(wide) == 0
+
+
+# --- transposed convolutions --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("x, w, attributes, bias", [
+    ((2, 3, 5, 5), (3, 4, 3, 3), {"pads": [1, 1, 1, 1]}, True),                               # stride 1
+    ((2, 3, 5, 5), (3, 4, 2, 2), {}, False),                                                  # a map one larger
+    ((2, 3, 4, 4), (3, 2, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]}, True),
+    ((2, 3, 4, 4), (3, 2, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, False),           # 4 -> 7, odd
+    ((2, 3, 4, 5), (3, 2, 4, 4), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, True),
+    ((2, 3, 4, 4), (3, 2, 3, 3), {"strides": [2, 2], "output_shape": [8, 9]}, False),
+    ((2, 3, 6), (3, 4, 3), {"pads": [2, 0]}, True),                                          # 1-D
+])
+def test_a_transposed_conv_with_a_fed_weight_becomes_convs_with_the_same_output(x, w, attributes, bias) -> None:
+    inputs = ["x", "w", "b"] if bias else ["x", "w"]
+    feeds = _feeds(x=x, w=w, **({"b": (w[1],)} if bias else {}))
+    model = _model([helper.make_node("ConvTranspose", inputs, ["y"], name="up", **attributes)],
+                   [("x", x), ("w", w)] + ([("b", (w[1],))] if bias else []))
+
+    def rewrite(m: onnx.ModelProto) -> int:   # as rewrite_forward runs them: an output_shape made pads first
+        explicit_transposed_conv_pads(m, adjoints=False)
+        return convolve_trained_transposed_convs(m)
+
+    assert _agrees(model, rewrite, feeds, ops_left=("ConvTranspose",)) == 1
+
+
+def test_a_transposed_conv_with_a_constant_weight_or_groups_is_left_alone() -> None:
+    constant = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="up")], [("x", (1, 2, 3, 3))],
+                      [numpy_helper.from_array(np.ones((2, 2, 3, 3), np.float32), "w")])
+    assert convolve_trained_transposed_convs(constant) == 0
+    grouped = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="up", group=2)],
+                     [("x", (1, 2, 3, 3)), ("w", (2, 1, 3, 3))])
+    assert convolve_trained_transposed_convs(grouped) == 0
+
+
+@pytest.mark.parametrize("x, w, strides, output_shape, pads", [
+    ((2, 3, 5, 5), (3, 2, 4, 4), [2, 2], [9, 10], [0, 0, 0, 0]),
+    ((2, 3, 5, 5), (3, 2, 4, 4), [2, 2], [9, 10], [1, 0, 1, 0]),
+    ((2, 3, 5, 5), (3, 2, 4, 4), [2, 2], [9, 10], [0, 1, 0, 1]),
+    ((4, 1, 9, 9), (1, 2, 2, 2), [1, 1], [8, 8], [1, 1, 1, 1]),   # onnx infers [4, 2] for this one
+])
+def test_an_output_shape_becomes_the_pads_onnxruntime_would_use(x, w, strides, output_shape, pads) -> None:
+    """On the forward graph: onnxruntime ignores the pads beside an output_shape, so the rewrite keeps its split,
+    and onnx's shape inference then gets every axis."""
+    model = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="up", strides=strides, pads=pads,
+                                     output_shape=output_shape)], [("x", x), ("w", w)])
+    assert _agrees(model, lambda m: explicit_transposed_conv_pads(m, adjoints=False), _feeds(x=x, w=w)) == 1
+    explicit_transposed_conv_pads(model, adjoints=False)
+    inferred = onnx.shape_inference.infer_shapes(model).graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in inferred] == [x[0], w[1], *output_shape]
+
+
+def test_on_a_differentiated_graph_the_pads_onnx_ad_wrote_are_kept() -> None:
+    """The adjoint of a Conv padded (0, 1): onnx-ad's ConvTranspose says pads (0, 1) and the input's size; the
+    rewrite keeps that head, where onnxruntime, reading output_shape, would drop one more row at the head."""
+    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="adjoint", strides=[2, 2], pads=[0, 0, 1, 1],
+                            output_shape=[8, 8])
+    model = _model([node], [("g", (2, 2, 4, 4)), ("w", (2, 3, 3, 3))])
+    feeds = _feeds(g=(2, 2, 4, 4), w=(2, 3, 3, 3))
+    meant = _model([helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="adjoint", strides=[2, 2],
+                                     pads=[0, 0, 1, 1])], [("g", (2, 2, 4, 4)), ("w", (2, 3, 3, 3))])
+    wanted = _run(meant, feeds)[0]
+    assert wanted.shape == (2, 3, 8, 8)
+    assert not np.allclose(_run(model, feeds)[0], wanted), "onnxruntime now honours the pads: see conv.py"
+    assert explicit_transposed_conv_pads(model, adjoints=True) == 1
+    np.testing.assert_allclose(_run(model, feeds)[0], wanted, rtol=1e-6, atol=1e-6)
+
+
+# --- ceil-mode pools ----------------------------------------------------------------------------------
+
+def test_a_ceil_mode_pool_whose_windows_fit_loses_the_flag_and_one_that_overhangs_keeps_it() -> None:
+    fits = _model([helper.make_node("AveragePool", ["x"], ["y"], name="pool", kernel_shape=[2, 2],
+                                    strides=[2, 2], ceil_mode=1)], [("x", (1, 2, 6, 4))])
+    assert _agrees(fits, drop_idle_ceil_modes, _feeds(x=(1, 2, 6, 4))) == 1
+    overhangs = _model([helper.make_node("AveragePool", ["x"], ["y"], name="pool", kernel_shape=[2, 2],
+                                         strides=[2, 2], ceil_mode=1)], [("x", (1, 2, 5, 4))])
+    assert drop_idle_ceil_modes(overhangs) == 0
+
+
+# --- a gradient through a Conv padded more at its end ----------------------------------------------------
+
+def test_a_gradient_through_a_conv_padded_more_at_its_end_matches_finite_differences(tmp_path: Path) -> None:
+    """TensorFlow's "same" padding at stride 2 on an even map pads (0, 1). onnx-ad's adjoint of such a Conv is a
+    ConvTranspose with pads (0, 1) and an output_shape, and onnxruntime, ignoring the pads, cropped the other row:
+    the gradient of every layer before it was shifted by one row and column (rel. error ~1)."""
+    rng = np.random.default_rng(3)
+    w1 = (rng.standard_normal((4, 2, 3, 3)) * 0.4).astype(np.float32)
+    w2 = (rng.standard_normal((3, 4, 3, 3)) * 0.4).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], name="first", pads=[1, 1, 1, 1]),
+             helper.make_node("Tanh", ["h"], ["t"], name="tanh"),
+             helper.make_node("Conv", ["t", "w2"], ["c"], name="same_stride_2", strides=[2, 2], pads=[0, 0, 1, 1]),
+             helper.make_node("Flatten", ["c"], ["y"], name="flat")]
+    graph = helper.make_graph(nodes, "same",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 27])],
+                              initializer=[numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    path = tmp_path / "same.onnx"
+    onnx.save(model, path)
+    engine = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)
+    batch = {"x": rng.standard_normal((2, 2, 6, 6)).astype(np.float32),
+             "labels": rng.standard_normal((2, 27)).astype(np.float32)}
+    parameters = engine.parameters()
+    _, grads = engine.gradients(parameters, batch)
+    step = 1e-2
+    numeric = np.zeros(w1.shape, np.float64)
+    for index in np.ndindex(w1.shape):
+        shifted = {k: v.copy() for k, v in parameters.items()}
+        shifted["w1"][index] += step
+        above, _ = engine.gradients(shifted, batch)
+        shifted["w1"][index] -= 2 * step
+        below, _ = engine.gradients(shifted, batch)
+        numeric[index] = (above - below) / (2 * step)
+    error = np.linalg.norm(grads["w1"] - numeric) / np.linalg.norm(numeric)
+    assert error < 1e-2, f"w1's gradient is off by {error:.3g} of its norm"

@@ -1,0 +1,74 @@
+"""Rewrite of the forward graph, before differentiation: transposed convolutions whose weight trains, as Convs.
+
+onnx-ad differentiates a ConvTranspose with respect to its input only ("not differentiated
+with respect to its weight"), so a decoder, an autoencoder or a GAN generator exported from
+torch's `ConvTranspose2d` could not train. A transposed convolution is a convolution of its
+input with its kernel's two channel axes swapped and its spatial axes reversed: with stride 1
+one Conv (`conv.flip_unit_stride_transposed_convs`), with stride s one Conv per output phase,
+interleaved (`conv.split_strided_transposed_convs`); the passes that make onnx-ad's own
+adjoints fast, here applied to the model's ConvTransposes whose weight is not a constant.
+The kernel is swapped and reversed in the graph (a Transpose and Slices with negative steps,
+which `indexing.unstep_slices` then writes as Gathers), so the weight's gradient flows back
+through ops onnx-ad differentiates; a bias becomes an Add after the Conv.
+
+Matches group 1, the conditions of those two passes, and static shapes. A ConvTranspose they
+do not match (grouped, dilated and strided, a kernel smaller than its stride, strides that
+differ between axes) is left as it is, and onnx-ad refuses its weight, naming the node.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
+from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
+
+__all__ = ["convolve_trained_transposed_convs"]
+
+#: Input index of the ConvTranspose's optional bias.
+_BIAS = 2
+
+
+def convolve_trained_transposed_convs(model: onnx.ModelProto) -> int:
+    """Rewrite every ConvTranspose whose weight is not a constant as Convs, in place (module docstring).
+    Returns the number rewritten."""
+    fixed = constants(model)
+    trained = {node.output[0] for node in model.graph.node
+               if node.op_type == "ConvTranspose" and node.input[1] not in fixed}
+    if not trained:
+        return 0
+    _split_biases(model, trained)
+
+    def only(node: onnx.NodeProto) -> bool:
+        return node.output[0] in trained
+
+    # the strided pass first: the unit-stride one would not take a strided node anyway
+    return split_strided_transposed_convs(model, only) + flip_unit_stride_transposed_convs(model, only)
+
+
+def _split_biases(model: onnx.ModelProto, outputs: set[str]) -> None:
+    """Each of these ConvTransposes with a bias: the bias added after it instead (its output is renamed in `outputs`
+    to the unbiased one)."""
+    shapes = static_shapes(model)
+    emit = Emitter(model, "transposed_bias")
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        weight = shapes.get(node.input[1]) if node.op_type == "ConvTranspose" else None
+        if node.op_type != "ConvTranspose" or node.output[0] not in outputs or len(node.input) <= _BIAS or \
+                not node.input[_BIAS] or weight is None:
+            nodes.append(node)
+            continue
+        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        result, unbiased = node.output[0], emit.name()
+        plain = onnx.NodeProto()
+        plain.CopyFrom(node)
+        del plain.input[_BIAS:]
+        plain.output[0] = unbiased
+        bias, bias_name = emit.reshape(node.input[_BIAS], [1, weight[1] * group] + [1] * (len(weight) - 2))
+        nodes += [plain, bias, helper.make_node("Add", [unbiased, bias_name], [result], name=emit.name())]
+        outputs.discard(result)
+        outputs.add(unbiased)
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(emit.initializers)

@@ -142,6 +142,11 @@ def test_a_constant_pad_and_a_reflect_pad_wider_than_its_axis_are_left_alone() -
     ((2, 3, 4, 5), (3, 2, 4, 4), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, True),
     ((2, 3, 4, 4), (3, 2, 3, 3), {"strides": [2, 2], "output_shape": [8, 9]}, False),
     ((2, 3, 6), (3, 4, 3), {"pads": [2, 0]}, True),                                          # 1-D
+    ((2, 3, 6), (3, 4, 4), {"strides": [2], "pads": [1, 1]}, True),                          # 1-D, strided
+    ((2, 3, 5), (3, 2, 3), {"strides": [3], "pads": [0, 1], "output_padding": [2]}, False),
+    ((1, 2, 3, 4, 3), (2, 2, 3, 2, 3), {"strides": [2, 2, 2], "pads": [1, 0, 1, 1, 0, 1]}, True),   # 3-D
+    ((2, 3, 4, 5), (3, 2, 3, 4), {"strides": [1, 2], "pads": [1, 1, 1, 1]}, True),           # strides differ
+    ((2, 3, 4, 3), (3, 2, 4, 3), {"strides": [3, 2], "output_shape": [11, 6]}, False),
 ])
 def test_a_transposed_conv_with_a_fed_weight_becomes_convs_with_the_same_output(x, w, attributes, bias) -> None:
     inputs = ["x", "w", "b"] if bias else ["x", "w"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -297,19 +298,21 @@ def _head_pads(attributes: dict[str, Any], x: tuple[int, ...], kernel: list[int]
 
 def split_strided_transposed_convs(model: onnx.ModelProto,
                                    only: Callable[[onnx.NodeProto], bool] | None = None) -> int:
-    """Rewrite each ungrouped 2-D ConvTranspose of stride s > 1 as s*s Convs, one per output phase.
+    """Rewrite each ungrouped strided ConvTranspose as one Conv per output phase, in place.
 
     The input adjoint of a strided Conv (a ResNet's downsampling convs) is a strided
     ConvTranspose, which onnxruntime runs as slowly as the unit-stride one
-    (`flip_unit_stride_transposed_convs`). Output pixel (s*m + a, s*q + b) only ever meets the
-    kernel taps k = (a + head) mod s (+ s, + 2s ...) along each axis, so each of the s*s phases
+    (`flip_unit_stride_transposed_convs`). Along an axis of stride s, output s*m + a only ever
+    meets the kernel taps k = (a + head) mod s (+ s, + 2s ...), so each phase (one a per axis)
     is a unit-stride convolution of the input with that sub-kernel, swapped and reversed; the
-    phases are stacked on the channel axis and interleaved by DepthToSpace. The same
-    multiply-adds, on the Conv kernel. An output whose height or width does not divide by s
-    is computed to the next multiple of s (the transposed convolution goes on past the end, as
-    more output padding would make it) and cut back. Matches bias-free ConvTransposes with group
-    1, dilation 1, the same stride s on both axes, a kernel of at least s, no auto_pad, and a
-    static output; with `only`, those it accepts. Returns the number rewritten.
+    phases are stacked and interleaved -- by DepthToSpace for a 2-D map of equal strides, by a
+    Reshape and Transpose otherwise (1-D and 3-D maps, strides that differ between axes). The
+    same multiply-adds, on the Conv kernel. An output whose size along an axis does not divide
+    by its stride is computed to the next multiple (the transposed convolution goes on past the
+    end, as more output padding would make it) and cut back. Matches bias-free ConvTransposes
+    with group 1, dilation 1, some stride above 1, a kernel of at least the stride along each
+    axis, no auto_pad, and a static output; with `only`, those it accepts. Returns the number
+    rewritten.
     """
     shapes = static_shapes(model)
     emit = Emitter(model, "phase_conv")
@@ -319,30 +322,35 @@ def split_strided_transposed_convs(model: onnx.ModelProto,
                 (only is not None and not only(node)):
             continue
         x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
-        if x is None or w is None or y is None or len(x) != 4 or len(w) != 4 or len(y) != 4:
+        if x is None or w is None or y is None or len(x) < 3 or len(w) != len(x) or len(y) != len(x):
             continue
+        spatial = len(x) - 2
         attributes = _attributes(node)
-        strides = list(attributes.get("strides", [1, 1]))
-        stride = strides[0]
-        plain = (attributes.get("group", 1) == 1 and stride > 1 and strides == [stride, stride]
-                 and list(attributes.get("dilations", [1, 1])) == [1, 1]
+        strides = list(attributes.get("strides", [1] * spatial))
+        plain = (attributes.get("group", 1) == 1 and len(strides) == spatial and max(strides) > 1
+                 and list(attributes.get("dilations", [1] * spatial)) == [1] * spatial
                  and attributes.get("auto_pad", b"NOTSET") == b"NOTSET"
-                 and all(k >= stride for k in w[2:])
+                 and all(k >= s for k, s in zip(w[2:], strides))
                  and tuple(y[:2]) == (x[0], w[1]))
         if not plain:
             continue
         heads = _head_pads(attributes, x, list(w[2:]), y)
-        whole = tuple(y[:2]) + tuple(-(-size // stride) * stride for size in y[2:])
-        if whole == tuple(y):
-            replacements[index] = _phase_convs(node, x, w, y, stride, heads, emit)
-            continue
-        longer = emit.name()
-        extended = onnx.NodeProto()
-        extended.CopyFrom(node)
-        extended.output[0] = longer
-        replacements[index] = _phase_convs(extended, x, w, whole, stride, heads, emit) + [
-            helper.make_node("Slice", [longer, emit.ints([0, 0]), emit.ints(list(y[2:])), emit.ints([2, 3])],
-                             [node.output[0]], name=emit.name())]
+        whole = tuple(y[:2]) + tuple(-(-size // s) * s for size, s in zip(y[2:], strides))
+        target = node
+        if whole != tuple(y):
+            target = onnx.NodeProto()
+            target.CopyFrom(node)
+            target.output[0] = emit.name()
+        if spatial == 2 and strides[0] == strides[1]:
+            nodes = _phase_convs(target, x, w, whole, strides[0], heads, emit)
+        else:
+            nodes = _phase_convs_interleaved(target, x, w, whole, strides, heads, emit)
+        if target is not node:
+            axes = list(range(2, len(y)))
+            nodes.append(helper.make_node("Slice", [target.output[0], emit.ints([0] * spatial),
+                                                    emit.ints(list(y[2:])), emit.ints(axes)],
+                                          [node.output[0]], name=emit.name()))
+        replacements[index] = nodes
     if replacements:
         _replace(model, replacements, emit)
     return len(replacements)
@@ -358,29 +366,64 @@ def _phase_convs(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], y
             # per axis: (first tap, taps, input cut at the start and the end, pads before and after)
             plans = [_phase_axis(phase, heads[axis], w[axis + 2], x[axis + 2], y[axis + 2] // stride,
                                  stride) for axis, phase in enumerate((a, b))]
-            kernel, phase_out, lifted = emit.name(), emit.name(), emit.name()
-            starts = [first + stride * (taps - 1) for first, taps, *_ in plans]
-            ends = [start - stride * taps for start, (_, taps, *_) in zip(starts, plans)]
-            nodes.append(helper.make_node(
-                "Slice", [swapped, emit.ints(starts), emit.ints([e if e >= 0 else _BEFORE_START for e in ends]),
-                          emit.ints([2, 3]), emit.ints([-stride, -stride])], [kernel], name=kernel))
-            source = node.input[0]
-            if any(cut_start or cut_end for _, _, cut_start, cut_end, *_ in plans):
-                source = emit.name()
-                nodes.append(helper.make_node(
-                    "Slice", [node.input[0], emit.ints([p[2] for p in plans]),
-                              emit.ints([x[axis + 2] - p[3] for axis, p in enumerate(plans)]),
-                              emit.ints([2, 3])], [source], name=source))
-            pads = [p[4] for p in plans] + [p[5] for p in plans]
-            nodes += [helper.make_node("Conv", [source, kernel], [phase_out], name=phase_out, pads=pads),
-                      helper.make_node("Unsqueeze", [phase_out, emit.ints([2])], [lifted], name=lifted)]
-            phases.append(lifted)
+            nodes += _phase_conv(node, swapped, x, plans, [stride, stride], emit)
+            phases.append(nodes[-1].output[0])
     stacked = emit.name()
     to_channels, channels = emit.reshape(stacked, [y[0], y[1] * stride * stride, y[2] // stride,
                                                    y[3] // stride])
     nodes += [helper.make_node("Concat", phases, [stacked], name=stacked, axis=2), to_channels,
               helper.make_node("DepthToSpace", [channels], [node.output[0]],
                                name=node.name or node.output[0], blocksize=stride, mode="CRD")]
+    return nodes
+
+
+def _phase_convs_interleaved(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], y: tuple[int, ...],
+                             strides: list[int], heads: list[int], emit: Emitter) -> list[onnx.NodeProto]:
+    """The phase convolutions of any rank and per-axis strides, interleaved by a Reshape and a Transpose:
+    phases [N, C, s1, ..., sn, o1, ..., on] -> [N, C, o1, s1, ..., on, sn] -> [N, C, o1*s1, ..., on*sn]."""
+    spatial = len(x) - 2
+    swapped = emit.name()
+    nodes = [helper.make_node("Transpose", [node.input[1]], [swapped], name=swapped,
+                              perm=[1, 0] + list(range(2, len(x))))]
+    outputs = [size // s for size, s in zip(y[2:], strides)]
+    phases = []
+    for phase in itertools.product(*(range(s) for s in strides)):
+        plans = [_phase_axis(p, heads[axis], w[axis + 2], x[axis + 2], outputs[axis], strides[axis])
+                 for axis, p in enumerate(phase)]
+        nodes += _phase_conv(node, swapped, x, plans, strides, emit)
+        phases.append(nodes[-1].output[0])
+    stacked = emit.name()
+    grid, grid_name = emit.reshape(stacked, [y[0], y[1]] + strides + outputs)
+    interleaved = emit.name()
+    perm = [0, 1] + [axis for pair in zip(range(2 + spatial, 2 + 2 * spatial), range(2, 2 + spatial))
+                     for axis in pair]
+    nodes += [helper.make_node("Concat", phases, [stacked], name=stacked, axis=2), grid,
+              helper.make_node("Transpose", [grid_name], [interleaved], name=interleaved, perm=perm),
+              emit.reshape(interleaved, list(y), out=node.output[0])[0]]
+    return nodes
+
+
+def _phase_conv(node: onnx.NodeProto, swapped: str, x: tuple[int, ...], plans: list[tuple[int, ...]],
+                strides: list[int], emit: Emitter) -> list[onnx.NodeProto]:
+    """One phase: its sub-kernel (taken reversed from the swapped kernel), the input cut where the phase starts
+    or ends inside it, the unit-stride Conv, and an axis for the stack (the last node's output)."""
+    axes = list(range(2, len(x)))
+    kernel, phase_out, lifted = emit.name(), emit.name(), emit.name()
+    starts = [first + stride * (taps - 1) for (first, taps, *_), stride in zip(plans, strides)]
+    ends = [start - stride * taps for start, (_, taps, *_), stride in zip(starts, plans, strides)]
+    nodes = [helper.make_node(
+        "Slice", [swapped, emit.ints(starts), emit.ints([e if e >= 0 else _BEFORE_START for e in ends]),
+                  emit.ints(axes), emit.ints([-s for s in strides])], [kernel], name=kernel)]
+    source = node.input[0]
+    if any(cut_start or cut_end for _, _, cut_start, cut_end, *_ in plans):
+        source = emit.name()
+        nodes.append(helper.make_node(
+            "Slice", [node.input[0], emit.ints([p[2] for p in plans]),
+                      emit.ints([x[axis + 2] - p[3] for axis, p in enumerate(plans)]),
+                      emit.ints(axes)], [source], name=source))
+    pads = [p[4] for p in plans] + [p[5] for p in plans]
+    nodes += [helper.make_node("Conv", [source, kernel], [phase_out], name=phase_out, pads=pads),
+              helper.make_node("Unsqueeze", [phase_out, emit.ints([2])], [lifted], name=lifted)]
     return nodes
 
 

@@ -12,8 +12,8 @@ which `indexing.unstep_slices` then writes as Gathers), so the weight's gradient
 through ops onnx-ad differentiates; a bias becomes an Add after the Conv.
 
 Matches group 1, the conditions of those two passes, and static shapes. A ConvTranspose they
-do not match (grouped, dilated and strided, a kernel smaller than its stride, strides that
-differ between axes) is left as it is, and onnx-ad refuses its weight, naming the node.
+do not match (grouped; strided and dilated; strided with a kernel smaller than its stride) is
+left as it is, and onnx-ad refuses its weight, naming the node.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from worker_client import GradientEngine
-from worker_client.engine.rewrites.conv import drop_idle_ceil_modes, explicit_transposed_conv_pads
+from worker_client.engine.rewrites.conv import explicit_transposed_conv_pads
 from worker_client.engine.rewrites.indexing import gather_copying_pads, unstep_slices
+from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
 
 OPSET = 18
@@ -214,6 +215,60 @@ def test_a_ceil_mode_pool_whose_windows_fit_loses_the_flag_and_one_that_overhang
     assert drop_idle_ceil_modes(overhangs) == 0
 
 
+@pytest.mark.parametrize("x, attributes", [
+    ((2, 3, 5, 5), {"kernel_shape": [2, 2], "strides": [2, 2]}),                              # 5 -> 3
+    ((2, 3, 7, 6), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ((2, 3, 7, 6), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
+    ((1, 2, 9), {"kernel_shape": [4], "strides": [3], "pads": [2, 1]}),                        # 1-D
+])
+def test_an_overhanging_ceil_mode_average_pool_becomes_a_padded_pool_times_its_counts(x, attributes) -> None:
+    model = _model([helper.make_node("AveragePool", ["x"], ["y"], name="pool", ceil_mode=1, **attributes)],
+                   [("x", x)])
+    assert drop_idle_ceil_modes(model) == 0
+    assert _agrees(model, pad_overhanging_average_pools, _feeds(x=x)) == 1
+
+
+def test_an_overhanging_pool_trains_as_torchs_does(tmp_path: Path) -> None:
+    """torch's AvgPool2d(3, 2, padding=1, ceil_mode=True, count_include_pad=False) on 8x8 (windows overhang: 5x5 out, 4x4 without ceil_mode), after a Conv that
+    trains: the engine's gradient of the Conv's weight against central differences of its own float32 loss."""
+    rng = np.random.default_rng(5)
+    weight = (rng.standard_normal((3, 2, 3, 3)) * 0.4).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["h"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Tanh", ["h"], ["t"], name="tanh"),
+             helper.make_node("AveragePool", ["t"], ["p"], name="pool", kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1, 1, 1, 1], ceil_mode=1),
+             helper.make_node("Flatten", ["p"], ["y"], name="flat")]
+    graph = helper.make_graph(nodes, "ceil",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 75])],
+                              initializer=[numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    path = tmp_path / "ceil.onnx"
+    onnx.save(model, path)
+    engine = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)
+    assert engine.predict(engine.parameters(), {"x": np.zeros((2, 2, 8, 8), np.float32)})["y"].shape == (2, 75)
+    batch = {"x": rng.standard_normal((2, 2, 8, 8)).astype(np.float32),
+             "labels": rng.standard_normal((2, 75)).astype(np.float32)}
+    assert _finite_difference_error(engine, "w", batch) < 1e-2
+
+
+def _finite_difference_error(engine: GradientEngine, name: str, batch: dict[str, np.ndarray],
+                             step: float = 1e-2) -> float:
+    """|engine gradient - central differences of the engine's loss| / |differences|, for parameter `name`."""
+    parameters = engine.parameters()
+    _, grads = engine.gradients(parameters, batch)
+    numeric = np.zeros(parameters[name].shape, np.float64)
+    for index in np.ndindex(numeric.shape):
+        shifted = {k: v.copy() for k, v in parameters.items()}
+        shifted[name][index] += step
+        above, _ = engine.gradients(shifted, batch)
+        shifted[name][index] -= 2 * step
+        below, _ = engine.gradients(shifted, batch)
+        numeric[index] = (above - below) / (2 * step)
+    return float(np.linalg.norm(grads[name] - numeric) / np.linalg.norm(numeric))
+
+
 # --- a gradient through a Conv padded more at its end ----------------------------------------------------
 
 def test_a_gradient_through_a_conv_padded_more_at_its_end_matches_finite_differences(tmp_path: Path) -> None:
@@ -238,16 +293,5 @@ def test_a_gradient_through_a_conv_padded_more_at_its_end_matches_finite_differe
     engine = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)
     batch = {"x": rng.standard_normal((2, 2, 6, 6)).astype(np.float32),
              "labels": rng.standard_normal((2, 27)).astype(np.float32)}
-    parameters = engine.parameters()
-    _, grads = engine.gradients(parameters, batch)
-    step = 1e-2
-    numeric = np.zeros(w1.shape, np.float64)
-    for index in np.ndindex(w1.shape):
-        shifted = {k: v.copy() for k, v in parameters.items()}
-        shifted["w1"][index] += step
-        above, _ = engine.gradients(shifted, batch)
-        shifted["w1"][index] -= 2 * step
-        below, _ = engine.gradients(shifted, batch)
-        numeric[index] = (above - below) / (2 * step)
-    error = np.linalg.norm(grads["w1"] - numeric) / np.linalg.norm(numeric)
+    error = _finite_difference_error(engine, "w1", batch)
     assert error < 1e-2, f"w1's gradient is off by {error:.3g} of its norm"

@@ -42,8 +42,9 @@ ENGINE_FORMS = {
              "Reshape and a column (a negative step: a Gather) (rewrites/indexing.py)",
     "Pad": "reverse rule (constant mode); edge, reflect and wrap first rewritten as Gathers "
            "(rewrites/indexing.py)",
-    "AveragePool": "reverse rule; with ceil_mode=1 only where no window overhangs (the flag "
-                   "is then dropped, rewrites/conv.py)",
+    "AveragePool": "reverse rule; with ceil_mode=1, first rewritten: the flag dropped where no "
+                   "window overhangs, else a zero-padded pool times a count per position "
+                   "(rewrites/pools.py)",
 }
 #: How each source of support is described in the table.
 _HOW = {"rule": "reverse rule", "recurrent": "expanded to a Scan over its equations",

@@ -17,7 +17,10 @@ avoids and why the replacement is exact.
 - `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops; conv input
   adjoints (ConvTranspose) as Convs; a ConvTranspose's output_shape as the pads it implies
   (onnx's shape inference gets the first wrong, and onnxruntime ignores the pads onnx-ad
-  writes beside it, on both graphs); a pool's ceil_mode dropped where no window overhangs;
+  writes beside it, on both graphs);
+- `pools`: ceil-mode pools: the flag dropped where no window overhangs, and an overhanging
+  AveragePool as a zero-padded one times a constant per position (on the forward graph:
+  onnx-ad refuses ceil_mode);
 - `scatter`: Gather adjoints that rebuild a whole tensor from its pieces (an attention's
   query, key and value) as one Concat;
 - `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
@@ -34,7 +37,6 @@ import onnx
 
 from worker_client.engine.rewrites.conv import (
     assign_unique_scatters,
-    drop_idle_ceil_modes,
     explicit_transposed_conv_pads,
     flip_unit_stride_transposed_convs,
     gemm_large_kernel_convs,
@@ -47,6 +49,7 @@ from worker_client.engine.rewrites.grouped import expand_grouped_convs
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
+from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
 from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
@@ -67,6 +70,7 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     changed += expand_grouped_convs(model)
     changed += index_without_steps_or_copying_pads(model)
     changed += drop_idle_ceil_modes(model)
+    changed += pad_overhanging_average_pools(model)
     changed += flatten_weight_matmuls(model)
     if changed:
         model.graph.ClearField("value_info")

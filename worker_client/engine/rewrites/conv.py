@@ -12,7 +12,7 @@ from onnx import helper
 
 from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
 
-__all__ = ["assign_unique_scatters", "drop_idle_ceil_modes", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
+__all__ = ["assign_unique_scatters", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
            "gemm_large_kernel_convs", "resize_window_spreads", "route_max_pool_adjoints",
            "split_strided_transposed_convs"]
 
@@ -107,50 +107,13 @@ def _conv_as_gemm(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...],
     return nodes
 
 
-def drop_idle_ceil_modes(model: onnx.ModelProto) -> int:
-    """Set ceil_mode to 0 on each pool whose windows all fit the (padded) input anyway, in place.
-
-    onnx-ad refuses an AveragePool with ceil_mode=1 in reverse mode, since a window could then
-    overhang the input. Where rounding the output size up and down give the same size -- a
-    2x2 pool of stride 2 on an even map, as ceil_mode models mostly are -- the windows are the
-    same in both modes and none overhangs, so the flag changes nothing. Matches pools of static
-    input shape without auto_pad. Returns the number rewritten.
-    """
-    shapes = static_shapes(model)
-    rewritten = 0
-    for node in model.graph.node:
-        if node.op_type not in ("AveragePool", "MaxPool", "LpPool"):
-            continue
-        attributes = _attributes(node)
-        x = shapes.get(node.input[0])
-        if not attributes.get("ceil_mode", 0) or x is None or \
-                attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-            continue
-        kernel = list(attributes.get("kernel_shape", []))
-        spatial = len(kernel)
-        strides = list(attributes.get("strides", [1] * spatial))
-        pads = list(attributes.get("pads", [0] * 2 * spatial))
-        dilations = list(attributes.get("dilations", [1] * spatial))
-        if not spatial or len(x) != spatial + 2 or len(strides) != spatial or len(pads) != 2 * spatial or \
-                len(dilations) != spatial:
-            continue
-        spans = [x[a + 2] + pads[a] + pads[a + spatial] - ((kernel[a] - 1) * dilations[a] + 1)
-                 for a in range(spatial)]
-        if any(span < 0 or span % stride for span, stride in zip(spans, strides)):
-            continue   # a window would overhang: ceil_mode matters there
-        kept = [a for a in node.attribute if a.name != "ceil_mode"]
-        node.ClearField("attribute")
-        node.attribute.extend(kept)
-        rewritten += 1
-    return rewritten
-
-
 def explicit_transposed_conv_pads(model: onnx.ModelProto, *, adjoints: bool) -> int:
     """Give each ConvTranspose that states its output_shape the pads that shape implies instead, in place.
 
     onnx's shape inference (1.23) gives some such nodes an output of rank 2 -- [N, C], no
-    spatial axes; a 9x9 input, a 2x2 kernel and output_shape 8x8, for one -- and onnxruntime, which runs the node correctly, refuses to load a graph in
-    which a Reshape then meets that rank-2 shape ("Dimension could not be inferred:
+    spatial axes; a 9x9 input, a 2x2 kernel and output_shape 8x8, for one -- and onnxruntime,
+    which runs the node correctly, refuses to load a graph in which a Reshape then meets that
+    rank-2 shape ("Dimension could not be inferred:
     incompatible shapes"). And given an output_shape, onnxruntime ignores the node's pads: it
     splits the total padding the shape implies with the larger half at the head (`_head_pads`).
 

@@ -231,20 +231,21 @@ def test_an_op_without_a_gradient_is_named_with_what_to_do(
 
 def test_a_refused_model_still_lists_the_parameters_that_would_train(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A grouped ConvTranspose's weight has no adjoint: the report names the error and every parameter, so the
-    user sees what to --exclude."""
+    """A strided and dilated ConvTranspose's weight has no adjoint: the report names the error and every
+    parameter, so the user sees what to --exclude."""
     graph = helper.make_graph(
-        [helper.make_node("ConvTranspose", ["x", "up.weight"], ["up"], name="grouped_up", group=2),
+        [helper.make_node("ConvTranspose", ["x", "up.weight"], ["up"], name="dilated_up", strides=[2, 2],
+                          dilations=[2, 2]),
          helper.make_node("Flatten", ["up"], ["y"], name="flatten")],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 3, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 50])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 81])],
         [numpy_helper.from_array(np.full((2, 1, 3, 3), 0.3, np.float32), "up.weight")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 9
-    path = tmp_path / "grouped_up.onnx"
+    path = tmp_path / "dilated_up.onnx"
     onnx.save(model, path)
     report = check.check_model(path, batch_size=2, loss="mse", cache_dir=tmp_path)
-    assert report.error is not None and "ConvTranspose" in report.error and "grouped_up" in report.error
+    assert report.error is not None and "ConvTranspose" in report.error and "dilated_up" in report.error
     assert report.parameters == [("up.weight", (2, 1, 3, 3), "float32")]
     assert check.main([str(path), "--loss", "mse", "--batch-size", "2"]) == 1
     out = capsys.readouterr().out

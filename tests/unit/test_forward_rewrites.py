@@ -148,27 +148,30 @@ def test_a_constant_pad_and_a_reflect_pad_wider_than_its_axis_are_left_alone() -
     ((1, 2, 3, 4, 3), (2, 2, 3, 2, 3), {"strides": [2, 2, 2], "pads": [1, 0, 1, 1, 0, 1]}, True),   # 3-D
     ((2, 3, 4, 5), (3, 2, 3, 4), {"strides": [1, 2], "pads": [1, 1, 1, 1]}, True),           # strides differ
     ((2, 3, 4, 3), (3, 2, 4, 3), {"strides": [3, 2], "output_shape": [11, 6]}, False),
+    ((2, 4, 4, 4), (4, 3, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1], "group": 2}, True),     # grouped
+    ((2, 4, 5, 5), (4, 1, 3, 3), {"pads": [1, 1, 1, 1], "group": 4}, False),                     # depthwise
 ])
 def test_a_transposed_conv_with_a_fed_weight_becomes_convs_with_the_same_output(x, w, attributes, bias) -> None:
     inputs = ["x", "w", "b"] if bias else ["x", "w"]
-    feeds = _feeds(x=x, w=w, **({"b": (w[1],)} if bias else {}))
+    groups = attributes.get("group", 1)
+    feeds = _feeds(x=x, w=w, **({"b": (w[1] * groups,)} if bias else {}))
     model = _model([helper.make_node("ConvTranspose", inputs, ["y"], name="up", **attributes)],
-                   [("x", x), ("w", w)] + ([("b", (w[1],))] if bias else []))
+                   [("x", x), ("w", w)] + ([("b", (w[1] * groups,))] if bias else []))
 
     def rewrite(m: onnx.ModelProto) -> int:   # as rewrite_forward runs them: an output_shape made pads first
         explicit_transposed_conv_pads(m, adjoints=False)
         return convolve_trained_transposed_convs(m)
 
-    assert _agrees(model, rewrite, feeds, ops_left=("ConvTranspose",)) == 1
+    assert _agrees(model, rewrite, feeds, ops_left=("ConvTranspose",)) == groups   # one per group
 
 
-def test_a_transposed_conv_with_a_constant_weight_or_groups_is_left_alone() -> None:
+def test_a_transposed_conv_with_a_constant_weight_or_strided_and_dilated_is_left_alone() -> None:
     constant = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="up")], [("x", (1, 2, 3, 3))],
                       [numpy_helper.from_array(np.ones((2, 2, 3, 3), np.float32), "w")])
     assert convolve_trained_transposed_convs(constant) == 0
-    grouped = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="up", group=2)],
-                     [("x", (1, 2, 3, 3)), ("w", (2, 1, 3, 3))])
-    assert convolve_trained_transposed_convs(grouped) == 0
+    dilated = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="up", strides=[2, 2],
+                                       dilations=[2, 2])], [("x", (1, 2, 3, 3)), ("w", (2, 1, 3, 3))])
+    assert convolve_trained_transposed_convs(dilated) == 0
 
 
 @pytest.mark.parametrize("x, w, strides, output_shape, pads", [

@@ -11,9 +11,11 @@ The kernel is swapped and reversed in the graph (a Transpose and Slices with neg
 which `indexing.unstep_slices` then writes as Gathers), so the weight's gradient flows back
 through ops onnx-ad differentiates; a bias becomes an Add after the Conv.
 
-Matches group 1, the conditions of those two passes, and static shapes. A ConvTranspose they
-do not match (grouped; strided and dilated; strided with a kernel smaller than its stride) is
-left as it is, and onnx-ad refuses its weight, naming the node.
+A grouped one (up to MAX_GROUPS groups) is first split into one ConvTranspose per group on
+its slices of the input's channels and of the weight, concatenated. Matches the conditions of
+those two passes and static shapes; a ConvTranspose they do not match (strided and dilated;
+strided with a kernel smaller than its stride; more than MAX_GROUPS groups) is left as it is,
+and onnx-ad refuses its weight, naming the node.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ import onnx
 from onnx import helper
 
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
-from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, static_shapes
 
 __all__ = ["convolve_trained_transposed_convs"]
 
 #: Input index of the ConvTranspose's optional bias.
 _BIAS = 2
+#: The opset from which Split takes its sizes as an input (the spelling written here).
+_SPLIT_AS_INPUT = 13
+#: The most groups a grouped ConvTranspose is split into (one set of Convs each).
+MAX_GROUPS = 64
 
 
 def convolve_trained_transposed_convs(model: onnx.ModelProto) -> int:
@@ -39,12 +45,48 @@ def convolve_trained_transposed_convs(model: onnx.ModelProto) -> int:
     if not trained:
         return 0
     _split_biases(model, trained)
+    _split_groups(model, trained)
 
     def only(node: onnx.NodeProto) -> bool:
         return node.output[0] in trained
 
     # the strided pass first: the unit-stride one would not take a strided node anyway
     return split_strided_transposed_convs(model, only) + flip_unit_stride_transposed_convs(model, only)
+
+
+def _split_groups(model: onnx.ModelProto, outputs: set[str]) -> None:
+    """Each of these (bias-free) ConvTransposes with group G > 1 (up to MAX_GROUPS): G ConvTransposes of group 1
+    on the input's and the weight's G channel slices, concatenated (their outputs join `outputs`)."""
+    if opset_of(model) < _SPLIT_AS_INPUT:
+        return
+    shapes = static_shapes(model)
+    emit = Emitter(model, "transposed_group")
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        group = next((a.i for a in node.attribute if a.name == "group"), 1) if node.op_type == "ConvTranspose" \
+            else 1
+        x, w = (shapes.get(node.input[0]), shapes.get(node.input[1])) if group > 1 else (None, None)
+        if group == 1 or group > MAX_GROUPS or node.output[0] not in outputs or x is None or w is None or \
+                x[1] % group or w[0] != x[1]:
+            nodes.append(node)
+            continue
+        pieces, kernels = [emit.name() for _ in range(group)], [emit.name() for _ in range(group)]
+        parts = [emit.name() for _ in range(group)]
+        nodes += [helper.make_node("Split", [node.input[0], emit.ints([x[1] // group] * group)], pieces,
+                                   name=emit.name(), axis=1),
+                  helper.make_node("Split", [node.input[1], emit.ints([w[0] // group] * group)], kernels,
+                                   name=emit.name(), axis=0)]
+        kept = [a for a in node.attribute if a.name != "group"]
+        for piece, kernel, part in zip(pieces, kernels, parts):
+            one = helper.make_node("ConvTranspose", [piece, kernel], [part], name=part)
+            one.attribute.extend(kept)
+            nodes.append(one)
+            outputs.add(part)
+        nodes.append(helper.make_node("Concat", parts, [node.output[0]], name=node.name or emit.name(), axis=1))
+        outputs.discard(node.output[0])
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(emit.initializers)
 
 
 def _split_biases(model: onnx.ModelProto, outputs: set[str]) -> None:

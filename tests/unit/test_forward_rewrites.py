@@ -16,8 +16,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from worker_client import GradientEngine
-from worker_client.engine.rewrites.conv import explicit_transposed_conv_pads
-from worker_client.engine.rewrites.indexing import gather_copying_pads, unstep_slices
+from worker_client.engine.rewrites.conv import explicit_auto_pads, explicit_transposed_conv_pads
+from worker_client.engine.rewrites.indexing import gather_copying_pads, slice_cropping_pads, unstep_slices
 from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
 
@@ -131,6 +131,37 @@ def test_a_constant_pad_and_a_reflect_pad_wider_than_its_axis_are_left_alone() -
     wide = _model([helper.make_node("Pad", ["x", "pads"], ["y"], name="pad", mode="reflect")], [("x", (2, 3))],
                   [_ints("pads", [0, 3, 0, 0])])
     assert gather_copying_pads(wide) == 0
+
+
+@pytest.mark.parametrize("pads, value, axes", [
+    ([0, 0, -1, 2, 0, 0, 1, -2], None, None),     # crop and fill on each axis
+    ([0, 0, -1, -1, 0, 0, -1, -2], None, None),   # crop only
+    ([-1, 2, 1, -3], 0.5, [3, 2]),                # the axes named, and a fill value
+])
+def test_a_constant_pad_that_crops_becomes_a_slice_and_a_pad_with_the_same_values(pads, value, axes) -> None:
+    """onnx-ad's adjoint of a cropping Pad slices the gradient and never pads it back."""
+    inputs = ["x", "pads", "value" if value is not None else "", "axes" if axes is not None else ""]
+    initializers = [_ints("pads", pads)] + ([_ints("axes", axes)] if axes is not None else []) + \
+        ([numpy_helper.from_array(np.array(value, np.float32), "value")] if value is not None else [])
+    model = _model([helper.make_node("Pad", inputs, ["y"], name="pad")], [("x", (2, 3, 5, 6))], initializers)
+    assert _agrees(model, slice_cropping_pads, _feeds(x=(2, 3, 5, 6))) == 1
+
+
+# --- auto_pad ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op, x, attributes", [
+    ("Conv", (2, 3, 7, 6), {"auto_pad": "SAME_UPPER"}),                       # kernel from the weight: 4 x 3
+    ("Conv", (2, 3, 7, 6), {"auto_pad": "SAME_LOWER", "strides": [2, 2]}),
+    ("Conv", (2, 3, 7, 6), {"auto_pad": "SAME_UPPER", "strides": [2, 3]}),
+    ("Conv", (2, 3, 7, 6), {"auto_pad": "VALID", "strides": [2, 2]}),
+    ("MaxPool", (2, 3, 7, 6), {"auto_pad": "SAME_UPPER", "kernel_shape": [3, 2], "strides": [2, 2]}),
+    ("AveragePool", (2, 3, 7, 6), {"auto_pad": "SAME_LOWER", "kernel_shape": [2, 2], "strides": [2, 2]}),
+])
+def test_auto_pad_becomes_the_explicit_pads_it_means(op: str, x, attributes) -> None:
+    inputs, shapes = (["x", "w"], [("x", x), ("w", (4, 3, 4, 3))]) if op == "Conv" else (["x"], [("x", x)])
+    model = _model([helper.make_node(op, inputs, ["y"], name="node", **attributes)], shapes)
+    feeds = _feeds(x=x, w=(4, 3, 4, 3)) if op == "Conv" else _feeds(x=x)
+    assert _agrees(model, explicit_auto_pads, feeds) == 1
 
 
 # --- transposed convolutions --------------------------------------------------------------------------

@@ -28,8 +28,9 @@ _DOC_END = "<!-- end of op coverage -->"
 
 #: What the engine itself does to an op before onnx-ad sees it (rewrites and stages).
 ENGINE_FORMS = {
-    "Conv": "reverse rule; with group > 1 and a trainable weight, first rewritten as a "
-            "batched MatMul over kernel windows (rewrites/grouped.py)",
+    "Conv": "reverse rule; auto_pad first made explicit pads (rewrites/conv.py); with group > 1 "
+            "and a trainable weight, first rewritten as a batched MatMul over kernel windows "
+            "(rewrites/grouped.py)",
     "BatchNormalization": "reverse rule (inference form); training mode rewritten into "
                           "batch-statistics arithmetic, running statistics kept as state "
                           "(training_mode.py)",
@@ -40,8 +41,8 @@ ENGINE_FORMS = {
                      "phase (rewrites/transposed.py)",
     "Slice": "reverse rule; with a step other than 1, first rewritten as a step-1 Slice, a "
              "Reshape and a column (a negative step: a Gather) (rewrites/indexing.py)",
-    "Pad": "reverse rule (constant mode); edge, reflect and wrap first rewritten as Gathers "
-           "(rewrites/indexing.py)",
+    "Pad": "reverse rule (constant mode, pads of 0 or more); edge, reflect and wrap first "
+           "rewritten as Gathers, negative pads as a Slice (rewrites/indexing.py)",
     "AveragePool": "reverse rule; with ceil_mode=1, first rewritten: the flag dropped where no "
                    "window overhangs, else a zero-padded pool times a count per position "
                    "(rewrites/pools.py)",

@@ -15,7 +15,8 @@ avoids and why the replacement is exact.
   onnx-ad's weight adjoint is one GEMM too);
 - `fold`: shape queries on static tensors folded into constants;
 - `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops; conv input
-  adjoints (ConvTranspose) as Convs; a ConvTranspose's output_shape as the pads it implies
+  adjoints (ConvTranspose) as Convs; a Conv's or pool's auto_pad as explicit pads (on the
+  forward graph: onnx-ad refuses SAME); a ConvTranspose's output_shape as the pads it implies
   (onnx's shape inference gets the first wrong, and onnxruntime ignores the pads onnx-ad
   writes beside it, on both graphs);
 - `pools`: ceil-mode pools: the flag dropped where no window overhangs, and an overhanging
@@ -37,6 +38,7 @@ import onnx
 
 from worker_client.engine.rewrites.conv import (
     assign_unique_scatters,
+    explicit_auto_pads,
     explicit_transposed_conv_pads,
     flip_unit_stride_transposed_convs,
     gemm_large_kernel_convs,
@@ -65,6 +67,7 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     changed = 0
     if _bounds_matter(model):   # their passes need static shapes past an exporter's computed bounds
         changed += fold_shape_queries(model)
+    changed += explicit_auto_pads(model)
     changed += explicit_transposed_conv_pads(model, adjoints=False)
     changed += convolve_trained_transposed_convs(model)
     changed += expand_grouped_convs(model)
@@ -79,14 +82,14 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _bounds_matter(model: onnx.ModelProto) -> bool:
     """Whether the graph has a node the forward passes rewrite only with static shapes around it: a
-    ConvTranspose, a Pad or pool whose form onnx-ad refuses, or a Slice with steps. torch's exporter (constant
-    folding off) computes a Slice's bounds and a Pad's pads in the graph, from Constants and Shapes, and onnx's
-    shape inference stops at them; folding those computations first makes what follows static. Other graphs are
-    left as they are."""
+    ConvTranspose, a Pad, a Conv or pool with auto_pad, a ceil-mode pool, or a Slice with steps. torch's
+    exporter (constant folding off) computes a Slice's bounds and a Pad's pads in the graph, from Constants
+    and Shapes, and onnx's shape inference stops at them; folding those computations first makes what follows
+    static. Other graphs are left as they are."""
     for node in model.graph.node:
         attributes = {a.name: a for a in node.attribute}
-        if node.op_type == "ConvTranspose" or (node.op_type == "Slice" and len(node.input) > 4) or \
-                (node.op_type == "Pad" and "mode" in attributes and attributes["mode"].s != b"constant") or \
+        if node.op_type in ("ConvTranspose", "Pad") or (node.op_type == "Slice" and len(node.input) > 4) or \
+                ("auto_pad" in attributes and attributes["auto_pad"].s not in (b"", b"NOTSET")) or \
                 (node.op_type in ("AveragePool", "MaxPool", "LpPool") and "ceil_mode" in attributes and
                  attributes["ceil_mode"].i):
             return True

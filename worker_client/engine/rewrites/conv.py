@@ -10,9 +10,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, auto_pads, constants, static_shapes
 
-__all__ = ["assign_unique_scatters", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
+__all__ = ["assign_unique_scatters", "explicit_auto_pads", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
            "gemm_large_kernel_convs", "resize_window_spreads", "route_max_pool_adjoints",
            "split_strided_transposed_convs"]
 
@@ -105,6 +105,50 @@ def _conv_as_gemm(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...],
               helper.make_node("Transpose", [grid], [node.output[0]],
                                name=node.name or node.output[0], perm=[2, 3, 0, 1])]
     return nodes
+
+
+def explicit_auto_pads(model: onnx.ModelProto) -> int:
+    """Give each Conv and pool with auto_pad SAME_UPPER, SAME_LOWER or VALID the explicit pads it means, in place.
+
+    onnx-ad refuses a Conv or pool with auto_pad SAME ("re-export with explicit pads"), and torch
+    exports every `padding="same"` Conv that way, even with an odd kernel. With a static input the
+    pads are known: SAME's output is ceil(size / stride), its total padding split with the odd one
+    at the end (UPPER) or the beginning (LOWER); VALID pads nothing. The same windows, so the same
+    values. Returns the number rewritten.
+    """
+    shapes = static_shapes(model)
+    rewritten = 0
+    for node in model.graph.node:
+        if node.op_type not in ("Conv", "AveragePool", "MaxPool", "LpPool"):
+            continue
+        attributes = _attributes(node)
+        mode = attributes.get("auto_pad", b"NOTSET")
+        mode = mode.encode() if isinstance(mode, str) else mode
+        x = shapes.get(node.input[0])
+        if mode == b"NOTSET" or x is None or len(x) < 3:
+            continue
+        spatial = len(x) - 2
+        if node.op_type == "Conv":
+            w = shapes.get(node.input[1])
+            kernel = list(attributes.get("kernel_shape", w[2:] if w is not None else []))
+        else:
+            kernel = list(attributes.get("kernel_shape", []))
+        strides = list(attributes.get("strides", [1] * spatial))
+        dilations = list(attributes.get("dilations", [1] * spatial))
+        if len(kernel) != spatial or len(strides) != spatial or len(dilations) != spatial or \
+                mode not in (b"SAME_UPPER", b"SAME_LOWER", b"VALID"):
+            continue
+        if mode == b"VALID":
+            pads = [0] * (2 * spatial)
+        else:
+            out = [-(-size // stride) for size, stride in zip(x[2:], strides)]
+            pads = auto_pads(mode, x[2:], kernel, strides, dilations, out)
+        kept = [a for a in node.attribute if a.name not in ("auto_pad", "pads")]
+        node.ClearField("attribute")
+        node.attribute.extend(kept)
+        node.attribute.append(helper.make_attribute("pads", pads))
+        rewritten += 1
+    return rewritten
 
 
 def explicit_transposed_conv_pads(model: onnx.ModelProto, *, adjoints: bool) -> int:

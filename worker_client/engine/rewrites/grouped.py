@@ -25,7 +25,7 @@ import math
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, auto_pads, constants, opset_of, static_shapes
 
 __all__ = ["expand_grouped_convs"]
 
@@ -72,7 +72,7 @@ def _as_matmul(node: onnx.NodeProto, group: int, x: tuple[int, ...], w: tuple[in
     dilations = list(attributes.get("dilations", [1] * spatial))
     pads = list(attributes.get("pads", [0] * (2 * spatial)))
     if attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
-        pads = _auto_pads(attributes["auto_pad"], x[2:], kernel, strides, dilations, out)
+        pads = auto_pads(attributes["auto_pad"], x[2:], kernel, strides, dilations, out)
     batch, channels, filters = x[0], x[1], w[0]
     per_group_in, per_group_out = channels // group, filters // group
     offsets, positions = math.prod(kernel), math.prod(out)
@@ -123,16 +123,3 @@ def _as_matmul(node: onnx.NodeProto, group: int, x: tuple[int, ...], w: tuple[in
         nodes += [bias, helper.make_node("Add", [unbiased, bias_name], [result],
                                          name=emit.name())]
     return nodes
-
-
-def _auto_pads(mode: bytes | str, size: tuple[int, ...], kernel: list[int], strides: list[int],
-               dilations: list[int], out: list[int]) -> list[int]:
-    """Explicit pads (begins, then ends) for auto_pad SAME_UPPER / SAME_LOWER."""
-    upper = mode in (b"SAME_UPPER", "SAME_UPPER")
-    begins, ends = [], []
-    for n, k, s, d, o in zip(size, kernel, strides, dilations, out):
-        total = max(0, (o - 1) * s + (k - 1) * d + 1 - n)
-        small, large = total // 2, total - total // 2
-        begins.append(small if upper else large)
-        ends.append(large if upper else small)
-    return begins + ends

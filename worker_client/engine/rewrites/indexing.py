@@ -18,6 +18,12 @@ of transposed.py). With static shapes each is exactly a selection of indices alo
   repeating it, wrap goes round). Its adjoint scatter-adds, so a border element gets the
   gradients of all its copies.
 
+A constant-mode Pad with negative pads (cropping, as `F.pad(x, (-1, -1))` exports) is split
+into a step-1 Slice for the crop and a Pad of the rest (`slice_cropping_pads`): onnx-ad's
+adjoint of such a Pad slices the gradient but never pads it back, so the graph either failed
+to load (an Expand of mismatched shapes) or, where the cropped axis ended at length 1,
+broadcast it: a silently wrong gradient.
+
 The values are the original op's, copied: nothing is computed. Slices and Pads whose data
 has no static shape, or whose bounds are not constants, are left to onnx-ad (which then
 refuses them only if a gradient must flow through them).
@@ -32,7 +38,7 @@ from onnx import helper, numpy_helper
 from worker_client.engine.rewrites.fold import evaluate_node
 from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, static_shapes
 
-__all__ = ["gather_copying_pads", "index_without_steps_or_copying_pads", "unstep_slices"]
+__all__ = ["gather_copying_pads", "index_without_steps_or_copying_pads", "slice_cropping_pads", "unstep_slices"]
 
 #: The opset from which Slice takes its bounds, and Pad its pads, as inputs.
 _BOUNDS_AS_INPUTS = {"Slice": 10, "Pad": 11}
@@ -201,7 +207,7 @@ def index_without_steps_or_copying_pads(model: onnx.ModelProto) -> int:
     what follows one has a static shape only once it is rewritten. Returns the number rewritten."""
     total = 0
     for _ in range(1 + sum(node.op_type in ("Slice", "Pad") for node in model.graph.node)):
-        done = unstep_slices(model) + gather_copying_pads(model)
+        done = unstep_slices(model) + gather_copying_pads(model) + slice_cropping_pads(model)
         total += done
         if not done:
             break
@@ -247,6 +253,53 @@ def gather_copying_pads(model: onnx.ModelProto) -> int:
                                           name=out if out != node.output[0] else (node.name or emit.name()),
                                           axis=axis))
             source = out
+        rewritten += 1
+    if rewritten:
+        model.graph.ClearField("node")
+        model.graph.node.extend(nodes)
+        model.graph.initializer.extend(emit.initializers)
+    return rewritten
+
+
+def slice_cropping_pads(model: onnx.ModelProto) -> int:
+    """Rewrite every constant-mode Pad with a negative pad, constant pads and static data as a Slice (the crop)
+    and a Pad of what is left, in place (module docstring). Returns the number rewritten."""
+    if opset_of(model) < _BOUNDS_AS_INPUTS["Pad"]:
+        return 0
+    shapes = static_shapes(model)
+    bounds = _Bounds(model, shapes)
+    emit = Emitter(model, "cropping_pad")
+    nodes: list[onnx.NodeProto] = []
+    rewritten = 0
+    for node in model.graph.node:
+        mode = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "mode"), b"constant")
+        shape = shapes.get(node.input[0]) if node.op_type == "Pad" and mode in (b"constant", "constant") else None
+        pads = bounds.ints(node, 1) if shape is not None else None
+        axes = bounds.ints(node, 3) if pads is not None else None
+        if shape is None or pads is None or axes is None or not any(p < 0 for p in pads):
+            nodes.append(node)
+            continue
+        rank = len(shape)
+        axes = [a % rank for a in axes] or list(range(rank))
+        if len(pads) != 2 * len(axes):
+            nodes.append(node)
+            continue
+        before, after = [0] * rank, [0] * rank
+        for i, axis in enumerate(axes):
+            before[axis], after[axis] = pads[i], pads[i + len(axes)]
+        cut = [a for a in range(rank) if before[a] < 0 or after[a] < 0]
+        cropped = emit.name()
+        nodes.append(helper.make_node(
+            "Slice", [node.input[0], emit.ints([max(-before[a], 0) for a in cut]),
+                      emit.ints([shape[a] - max(-after[a], 0) for a in cut]), emit.ints(cut)], [cropped],
+            name=cropped))
+        if any(p > 0 for p in before + after):
+            value = [node.input[2]] if len(node.input) > 2 and node.input[2] else []
+            nodes.append(helper.make_node(
+                "Pad", [cropped, emit.ints([max(p, 0) for p in before] + [max(p, 0) for p in after])] + value,
+                [node.output[0]], name=node.name or emit.name()))
+        else:
+            nodes.append(helper.make_node("Identity", [cropped], [node.output[0]], name=node.name or emit.name()))
         rewritten += 1
     if rewritten:
         model.graph.ClearField("node")

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["Emitter", "constants", "opset_of", "static_shapes"]
+__all__ = ["Emitter", "auto_pads", "constants", "opset_of", "static_shapes"]
 
 
 def opset_of(model: onnx.ModelProto) -> int:
@@ -77,3 +77,17 @@ class Emitter:
         """A Reshape of `value` to the static `shape`, and its output name."""
         out = out or self.name()
         return helper.make_node("Reshape", [value, self.ints(shape)], [out], name=out), out
+
+
+def auto_pads(mode: bytes | str, size: tuple[int, ...], kernel: list[int], strides: list[int],
+              dilations: list[int], out: list[int]) -> list[int]:
+    """Explicit pads (begins, then ends) for auto_pad SAME_UPPER / SAME_LOWER, given the output size `out`: the
+    total padding that size needs, the odd one at the end (UPPER) or the beginning (LOWER)."""
+    upper = mode in (b"SAME_UPPER", "SAME_UPPER")
+    begins, ends = [], []
+    for n, k, s, d, o in zip(size, kernel, strides, dilations, out):
+        total = max(0, (o - 1) * s + (k - 1) * d + 1 - n)
+        small, large = total // 2, total - total // 2
+        begins.append(small if upper else large)
+        ends.append(large if upper else small)
+    return begins + ends

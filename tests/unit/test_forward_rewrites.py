@@ -329,3 +329,29 @@ def test_a_gradient_through_a_conv_padded_more_at_its_end_matches_finite_differe
              "labels": rng.standard_normal((2, 27)).astype(np.float32)}
     error = _finite_difference_error(engine, "w1", batch)
     assert error < 1e-2, f"w1's gradient is off by {error:.3g} of its norm"
+
+
+# --- declared shapes an exporter got wrong ----------------------------------------------------------------
+
+def test_an_output_axis_the_exporter_named_like_the_batch_is_left_to_inference(tmp_path: Path) -> None:
+    """torch declared a UNet's output height 'batch' (after a Concat and a Pad): fixing every 'batch' to the batch
+    size contradicted the computed 8 and the loss's Sub refused the shapes."""
+    rng = np.random.default_rng(2)
+    ones = numpy_helper.from_array(np.ones(2, np.float32))
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+         # scales from a Concat of Constants, as torch writes them: onnx's inference gives the output no shape
+         helper.make_node("Constant", [], ["half"], value=ones),
+         helper.make_node("Concat", ["half", "half"], ["scales"], axis=0),
+         helper.make_node("Resize", ["c", "", "scales"], ["y"], name="resize", mode="nearest")], "mislabeled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, "batch", "width"])],
+        initializer=[numpy_helper.from_array(rng.standard_normal((1, 2, 3, 3)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    path = tmp_path / "mislabeled.onnx"
+    onnx.save(model, path)
+    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path)
+    x = rng.standard_normal((4, 2, 8, 8)).astype(np.float32)
+    loss, grads = engine.gradients(engine.parameters(), {"x": x, "labels": np.zeros((4, 1, 8, 8), np.float32)})
+    assert grads["w"].shape == (1, 2, 3, 3) and np.isfinite(loss)

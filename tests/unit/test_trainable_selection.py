@@ -73,6 +73,28 @@ def test_one_element_initializers_of_a_tf2onnx_model_are_constants() -> None:
     assert roles["b"].kind == "parameter"
 
 
+def test_the_one_element_bias_of_a_tf2onnx_dense_1_or_conv_with_one_filter_trains() -> None:
+    """A binary classifier's head: Dense(1) writes MatMul + Add of a [1] bias (through a Reshape here), and
+    Conv2D(filters=1) a Conv with a [1] bias input. A one-element constant added to anything else stays one."""
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("Conv", ["x", "K", "kb"], ["c"], name="conv"),
+        helper.make_node("Flatten", ["c"], ["flat"], name="flatten"),
+        helper.make_node("MatMul", ["flat", "W"], ["h"], name="dense"),
+        helper.make_node("Reshape", ["h", "shape"], ["h2"], name="view"),
+        helper.make_node("Add", ["h2", "b"], ["logit"], name="dense_bias"),
+        helper.make_node("Add", ["logit", "offset"], ["y"], name="shift"),
+    ]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 4, 4])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1])],
+                   [_array("K", rng.standard_normal((1, 2, 3, 3))), _array("kb", [0.1]),
+                    _array("W", rng.standard_normal((4, 1))), _array("b", [0.2]), _array("offset", [0.5]),
+                    numpy_helper.from_array(np.array([-1, 1], np.int64), "shape")], producer="tf2onnx")
+    roles = classify(model)
+    assert {name for name, role in roles.items() if role.kind == "parameter"} == {"K", "kb", "W", "b"}
+    assert roles["offset"].kind == "constant" and "tf2onnx" in roles["offset"].reason
+
+
 def test_running_statistics_are_state() -> None:
     nodes = [helper.make_node("BatchNormalization", ["x", "s", "t", "m", "v"], ["y"])]
     roles = classify(_model(

@@ -21,7 +21,8 @@ def fix_batch(lifted: onnx.ModelProto, inputs: Sequence[str],
 
 
 def _fix_batch_axis(model: onnx.ModelProto, inputs: Sequence[str], batch_size: int) -> None:
-    """Set axis 0 of `inputs`, and every dimension sharing its symbol, to `batch_size`.
+    """Set axis 0 of `inputs`, every input dimension sharing its symbol, and axis 0 of the outputs where it is that
+    symbol, to `batch_size`; an output's later axes with the symbol become unknown.
 
     Several onnx-ad rules (Conv's input adjoint, for one) need static shapes; the batch is
     the one dimension a training step fixes.
@@ -46,9 +47,17 @@ def _fix_batch_axis(model: onnx.ModelProto, inputs: Sequence[str], batch_size: i
             symbols.add(first.dim_param)
         first.Clear()
         first.dim_value = batch_size
-    for value in list(graph.input) + list(graph.output):
+    for value in graph.input:
         for dim in value.type.tensor_type.shape.dim:
             if dim.HasField("dim_param") and dim.dim_param in symbols:
                 dim.Clear()
                 dim.dim_value = batch_size
+    for value in graph.output:
+        # an output's other axes are left to inference: torch's exporter has named a feature map's height
+        # "batch" (after a Concat and a Pad), which fixed to the batch size contradicted the computed shape
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.HasField("dim_param") and dim.dim_param in symbols:
+                dim.Clear()
+                if axis == 0:
+                    dim.dim_value = batch_size
     graph.ClearField("value_info")  # stale wherever the batch was symbolic

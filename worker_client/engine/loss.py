@@ -86,6 +86,27 @@ def _constant(names: _Names, nodes: list[onnx.NodeProto], array: np.ndarray,
     return out
 
 
+#: The opset from which LogSoftmax works on one axis (before, it flattens the input to 2-D, and onnx-ad refuses it).
+_LOG_SOFTMAX_ON_AN_AXIS = 13
+
+
+def _log_softmax(logits: str, out: str, model: onnx.ModelProto, names) -> list[onnx.NodeProto]:
+    """LogSoftmax over axis 1 of (batch, classes) logits. Below opset 13 (a model the version converter could not
+    upgrade) spelled out -- x - max - log(sum(exp(x - max))), with the reductions' axes as attributes -- since
+    onnx-ad refuses that opset's LogSoftmax, though on 2-D logits its flattening changes nothing."""
+    opset = max([o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] or [1])
+    if opset >= _LOG_SOFTMAX_ON_AN_AXIS:
+        return [helper.make_node("LogSoftmax", [logits], [out], name=out, axis=1)]
+    peak, shifted, exp, total, log_total = (names(stem) for stem in (
+        "ce_peak", "ce_shifted", "ce_exp", "ce_sum", "ce_log_sum"))
+    return [helper.make_node("ReduceMax", [logits], [peak], name=peak, axes=[1], keepdims=1),
+            helper.make_node("Sub", [logits, peak], [shifted], name=shifted),
+            helper.make_node("Exp", [shifted], [exp], name=exp),
+            helper.make_node("ReduceSum", [exp], [total], name=total, axes=[1], keepdims=1),
+            helper.make_node("Log", [total], [log_total], name=log_total),
+            helper.make_node("Sub", [shifted, log_total], [out], name=out)]
+
+
 def attach_loss(model: onnx.ModelProto, spec: LossSpec,
                 batch_size: int) -> tuple[onnx.ModelProto, str, str | None]:
     """Append the loss to `model` (in place); its only output becomes the scalar loss.
@@ -151,9 +172,8 @@ def attach_loss(model: onnx.ModelProto, spec: LossSpec,
                                        "ce_values")
             class_axis = _constant(names, nodes, np.array(1, np.int64), "ce_class_axis")
             scale = _constant(names, nodes, np.array(-1.0 / batch_size, dtype), "ce_scale")
+            nodes += _log_softmax(prediction, log_probs, model, names)
             nodes += [
-                helper.make_node("LogSoftmax", [prediction], [log_probs], name=log_probs,
-                                 axis=1),
                 helper.make_node("Shape", [prediction], [shape], name=shape),
                 helper.make_node("Gather", [shape, class_axis], [depth], name=depth, axis=0),
                 helper.make_node("OneHot", [labels, depth, one_hot_values], [onehot],

@@ -16,8 +16,10 @@ floating-point initializer one role, by the first rule that applies:
    non-negative by construction (a variance, a squared norm, a square root): an epsilon.
 4. **constant (exporter constant)** -- it has one element and the model comes from an
    exporter that writes every constant as an initializer: tf2onnx (every constant of the
-   TensorFlow graph; Keras' built-in layers have no one-element weights) or jax2onnx
-   (every closed-over array, and a 0-d zero as each Gemm's bias).
+   TensorFlow graph) or jax2onnx (every closed-over array, and a 0-d zero as each Gemm's
+   bias). Except, in a tf2onnx model, a layer's bias: the one-element bias of a Dense(1) or
+   a Conv2D(filters=1) (a binary classifier's head), which is a Conv's or Gemm's bias
+   input or is added to a MatMul's, Gemm's or Conv's output.
 5. **parameter** -- everything else: it trains.
 
 `include` / `exclude` patterns (trainables.py) override the rule.
@@ -114,6 +116,8 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
         elif single and _is_stabilizer(tensor.name, uses, producers, constants):
             roles[tensor.name] = Role("constant", "an epsilon: added to a non-negative "
                                                   "value (a variance or a norm)")
+        elif single and exporter == TF2ONNX and _is_layer_bias(tensor.name, uses, producers):
+            roles[tensor.name] = Role("parameter", "a weight (the one-element bias of a layer with one output)")
         elif single and exporter:
             roles[tensor.name] = Role("constant", f"a one-element constant of a {exporter} "
                                                   f"model ({exporter} writes every constant "
@@ -121,6 +125,31 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
         else:
             roles[tensor.name] = Role("parameter", "a weight")
     return roles
+
+
+#: Weight layers and the input index of their own bias.
+_BIASED_LAYERS = {"Conv": 2, "ConvTranspose": 2, "Gemm": 2}
+#: Ops whose output a bias is added to.
+_LAYERS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
+
+
+def _is_layer_bias(name: str, uses: Uses, producers: dict[str, onnx.NodeProto]) -> bool:
+    """Whether every use of `name` is a layer's bias: a Conv's or Gemm's bias input, or an Add to the output of a
+    MatMul, Gemm or Conv (through value-preserving ops such as a Reshape)."""
+    found = uses.get(name, [])
+
+    def layer_output(value: str, depth: int = 0) -> bool:
+        node = producers.get(value)
+        if node is None or depth > _MAX_DEPTH:
+            return False
+        if node.op_type in _LAYERS:
+            return True
+        return node.op_type in VALUE_PRESERVING and bool(node.input) and layer_output(node.input[0], depth + 1)
+
+    return bool(found) and all(
+        index == _BIASED_LAYERS.get(node.op_type)
+        or (node.op_type == "Add" and len(node.input) == 2 and layer_output(node.input[1 - index]))
+        for node, index in found)
 
 
 def _is_running_statistic(node: onnx.NodeProto, index: int) -> bool:

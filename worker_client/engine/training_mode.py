@@ -67,7 +67,10 @@ def _attribute(node: onnx.NodeProto, name: str, default):
 
 
 def _is_training_batch_norm(node: onnx.NodeProto) -> bool:
-    return node.op_type == "BatchNormalization" and bool(_attribute(node, "training_mode", 0))
+    """training_mode set, or (the form before opset 14, whose outputs beyond Y exist only in training) more than
+    one output."""
+    return node.op_type == "BatchNormalization" and (
+        bool(_attribute(node, "training_mode", 0)) or any(node.output[1:]))
 
 
 def _dropout_training(node: onnx.NodeProto, values: dict[str, np.ndarray]) -> bool:

@@ -66,7 +66,7 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     """
     changed = 0
     if _bounds_matter(model):   # their passes need static shapes past an exporter's computed bounds
-        changed += fold_shape_queries(model)
+        changed += fold_shape_queries(model, floats=True)
     changed += explicit_auto_pads(model)
     changed += explicit_transposed_conv_pads(model, adjoints=False)
     changed += convolve_trained_transposed_convs(model)

@@ -27,21 +27,24 @@ def evaluate_node(node: onnx.NodeProto, values: dict[str, np.ndarray],
         return None
 
 
-def fold_shape_queries(model: onnx.ModelProto) -> int:
+def fold_shape_queries(model: onnx.ModelProto, *, floats: bool = False) -> int:
     """Fold shape arithmetic on statically shaped tensors into constants, in place.
 
     onnx-ad builds some zero tensors from run-time queries (MaxPool's adjoint scatters into
     `ConstantOfShape(Concat(Size(x), nseed))`), and onnx's shape inference does not see
     through Size, so everything downstream loses its static shape and escapes
     `canonicalize_layout_ops`. Shape and Size of a static tensor become constants, and so
-    does every integer node whose operands are all constant. Returns the number folded.
+    does every integer node whose operands are all constant; with `floats`, small float ones too
+    (a Resize's scales, which torch writes as a Concat of Constants, and onnx's shape inference
+    reads only from a constant). Returns the number folded.
     """
+    kinds = "iubf" if floats else "iub"
     opset = opset_of(model)
     folded = 0
     for _ in range(_MAX_FOLD_ROUNDS):  # a fold can make the next query static
         shapes = static_shapes(model)
         values = {name: value for name, value in constants(model).items()
-                  if value.dtype.kind in "iub" and value.size <= _FOLD_LIMIT}
+                  if value.dtype.kind in kinds and value.size <= _FOLD_LIMIT}
         nodes: list[onnx.NodeProto] = []
         changed = 0
         for node in model.graph.node:
@@ -58,7 +61,7 @@ def fold_shape_queries(model: onnx.ModelProto) -> int:
                     not name or name in values for name in node.input):
                 results = evaluate_node(node, values, opset)
                 if results is not None and not all(
-                        r.dtype.kind in "iub" and r.size <= _FOLD_LIMIT for r in results):
+                        r.dtype.kind in kinds and r.size <= _FOLD_LIMIT for r in results):
                     results = None
             if results is None:
                 nodes.append(node)

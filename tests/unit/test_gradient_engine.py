@@ -296,6 +296,19 @@ def test_a_changed_model_or_batch_size_gets_a_new_cache_entry(tmp_path: Path) ->
     assert len(paths) == 3 and all(p is not None and p.is_file() for p in paths)
 
 
+def test_a_changed_engine_source_gets_a_new_cache_entry(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph cached by other engine code (a rewrite changed, GRAPH_FORMAT not bumped) is never served."""
+    from worker_client.engine import cache
+
+    path = _linear_model(tmp_path / "a.onnx")
+    first = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path / "cache")
+    assert GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path / "cache").cache_hit
+    monkeypatch.setattr(cache, "code_digest", lambda: "another engine")
+    other = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path / "cache")
+    assert not other.cache_hit and other.cache_path != first.cache_path
+
+
 def test_the_cache_directory_defaults_to_the_environment_variable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ONNX_PS_CACHE", str(tmp_path / "from_env"))

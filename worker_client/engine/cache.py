@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,13 +40,26 @@ def entry_path(cache_dir: Path, lifted: onnx.ModelProto, *, batch_size: int, los
 
     The key covers the lifted model's graph (the trainable values are inputs there, so
     training does not change it), the options that shape the gradient model, and the
-    versions of everything that builds it.
+    versions of everything that builds it: onnx-ad's and onnx's, and this engine's own
+    sources (`code_digest`), so a changed rewrite never meets a graph an older one cached.
     """
     options = {"batch_size": batch_size, "loss": loss.key(), "trainable": list(trainable),
                "input_gradients": list(inputs),
                "onnx_ad": onnx_ad.__version__, "onnx": onnx.__version__,
-               "ir_version": max_ir_version(), "format": GRAPH_FORMAT}
+               "ir_version": max_ir_version(), "format": GRAPH_FORMAT, "code": code_digest()}
     return cache_dir / f"{_content_key(lifted, options)}.onnx"
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """A hash of the engine's Python sources (this package), read once per process. GRAPH_FORMAT alone relied on
+    every change remembering to bump it, and entries cached by an in-between version were served to a later one."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for source in sorted(root.rglob("*.py")):
+        digest.update(source.relative_to(root).as_posix().encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def cached_or_built(path: Path, build: Callable[[], GradientGraph]) -> tuple[GradientGraph, bool]:

@@ -31,7 +31,8 @@ from ps_proto.v1 import parameter_server_pb2_grpc as pb_grpc
 from ps_proto.v1 import replication_pb2 as rpb
 from ps_proto.v1 import replication_pb2_grpc as rpb_grpc
 from ps_common.cluster_info import owned_parts_and_bytes
-from ps_common.errors import ExportError
+from ps_common.errors import ExportError, JobConfigError
+from ps_common.tf_config import split_address
 from ps_common.tls import (ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, READER_TOKEN_ENV, Metadata, bearer_metadata,
                            channel_credentials, token_from)
 from ps_tools.health import open_channel
@@ -299,6 +300,11 @@ def export_main(args: argparse.Namespace) -> int:
             addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
             if not addresses:
                 raise ExportError("--servers names no address")
+            for address in addresses:
+                try:
+                    split_address(address.split("|")[0])
+                except JobConfigError as exc:
+                    raise ExportError(f"--servers: {exc}") from None
             credentials = (channel_credentials(connection.tls_ca, connection.tls_cert, connection.tls_key)
                            if connection.tls_ca or connection.tls_cert else None)
             state = export.read_servers(addresses, channel_credentials=credentials,
@@ -327,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
                  if a.strip()]
     if not addresses:
         print("ps-ctl: no addresses given", file=sys.stderr)
+        return 2
+    try:   # gRPC would wrap a port past 65535 round to another (99999 reached 34463)
+        for address in addresses:
+            split_address(address)
+    except JobConfigError as exc:
+        print(f"ps-ctl: {exc}", file=sys.stderr)
         return 2
     if args.timeout <= 0:
         print(f"ps-ctl: Invalid --timeout: {args.timeout} (must be > 0)", file=sys.stderr)

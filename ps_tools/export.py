@@ -428,6 +428,7 @@ def apply_state(model: onnx.ModelProto, state: TrainedState, *, where: str, job:
     """Puts the trained state into `model` in place (module docstring) and returns it: dense values replace their
     initializers; dynamic tables become their rows plus a zero row, keyed by LabelEncoders (re-keyed when an earlier
     export made them); the inference form when the graph trains; the onnx_ps.* metadata."""
+    from worker_client.engine.load import clamp_ir_version
     from worker_client.engine.training_mode import has_training_forms, inference_form
 
     initializers = _check_matches(model, state, where)
@@ -452,6 +453,9 @@ def apply_state(model: onnx.ModelProto, state: TrainedState, *, where: str, job:
             ml.version = ML_OPSET
     if has_training_forms(model):   # the form the job's evaluation ran: running statistics, no Dropout
         model.CopyFrom(inference_form(model))
+    # what the job ran: the engine lowers an IR version newer than onnxruntime loads (a file declaring 99 trained,
+    # then failed onnx's checker at export, and ps-serve refused it)
+    clamp_ir_version(model)
     metadata = {STEP_KEY: str(state.step), SHARD_STEPS_KEY: json.dumps(state.steps),
                 EXPORTED_AT_KEY: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 JOB_KEY: job or json.dumps({"mode": state.mode, "shards": len(state.steps), "source": state.source})}

@@ -9,6 +9,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ps_common.errors import JobConfigError
+from ps_common.tf_config import split_address
 from ps_common.tls import channel_credentials
 
 #: Where the probe looks when no address is given: $PS_HEALTH_ADDRESS, else the image's default shard port.
@@ -89,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     address = args.address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+    try:   # gRPC would wrap a port past 65535 round to another, and report that one SERVING
+        split_address(address)
+    except JobConfigError as exc:
+        print(f"ps-health: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     for name, env in TLS_ENV.items():
         if getattr(args, name) is None:
             setattr(args, name, os.environ.get(env) or None)

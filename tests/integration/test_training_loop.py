@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ps_models.builders import write_model
@@ -222,3 +223,43 @@ def test_sync_and_ssp_never_overlap(start: Any, model: Path, digits: Dataset, mo
     recorder = _Recorder(worker.client, worker.engine)
     assert worker.run()["iterations"] == 8
     assert recorder.overlapped() == 0
+
+
+def test_a_model_that_outputs_its_own_loss_trains_without_a_labels_input(start: Any, digits: Dataset,
+                                                                         tmp_path: Path) -> None:
+    """loss="output:NAME" adds no labels input: the data's labels were fed all the same, and the engine refused
+    them as an unknown input once the job had started."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(0).standard_normal((64, 10)).astype(np.float32) * 0.1
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["logits"], name="dense"),
+         helper.make_node("Mul", ["logits", "logits"], ["squared"], name="square"),
+         helper.make_node("ReduceMean", ["squared"], ["penalty"], name="mean", keepdims=0)],
+        "own_loss", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10]),
+         helper.make_tensor_value_info("penalty", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(weight, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    path = tmp_path / "own_loss.onnx"
+    onnx.save(model, path)
+    shard, client = start
+    server = shard(mode="async", optimizer="sgd", optimizer_params={"lr": 0.5})
+    engine = GradientEngine(path, batch_size=32, loss="output:penalty", intra_op_threads=1)
+    worker = Trainer(client(server, "w0"), engine, digits,
+                     plan=TrainingPlan(worker_index=0, num_workers=1, batch_size=32, steps=20, eval_every=0,
+                                       start_timeout=10.0, wait_timeout=30.0))
+    losses = []
+    recorded = engine.step
+
+    def step(*args: Any, **kwargs: Any):
+        assert "labels" not in args[1]
+        result = recorded(*args, **kwargs)
+        losses.append(result.loss)
+        return result
+
+    engine.step = step   # type: ignore[method-assign]
+    assert worker.run()["steps"] == 20
+    assert losses[-1] < 0.5 * losses[0]   # the penalty, the model's own loss, went down

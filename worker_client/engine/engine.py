@@ -168,6 +168,13 @@ class GradientEngine:
         if folded:
             warn_caller(f"{self.model_path}: {folded_variables_warning(folded)}")
         self._initial = initial_values(model, self.trainable_names)
+        bfloat16 = [name for name, value in self._initial.items() if value.dtype.name == "bfloat16"]
+        if bfloat16:   # onnxruntime's Python API takes no ml_dtypes array: the first run failed with a bare
+            # "Numpy_type 256 can't be converted to MLDataType"
+            raise UnsupportedModelError(
+                f"{self.model_path}: parameter(s) {bfloat16} are bfloat16, which onnxruntime's Python API cannot "
+                f"be fed; store them as float32 or float16 (a job can still send float32 tensors as bfloat16 "
+                f"over the wire: --wire-dtype bfloat16)")
         self.state_names: list[str] = state_initializers(model)
         self._state_initial = initial_values(model, self.state_names)
         self._lifted = lift_parameters(model, self.trainable_names + self.state_names)

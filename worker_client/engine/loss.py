@@ -144,6 +144,10 @@ def attach_loss(model: onnx.ModelProto, spec: LossSpec,
             nodes.append(helper.make_node("ReduceSum", [output], [loss], name=loss,
                                           keepdims=0))
     else:
+        if not graph.output:
+            raise UnsupportedModelError(
+                f"the graph has no outputs; the {spec.kind} loss reads the model's first output "
+                f"(re-export it with its prediction as an output)")
         prediction = graph.output[0].name
         elem_type, dims = _shape_of(model, prediction)
         if elem_type not in FLOAT_TYPES:

@@ -199,6 +199,9 @@ class Trainer:
             [n for n in [*engine.trainable_names, *engine.state_names] if n not in rows_names]
         #: the model's data inputs, fed by name from the dataset (checked by training/preflight.py)
         self.input_names = list(engine.data_inputs) or list(dataset.input_names)
+        # a loss read off the model's own output (loss="output:NAME") adds no labels input: the data's labels are
+        # then not fed (they were, and the engine refused the unknown input after the job had started)
+        self._feeds_labels = engine.loss_kind is None or "labels" in engine.feed_dims()
         missing = [n for n in self.input_names if n not in dataset.input_names]
         if missing:
             raise ValueError(f"dataset {dataset.name!r} feeds inputs {dataset.input_names}, but the model also takes "
@@ -571,7 +574,9 @@ class Trainer:
             return last if last is not None else _Step(finished=True)
         client, plan = self.client, self.plan
         (tally.epoch, inputs, y), self._upcoming = self._upcoming, next(self._data)
-        batch = {**{n: inputs[n] for n in self.input_names}, "labels": y}
+        batch = {n: inputs[n] for n in self.input_names}
+        if self._feeds_labels:
+            batch["labels"] = y
         ids = None
         if self.sparse.tables:   # the rows this batch touches (docs/protocol.md, "Sparse rows")
             # the rows the last step's PushPull read, at this step's values; else pulled now

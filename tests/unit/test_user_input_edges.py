@@ -79,3 +79,18 @@ def test_ps_health_and_ps_ctl_refuse_an_address_without_a_valid_port(address: st
     assert ctl.main(["status", address, "--timeout", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count(f"address {address!r} is not host:port with a port in 1..65535") == 2
+
+
+def test_a_custom_domain_op_is_named_instead_of_the_engines_own_loss_node(tmp_path: Path) -> None:
+    """onnx infers no shape through an op it does not know; the refusal named the loss's 'ce_total'."""
+    path = _save(tmp_path / "custom.onnx",
+                 [helper.make_node("MatMul", ["x", "W"], ["h"], name="dense"),
+                  helper.make_node("MyRelu", ["h"], ["y"], name="mine", domain="com.example")],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                 [numpy_helper.from_array(np.ones((4, 3), np.float32), "W")])
+    model = onnx.load(path)
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    onnx.save(model, path)
+    with pytest.raises(UnsupportedModelError, match=r"1 node\(s\) of a custom domain -- 'mine' \(com.example:MyRelu\)"):
+        GradientEngine(path, batch_size=2, cache_dir=tmp_path)

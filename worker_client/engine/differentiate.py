@@ -107,6 +107,13 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
                                   prefix=GRAD_PREFIX, dim=SEED_DIM, layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
         match = _RULE_MESSAGE.search(str(exc))
+        foreign = [n for n in model.graph.node if n.domain not in ("", "ai.onnx", "ai.onnx.ml")]
+        if foreign:   # onnx infers no shape through them, which surfaced as an unknown rank in the engine's own loss
+            listed = ", ".join(f"{node_label(n)!r} ({n.domain}:{n.op_type})" for n in foreign[:5])
+            raise UnsupportedModelError(
+                f"the model has {len(foreign)} node(s) of a custom domain -- {listed} -- which onnx's shape "
+                f"inference and onnx-ad's rules do not know, so its gradient cannot be built (onnx-ad "
+                f"{onnx_ad.__version__} says: {exc}); export the model with standard ONNX ops") from exc
         if match is None:
             node = _failing_node(exc)
             where = "the model" if node is None else \

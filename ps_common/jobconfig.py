@@ -182,6 +182,9 @@ def read_job_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise JobConfigError(f"job file {str(p)!r} does not exist ({p.resolve()})") from None
     except tomllib.TOMLDecodeError as exc:
         raise JobConfigError(f"job file {str(p)!r} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:   # tomllib decodes UTF-8; the bare message named no file
+        raise JobConfigError(f"job file {str(p)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                             f"position {exc.start}); save it as UTF-8") from None
     except OSError as exc:
         raise JobConfigError(f"job file {str(p)!r} cannot be read: {exc}") from exc
 

@@ -154,6 +154,13 @@ def test_unknown_job_file_key_is_named_with_the_known_keys(tmp_path: Path) -> No
         load(["--config", path], scope="worker")
 
 
+def test_a_job_file_that_is_not_utf8_is_named_with_the_byte(tmp_path: Path) -> None:
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe[job]\n")
+    with pytest.raises(JobConfigError, match=r"job file '.*binary.toml' is not UTF-8 text \(byte 0xff at position 0\)"):
+        load(["--config", str(path)], scope="worker")
+
+
 def test_unknown_job_file_table_is_named(tmp_path: Path) -> None:
     with pytest.raises(JobConfigError, match=r"unknown table \[trainer\]"):
         load(["--config", write(tmp_path, "[trainer]\nx = 1\n")], scope="worker")

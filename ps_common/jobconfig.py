@@ -340,7 +340,8 @@ def validate(config: JobConfig, *, scope: str) -> None:
             raise _fail(config, info, f"choose one of {', '.join(info.choices)}")
         if info.base in (int, float) and not isinstance(value, bool):
             if info.minimum is not None and not value >= info.minimum:
-                raise _fail(config, info, f"must be >= {info.minimum:g}")
+                minimum = int(info.minimum) if float(info.minimum).is_integer() else info.minimum   # 8388608, not 8.38861e+06
+                raise _fail(config, info, f"must be >= {minimum}")
             if info.positive and not value > 0:
                 raise _fail(config, info, "must be > 0")
     job, worker = config.job, config.worker

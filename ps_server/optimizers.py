@@ -50,7 +50,8 @@ def _check_range(name: str, value: float, low: float, high: float | None = None,
     """Raise ValueError unless low <= value <= high (or < high when high_open)."""
     label = "learning rate" if name == "lr" else f"{name} value"
     if value < low or (high is not None and (value >= high if high_open else value > high)):
-        raise ValueError(f"Invalid {label}: {value}")
+        allowed = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"Invalid {label}: {value} (must be {allowed})")
 
 
 class Optimizer(abc.ABC):

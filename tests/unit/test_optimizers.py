@@ -233,7 +233,7 @@ def test_unknown_hyperparameter_raises_value_error_naming_it_and_its_value() -> 
 @pytest.mark.parametrize(
     ("name", "hyperparameters", "message"),
     [
-        ("sgd", {"lr": -0.1}, "Invalid learning rate: -0.1"),
+        ("sgd", {"lr": -0.1}, "Invalid learning rate: -0.1 (must be >= 0)"),
         ("adam", {"lr": float("nan")}, "Invalid lr value: nan"),
         ("sgd", {"lr": float("inf")}, "Invalid lr value: inf"),
         ("sgd", {"lr": "0.1"}, "Invalid lr value: '0.1'"),
@@ -242,7 +242,7 @@ def test_unknown_hyperparameter_raises_value_error_naming_it_and_its_value() -> 
         ("sgd", {"dampening": 1.5}, "Invalid dampening value: 1.5"),
         ("sgd", {"weight_decay": -1.0}, "Invalid weight_decay value: -1.0"),
         ("sgd", {"nesterov": 1}, "Invalid nesterov value: 1"),
-        ("adam", {"beta1": 1.0}, "Invalid beta1 value: 1.0"),
+        ("adam", {"beta1": 1.0}, "Invalid beta1 value: 1.0 (must be in [0, 1))"),
         ("adamw", {"beta2": -0.1}, "Invalid beta2 value: -0.1"),
         ("adam", {"eps": -1e-8}, "Invalid eps value: -1e-08"),
         ("adam", {"amsgrad": "yes"}, "Invalid amsgrad value: 'yes'"),
@@ -256,7 +256,7 @@ def test_unknown_hyperparameter_raises_value_error_naming_it_and_its_value() -> 
 def test_invalid_hyperparameter_raises_value_error_naming_the_value(
     name: str, hyperparameters: dict[str, Any], message: str
 ) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         make_optimizer(name, **hyperparameters)
 
 

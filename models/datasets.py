@@ -10,17 +10,21 @@ Dataset specs accepted by `load_dataset`:
   outputs, noise, test), ``ids`` (n, vocab, bag, classes, signal, test) and ``clicks``
   (n, fields, vocab, rank, signal, skew, test, hashed: click labels from a factorization machine,
   see `click_logits`; ``hashed=1`` turns each id into an int64 key by `hash_ids`).
-  E.g. ``"synthetic:classification?n=2000&features=64&classes=10"``.
-* a path to a ``.npz`` file in the format below.
+  E.g. ``"synthetic:classification?n=2000&features=64&classes=10"``. Sizes that would take
+  more than the machine's memory to generate (`_synthetic_bytes`) are refused before anything
+  is allocated.
+* a path to a ``.npz`` file in the format below. (A folder of Parquet files is opened with
+  ``ps_models.parquet.ParquetDataset``.)
 
 The .npz format (also in docs/data-format.md):
 
 * required arrays ``x_train``, ``y_train``, ``x_test``, ``y_test``; ``x_*`` have one row per
-  example on axis 0 and the same trailing shape in train and test (float features, cast to
-  float32, or integer ids, cast to int64); ``y_*`` have as many rows as their ``x_*``;
+  example on axis 0 and the same trailing shape in train and test (float features, finite and
+  within float32's range, cast to float32, or integer ids, cast to int64); ``y_*`` have as many
+  rows as their ``x_*``;
 * integer ``y`` means classification: 1-D labels in ``[0, num_classes)``, int64;
-  floating ``y`` means regression: targets (1-D is read as one output column), float32,
-  and ``num_classes`` is 0;
+  floating ``y`` means regression: targets (1-D is read as one output column), finite and
+  within float32's range, float32, and ``num_classes`` is 0;
 * optional ``input_name``: a 0-d string array, the model input the features feed
   (default ``"x"`` for float features, ``"ids"`` for integer ones);
 * optional ``num_classes``: a 0-d integer array (default: largest label + 1).
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -65,6 +70,15 @@ DIGITS_PATH = Path(__file__).resolve().parent / "data" / "digits.npz"
 REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 #: Arrays a dataset file may also hold.
 OPTIONAL_ARRAYS = ("input_name", "num_classes")
+#: How a .npz (a zip archive: a local file header, or the end record of an empty one) and a .npy file start.
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+_NPY_MAGIC = b"\x93NUMPY"
+#: How a Parquet file starts.
+_PARQUET_MAGIC = b"PAR1"
+#: The largest magnitude a float32 holds; float features and targets are cast to float32.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: The bound on a synthetic dataset's generation when the machine's memory cannot be read.
+SYNTHETIC_FALLBACK_MAX_BYTES = 16 << 30
 
 Remainder = Literal["wrap", "drop"]
 
@@ -220,10 +234,13 @@ def load_dataset(spec: str, *, seed: int = 0, model: str | None = None) -> Datas
     else:
         path = Path(spec).expanduser()
         if not path.is_file():
+            found = (f"{path.resolve()} is a folder: a Parquet folder is opened with "
+                     f"ps_models.parquet.ParquetDataset, not load_dataset" if path.is_dir()
+                     else f"no file at {path.resolve()}, nor a Parquet folder")
             raise DatasetError(
                 f"unknown dataset spec {spec!r}: expected 'digits', "
-                f"'synthetic:<{'|'.join(_SYNTHETIC)}>[?key=value&...]', or the path of an "
-                f"existing .npz file (no file at {path.resolve()})")
+                f"'synthetic:<{'|'.join(_SYNTHETIC)}>[?key=value&...]', the path of an "
+                f"existing .npz file, or a Parquet folder holding train/ and test/ ({found})")
         dataset = load_npz(path)
     return dataset if model is None else reshape_for(dataset, model)
 
@@ -232,6 +249,7 @@ def load_npz(path: str | Path) -> Dataset:
     """Read and validate a dataset file in the documented .npz format."""
     path = Path(path)
     where = str(path)
+    _check_npz_header(path, where)
     try:
         archive = np.load(path, allow_pickle=False)
     except FileNotFoundError:
@@ -264,6 +282,46 @@ def load_npz(path: str | Path) -> Dataset:
     return _validated(where, path.stem, arrays, inputs)
 
 
+def _check_npz_header(path: Path, where: str) -> None:
+    """DatasetError unless `path` starts like a .npz (a zip) or a .npy: an empty file, or any other (text, Parquet,
+    a pickle), is refused by name before numpy would try it as a pickle."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except FileNotFoundError:
+        raise DatasetError(f"{where}: no such file") from None
+    except OSError as exc:
+        raise DatasetError(f"{where}: not a readable .npz archive ({exc})") from exc
+    if not head:
+        raise DatasetError(f"{where}: empty file (0 bytes), not a .npz archive")
+    if head.startswith(_ZIP_MAGIC) or head.startswith(_NPY_MAGIC):
+        return   # np.load reads it, or says what is wrong with it
+    message = (f"{where} is not a .npz (zip) archive (it starts with {head!r}; a .npz is written by "
+               f"numpy.savez or numpy.savez_compressed)")
+    if path.suffix.lower() == ".parquet" or head.startswith(_PARQUET_MAGIC):
+        message += (f"; {path.name} is a Parquet file: pass the folder holding train/ and test/ "
+                    f"(docs/data-format.md)")
+    raise DatasetError(message)
+
+
+def _as_float32(where: str, name: str, x: np.ndarray) -> np.ndarray:
+    """Floating array `name` cast to float32; DatasetError naming the first row holding NaN or infinity, or a
+    finite value too large for float32 (which the cast would turn into infinity)."""
+    bad = ~np.isfinite(x)
+    if bad.any():
+        raise DatasetError(f"{where}: {name} holds NaN or infinite values (row {int(np.argwhere(bad)[0][0])})")
+    del bad
+    if x.size and np.finfo(x.dtype).max > _FLOAT32_MAX:
+        largest = max(abs(x.max()), abs(x.min()))   # no temporary as large as x
+        if largest > _FLOAT32_MAX:
+            row = int(np.argwhere(np.abs(x) > _FLOAT32_MAX)[0][0])
+            raise DatasetError(
+                f"{where}: {name} row {row} has values beyond float32's range (largest magnitude "
+                f"{np.format_float_scientific(largest, precision=6, trim='-')}); float32 holds magnitudes up to "
+                f"{_FLOAT32_MAX:.6g}: rescale them")
+    return x.astype(np.float32)
+
+
 def _input_arrays(files: Iterable[str]) -> list[str]:
     """The input prefixes of an archive: every NAME with both NAME_train and NAME_test (NAME not y)."""
     files = set(files)
@@ -290,11 +348,7 @@ def _checked_input(where: str, prefix: str, train: np.ndarray, test: np.ndarray)
                            f"must agree after the first axis")
     kinds = {train.dtype.kind, test.dtype.kind}
     if kinds <= {"f"}:
-        train, test = train.astype(np.float32), test.astype(np.float32)
-        for split, x in (("train", train), ("test", test)):
-            if not np.isfinite(x).all():
-                row = int(np.argwhere(~np.isfinite(x))[0][0])
-                raise DatasetError(f"{where}: {prefix}_{split} holds NaN or infinite values (row {row})")
+        train, test = _as_float32(where, f"{prefix}_train", train), _as_float32(where, f"{prefix}_test", test)
     elif kinds <= {"i", "u"}:
         train, test = train.astype(np.int64), test.astype(np.int64)
         if prefix == "x" and min(train.min(), test.min()) < 0:
@@ -342,8 +396,8 @@ def _validated(where: str, name: str, arrays: dict[str, np.ndarray], inputs: Seq
             raise DatasetError(f"{where}: labels hold a single class ({largest}); "
                                f"classification needs at least 2")
     elif y_kinds <= {"f"}:
-        y_train = y_train.astype(np.float32).reshape(len(y_train), -1)
-        y_test = y_test.astype(np.float32).reshape(len(y_test), -1)
+        y_train = _as_float32(where, "y_train", y_train).reshape(len(y_train), -1)
+        y_test = _as_float32(where, "y_test", y_test).reshape(len(y_test), -1)
         if y_train.shape[1:] != y_test.shape[1:]:
             raise DatasetError(f"{where}: y_train has shape {y_train.shape} and y_test "
                                f"{y_test.shape}; regression targets must agree in width")
@@ -430,6 +484,12 @@ def _check_synthetic(spec: str, kind: str, p: dict[str, float | int]) -> None:
 
     if not 0.0 < p["test"] < 1.0:
         raise fail(f"test={p['test']} must be a fraction strictly between 0 and 1")
+    need, limit = _synthetic_bytes(kind, p), _memory_limit()
+    if need > limit[0]:
+        sizes = ", ".join(f"{key}={p[key]}" for key in _SYNTHETIC_SIZES[kind])
+        raise fail(f"{sizes} would take about {_bytes_text(need)} ({need:,} bytes) to generate, more than "
+                   f"{limit[1]} ({_bytes_text(limit[0])}); use a smaller n or sizes (a Parquet folder is "
+                   f"streamed, for data that does not fit in memory)")
     n_test = round(p["n"] * p["test"])
     if p["n"] < 2 or n_test < 1 or n_test >= p["n"]:
         raise fail(f"n={p['n']} with test={p['test']} leaves an empty train or test split")
@@ -454,6 +514,57 @@ def _check_synthetic(spec: str, kind: str, p: dict[str, float | int]) -> None:
             raise fail(f"signal={p['signal']} and skew={p['skew']} must be >= 0")
         if p["hashed"] not in (0, 1):
             raise fail(f"hashed={p['hashed']} must be 0 (row ids) or 1 (hashed int64 keys)")
+
+
+#: The parameters a synthetic kind's memory grows with (`_synthetic_bytes`).
+_SYNTHETIC_SIZES = {"classification": ("n", "features"), "regression": ("n", "features", "outputs"),
+                    "ids": ("n", "vocab", "bag"), "clicks": ("n", "fields", "vocab", "rank")}
+
+
+def _synthetic_bytes(kind: str, p: Mapping[str, float | int]) -> int:
+    """About the peak bytes `_synthetic` allocates for these parameters (the arrays it keeps and its float64
+    working copies), computed before anything is allocated."""
+    n = max(int(p["n"]), 0)
+    size = {key: max(int(p[key]), 0) for key in _SYNTHETIC_SIZES[kind]}
+    if kind == "classification":
+        return n * (size["features"] * 18 + 32)
+    if kind == "regression":
+        return n * (size["features"] * 12 + size["outputs"] * 24 + 16)
+    if kind == "ids":   # hot=K draws K of the vocab (a permutation of it when K is a large share), else maps all
+        return n * (size["bag"] * 24 + 32) + (size["vocab"] * 8 + int(p["hot"]) * 32 if p["hot"] else
+                                              size["vocab"] * 20)
+    fields, rank, vocab = size["fields"], size["rank"], size["vocab"]
+    return n * fields * (rank * 16 + 32) + n * (rank * 24 + 64) + fields * vocab * (rank * 8 + 24) + vocab * 24
+
+
+def _memory_limit() -> tuple[int, str]:
+    """(bytes, what they are): the memory of this machine, or of this process's cgroup when less; a fixed
+    bound when neither can be read."""
+    found: list[tuple[int, str]] = []
+    try:
+        found.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"))
+    except (AttributeError, ValueError, OSError):
+        pass
+    for cgroup in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(cgroup).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            found.append((int(text), f"this process's memory limit ({cgroup})"))
+    found = [(size, what) for size, what in found if size > 0]
+    return min(found) if found else (SYNTHETIC_FALLBACK_MAX_BYTES, "the bound on synthetic data")
+
+
+def _bytes_text(count: int) -> str:
+    """`count` bytes in the largest binary unit below it, one decimal cut ("1.5 GiB"); integer arithmetic, so a
+    count too large for a float is still written."""
+    units = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    step = min(max(count.bit_length() - 1, 0) // 10, len(units) - 1)
+    if step == 0:
+        return f"{count} bytes"
+    whole, part = divmod(count * 10 // (1 << (10 * step)), 10)
+    return f"{whole}.{part} {units[step]}"
 
 
 def _synthetic(spec: str, *, seed: int) -> Dataset:

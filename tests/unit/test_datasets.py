@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pickle
 import socket
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import ps_models
+import ps_models.datasets as datasets_module
 from ps_models.data.make_digits import stratified_split
 from ps_models.datasets import (DIGITS_PATH, Dataset, DatasetError, click_logits, hash_ids, iterate_batches,
                              load_dataset, load_npz, num_batches, reshape_for, worker_shard)
@@ -210,7 +213,12 @@ def test_synthetic_data_is_a_function_of_the_seed(spec: str) -> None:
     ("synthetic:clicks?skew=-1", ["skew=-1.0"]),
     ("synthetic:clicks?hashed=2", ["hashed=2", "0 (row ids) or 1"]),
     ("mnist", ["unknown dataset spec 'mnist'", "digits", "synthetic:"]),
-    ("missing/file.npz", ["'missing/file.npz'", "no file at"]),
+    ("missing/file.npz", ["'missing/file.npz'", "no file at", "the path of an existing .npz file",
+                          "or a Parquet folder holding train/ and test/"]),
+    ("synthetic:classification?n=100000000000", ["n=100000000000", "features=64", "would take about",
+                                                 "118,400,000,000,000 bytes", "to generate, more than"]),
+    ("synthetic:ids?n=100&vocab=100000000000", ["vocab=100000000000", "bytes", "to generate, more than"]),
+    ("synthetic:clicks?n=100000000000", ["n=100000000000", "fields=10", "bytes", "to generate, more than"]),
 ])
 def test_bad_specs_raise_a_value_error_naming_the_spec_and_the_problem(
         spec: str, words: list[str]) -> None:
@@ -224,6 +232,44 @@ def test_bad_specs_raise_a_value_error_naming_the_spec_and_the_problem(
 def test_an_empty_spec_is_refused() -> None:
     with pytest.raises(DatasetError, match="non-empty"):
         load_dataset("  ")
+
+
+def test_a_folder_given_to_load_dataset_is_named_as_a_folder(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError) as caught:
+        load_dataset(str(tmp_path))
+    assert f"{tmp_path} is a folder" in str(caught.value) and "ParquetDataset" in str(caught.value)
+
+
+def test_synthetic_sizes_beyond_the_memory_bound_are_refused_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(datasets_module, "_memory_limit", lambda: (1 << 20, "the test's limit"))
+    spec = "synthetic:classification?n=100000"    # 100000 x (64 x 18 + 32) bytes = 118 MB > 1 MiB
+    with pytest.raises(DatasetError) as caught:
+        load_dataset(spec)
+    message = str(caught.value)
+    for word in (repr(spec), "n=100000, features=64", "about 112.9 MiB (118,400,000 bytes)",
+                 "more than the test's limit (1.0 MiB)"):
+        assert word in message, message
+    with pytest.raises(DatasetError, match="n=100000, fields=10"):
+        click_logits("synthetic:clicks?n=100000")
+    assert load_dataset("synthetic:classification?n=100&features=4").num_train == 80   # 1,000 x ... bytes: fits
+
+
+@pytest.mark.parametrize("spec", ["synthetic:classification?n=20000", "synthetic:regression?n=50000&outputs=3",
+                                  "synthetic:ids?n=50000&vocab=1000000",
+                                  "synthetic:ids?n=50000&vocab=1000000&hot=100000",
+                                  "synthetic:ids?n=50000&vocab=1000000&hot=20",
+                                  "synthetic:clicks?n=20000&vocab=100000"])
+def test_the_synthetic_memory_estimate_covers_what_generation_takes(spec: str) -> None:
+    import tracemalloc   # numpy reports its allocations to tracemalloc
+
+    tracemalloc.start()
+    try:
+        load_dataset(spec)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    estimate = datasets_module._synthetic_bytes(*datasets_module._parse_synthetic(spec))
+    assert peak <= estimate + (1 << 20) and estimate <= 3 * peak, (peak, estimate)   # 1 MiB: Python's own
 
 
 # --- user .npz files ----------------------------------------------------------------------
@@ -280,6 +326,18 @@ def test_an_npz_of_images_feeds_lenet_and_flattens_for_the_mlp(tmp_path: Path) -
     ({"y_train": -(np.arange(20) % 3)}, ["y_train has a negative label -2"]),
     ({"y_train": np.zeros((20, 2), np.int64)}, ["y_train must be 1-D", "(20, 2)"]),
     ({"x_train": np.full((20, 5), np.nan)}, ["x_train holds NaN"]),
+    ({"y_train": np.where(np.arange(20) == 4, np.nan, 0.5), "y_test": np.full(6, 0.5)},
+     ["y_train holds NaN or infinite values (row 4)"]),
+    ({"y_train": np.full(20, 0.5), "y_test": np.where(np.arange(6) == 2, -np.inf, 0.5)},
+     ["y_test holds NaN or infinite values (row 2)"]),
+    ({"y_train": np.full((20, 2), 0.5), "y_test": np.where(np.arange(12).reshape(6, 2) == 9, np.inf, 0.5)},
+     ["y_test holds NaN or infinite values (row 4)"]),
+    ({"x_train": np.where(np.arange(100).reshape(20, 5) == 17, 1e300, 0.5)},
+     ["x_train row 3 has values beyond float32's range (largest magnitude 1e+300)", "3.40282e+38"]),
+    ({"x_test": np.where(np.arange(30).reshape(6, 5) >= 20, -2e39, 0.5)},
+     ["x_test row 4 has values beyond float32's range (largest magnitude 2e+39)"]),
+    ({"y_train": np.where(np.arange(20) == 7, 1e300, 0.5), "y_test": np.full(6, 0.5)},
+     ["y_train row 7 has values beyond float32's range (largest magnitude 1e+300)"]),
     ({"x_train": np.zeros((20, 5), bool)}, ["x_train is bool"]),
     ({"y_train": np.array(["a"] * 20)}, ["y_train is <U1"]),
     ({"input_name": np.array(["x", "y"])}, ["input_name must be a 0-d string array"]),
@@ -302,11 +360,42 @@ def test_npz_format_errors_name_the_file_the_array_and_the_shapes(
     assert all(word in message for word in words), message
 
 
+def test_values_beyond_float32_are_refused_without_leaking_numpy_overflow_warnings(tmp_path: Path) -> None:
+    arrays = _valid_arrays()
+    arrays["x_train"] = np.full((20, 5), 1e300)
+    path = _write(tmp_path / "huge.npz", **arrays)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")    # a RuntimeWarning from the cast would fail here
+        with pytest.raises(DatasetError) as caught:
+            load_npz(path)
+    assert "holds NaN" not in str(caught.value)
+    assert f"{path}: x_train row 0 has values beyond float32's range (largest magnitude 1e+300)" in str(caught.value)
+    arrays["x_train"] = np.full((20, 5), 3e38)   # float64, large, but a float32 holds it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_npz(_write(tmp_path / "large.npz", **arrays)).x_train.max() == np.float32(3e38)
+
+
+def test_an_empty_file_is_refused_as_not_an_npz(tmp_path: Path) -> None:
+    empty = tmp_path / "empty0.npz"
+    empty.write_bytes(b"")
+    for load in (load_npz, lambda path: load_dataset(str(path))):
+        with pytest.raises(DatasetError) as caught:
+            load(empty)
+        assert str(caught.value) == f"{empty}: empty file (0 bytes), not a .npz archive"
+
+
 def test_a_file_that_is_not_an_npz_archive_is_refused_by_name(tmp_path: Path) -> None:
     text = tmp_path / "notes.npz"
     text.write_text("hello")
-    with pytest.raises(DatasetError, match="notes.npz: not a readable .npz archive"):
-        load_npz(text)
+    pickled = tmp_path / "pickled.npz"
+    pickled.write_bytes(pickle.dumps({"x_train": [1.0]}))
+    for path, start in ((text, "b'hello'"), (pickled, repr(pickle.dumps({"x_train": [1.0]})[:8]))):
+        with pytest.raises(DatasetError) as caught:
+            load_npz(path)
+        message = str(caught.value)
+        assert f"{path} is not a .npz (zip) archive (it starts with {start}" in message, message
+        assert "allow_pickle" not in message and "Parquet" not in message, message
     single = tmp_path / "single.npy"
     np.save(single, np.zeros(3))
     with pytest.raises(DatasetError, match="single.npy: holds a single array"):

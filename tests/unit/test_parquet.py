@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ps_common.errors import DatasetError
+from ps_models.datasets import load_dataset
 from ps_models.parquet import CHECK_ROWS, ParquetDataset
 from tests.helpers import tabular
 
@@ -188,3 +189,16 @@ def test_a_folder_that_is_not_a_dataset_says_what_is_missing(tmp_path, layout, s
         ParquetDataset(folder)
     if layout == "no label":
         assert ParquetDataset(folder, label_column="clicked").num_train == 400
+
+
+def test_one_parquet_file_given_as_the_data_is_refused_pointing_to_its_folder(folder):
+    for path in (folder / "train" / "part-0.parquet", folder / "train" / "part-0.bin"):
+        if not path.exists():
+            path.write_bytes((folder / "train" / "part-0.parquet").read_bytes())
+        with pytest.raises(DatasetError) as caught:
+            load_dataset(str(path))
+        message = str(caught.value)
+        for text in (f"{path} is not a .npz (zip) archive (it starts with b'PAR1", f"{path.name} is a Parquet file",
+                     "pass the folder holding train/ and test/ (docs/data-format.md)"):
+            assert text in message, f"{text!r} not in {message!r}"
+        assert "allow_pickle" not in message

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import queue
 import signal
 import socket
@@ -160,6 +161,12 @@ class Launcher:
         if c.job.shard_replicas > 1 and c.job.stages > 1:
             raise JobConfigError(f"Invalid --shard-replicas {c.job.shard_replicas} with --stages {c.job.stages}: a "
                                  "pipeline job's shards are not replicated yet; use one of the two")
+        # folders the job writes into only late (the record at its end, checkpoints in the shards): a file there,
+        # or a path that cannot be made, was found after the whole run (the record, and the result, lost)
+        for value, what in ((c.launch.record, "--record"), (getattr(c.server, "checkpoint_dir", None),
+                                                           "--checkpoint-dir")):
+            if value:
+                _make_folder(Path(value), what)
         if c.launch.export:
             out = Path(c.launch.export)
             if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
@@ -576,3 +583,13 @@ class Launcher:
         return status
 
 
+def _make_folder(path: Path, what: str) -> None:
+    """`path` as a folder (made, with its parents, when missing); JobConfigError naming `what` otherwise."""
+    if path.exists() and not path.is_dir():
+        raise JobConfigError(f"Invalid {what} {str(path)!r}: it is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise JobConfigError(f"Invalid {what} {str(path)!r}: cannot make the folder ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise JobConfigError(f"Invalid {what} {str(path)!r}: the folder is not writable")

@@ -101,6 +101,11 @@ LAUNCH_MISTAKES = {
                                    "use --batch-size 719 or less"]),
     "missing-data": (["--model", "{model}", "--data", "{root}/no-such-data.npz"],
                      ["unknown dataset spec", "no-such-data.npz", "no file at"]),
+    # written only at the job's end (the record) or inside the shards (checkpoints): found after the whole run
+    "record-is-a-file": (["--model", "{model}", "--record", "{truncated}"],
+                         ["Invalid --record '{truncated}': it is a file, not a folder"]),
+    "checkpoint-dir-is-a-file": (["--model", "{model}", "--checkpoint-dir", "{truncated}"],
+                                 ["Invalid --checkpoint-dir '{truncated}': it is a file, not a folder"]),
 }
 try:
     import onnxruntime

@@ -21,6 +21,7 @@ import numpy as np
 
 from ps_common.errors import (
     CheckpointMismatchError,
+    InitMismatchError,
     InvalidRequestError,
     InvalidTensorError,
     NotInitializedError,
@@ -150,6 +151,8 @@ class Shard:
         self.step = 0
         self.dropped = 0
         self.applied_gradients = 0
+        #: "PATH (step N)" of the checkpoint this shard started from (checkpoints/writer.py), else None
+        self.restored_from: str | None = None
         self._cond = threading.Condition()
         self._stopping = False
         self._resets = 0            # bumped by reset(): a waiter that sees it change fails with UNAVAILABLE
@@ -266,7 +269,15 @@ class Shard:
         self._check_running()
         self._check_specs(specs)
         with self._cond:
-            shard_map, _ = self.store.plan(specs)
+            try:
+                shard_map, _ = self.store.plan(specs)
+            except InitMismatchError as exc:
+                if self.restored_from is None:
+                    raise
+                raise InitMismatchError(
+                    f"{exc}: shard {self.config.shard_index} restored the checkpoint {self.restored_from}, which "
+                    f"holds another model's parameters; give the job the model it was trained with, or another "
+                    f"checkpoint folder") from None
         owned = sum(p.nbytes for p in shard_map.parts_on(self.config.shard_index))
         limit = self.config.shard_bytes_limit
         if owned > limit:

@@ -94,6 +94,7 @@ class Checkpointer:
         check_compatible(state, self.config)
         self.directory.claim(self.config.shard_index, self.config.num_shards)
         self.shard.restore(state)
+        self.shard.restored_from = f"{path} (step {state.step})"   # named when a job brings another model
         self._last_step, self._dirty, self.last_path = state.step, False, path
         log.info("shard %d restored from %s: step %d, %d parts, %d workers%s", self.config.shard_index, path, state.step,
                  len(state.parts), len(state.workers),

@@ -458,3 +458,18 @@ def test_checkpoint_files_are_plain_safetensors_with_the_documented_keys_and_met
     assert {p["name"] for p in state["parameters"]} == set(MODEL)
     assert {w["worker_id"]: w["clock"] for w in state["workers"]} == {"a": 4, "b": 2}
     assert os.path.getsize(path) > sum(v.nbytes for v in MODEL.values()) // 2
+
+
+def test_a_job_bringing_another_model_to_a_checkpoint_is_told_which_checkpoint_holds_what(tmp_path):
+    """The refusal named only a tensor ('already initialized with tensor B...'), not the checkpoint that put it
+    there: the user had reused a --checkpoint-dir of another job."""
+    from ps_common.errors import InitMismatchError
+    from tests.helpers.domain import specs_of
+
+    shard = trained_shard(checkpoint_dir=str(tmp_path))
+    path = CheckpointDirectory(tmp_path).write(shard.snapshot())
+    fresh = adam_shard(max_staleness=1, checkpoint_dir=str(tmp_path))
+    assert Checkpointer(fresh, fresh.config).restore() is not None
+    with pytest.raises(InitMismatchError, match=rf"shard 1 restored the checkpoint {path} \(step 5\), which holds "
+                                                 r"another model's parameters"):
+        fresh.init_layout(specs_of({"w_other": np.zeros((3, 2), np.float32)}))

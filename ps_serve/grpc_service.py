@@ -8,7 +8,8 @@ file says why). The other rpcs of the specification (streaming, model repository
 memory, statistics, ...) answer UNIMPLEMENTED, as gRPC does for any unknown method.
 
 ModelInfer takes its inputs from ``raw_input_contents`` (what tritonclient sends: every input
-or none) or from each input's typed ``contents``, checked as the HTTP API checks them
+or none) or from each input's typed ``contents`` (the one list of its datatype, such as
+``fp32_contents``; never both for one input), checked as the HTTP API checks them
 (ps_serve/tensors.py), and answers every output in ``raw_output_contents``, with the served
 step as the ``step`` parameter when it is known. Errors: INVALID_ARGUMENT (a bad request),
 NOT_FOUND (an unknown model or version), UNAUTHENTICATED (no token, on every rpc but
@@ -35,7 +36,7 @@ from ps_serve.metrics import ServeMetrics
 from ps_serve.model import PLATFORM, ModelState, ServedModel
 from ps_serve.proto import grpc_service_pb2 as pb
 from ps_serve.security import TokenCheck
-from ps_serve.tensors import datatype_of_array, from_json, from_raw, to_raw
+from ps_serve.tensors import check_header, datatype_of_array, element_count, from_json, from_raw, to_raw
 
 log = logging.getLogger(__name__)
 
@@ -162,14 +163,24 @@ def _inputs(state: ModelState, request: pb.ModelInferRequest) -> dict[str, np.nd
         if tensor.name in inputs:
             raise RequestError(f"input '{tensor.name}' is given twice")
         spec = state.input_spec(tensor.name)
-        shape = list(tensor.shape)
+        shape = check_header(spec, tensor.datatype, list(tensor.shape))
+        given = [descriptor.name for descriptor, _ in tensor.contents.ListFields()]   # the non-empty typed lists
         if raw:
+            if given:
+                raise RequestError(f"input '{tensor.name}' has both 'contents' ({', '.join(given)}) and "
+                                   "raw_input_contents; send one")
             inputs[tensor.name] = from_raw(spec, tensor.datatype, shape, raw[index])
             continue
         field = CONTENTS_FIELD.get(tensor.datatype)
         if field is None:
             raise RequestError(f"input '{tensor.name}' is {tensor.datatype}, which has no typed contents: send it in "
                                "raw_input_contents")
+        if given and given != [field]:
+            raise RequestError(f"{tensor.datatype} input '{tensor.name}' takes {field}; got "
+                               f"{' and '.join(given)}")
+        if not given and element_count(shape):
+            raise RequestError(f"input '{tensor.name}' has no data: give its {element_count(shape)} element(s) in "
+                               f"contents.{field} or in raw_input_contents")
         values = list(getattr(tensor.contents, field))
         if tensor.datatype == "BYTES":
             try:

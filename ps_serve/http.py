@@ -16,11 +16,20 @@ bytes followed by the inputs' raw bytes, each input saying how many
 (``parameters.binary_data_size``). An output is answered in binary when it asks for it
 (``outputs[i].parameters.binary_data``) or the request does for all
 (``parameters.binary_data_output``); the answer then has the same layout. Every answer
-carries the served step in ``parameters.step`` when it is known.
+carries the served step in ``parameters.step`` when it is known. JSON has no literal for a
+non-finite float, so an output's ``data`` writes NaN and the infinities as the strings
+``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (protobuf's JSON mapping; numpy reads them back),
+and JSON ``data`` of an input must be finite: non-finite inputs travel as binary data.
+
+A body may be compressed (``Content-Encoding: gzip`` or ``deflate``); ps-serve decompresses it
+itself, on a worker thread, with the size limit applied to the decompressed bytes too (the
+application runs with aiohttp's own decompression off: `HttpApi.runner`).
 
 Errors are ``{"error": "..."}``: 400 for a bad request (the message names the input and the
-values), 401 without the token, 404 for an unknown model, version or path, 405 for a wrong
-method, 413 for a body above the limit; 500 only for a fault of the server.
+values; a body that is not valid gzip or deflate, or JSON too deeply nested, is one), 401
+without the token, 404 for an unknown model, version or path, 405 for a wrong method, 413 for a
+body above the limit (before or after decompression), 415 for a Content-Encoding other than
+identity, gzip and deflate; 500 only for a fault of the server.
 
 The event loop only reads bodies and writes answers: decoding, the model run and encoding
 happen on the server's worker threads (onnxruntime releases the GIL), so a long inference
@@ -32,7 +41,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -42,11 +53,11 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from ps_serve.errors import RequestError, ServeError
+from ps_serve.errors import PayloadTooLarge, RequestError, ServeError, UnsupportedMediaType
 from ps_serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from ps_serve.model import ModelState, ServedModel
 from ps_serve.security import CHALLENGE, TokenCheck
-from ps_serve.tensors import datatype_of_array, from_json, from_raw, to_json, to_raw
+from ps_serve.tensors import JsonNumber, brief, datatype_of_array, from_json, from_raw, to_json, to_raw
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +71,13 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 OPEN_ENDPOINTS = frozenset({"server_live", "server_ready"})
 #: Request-level parameters that ask for something this server does not do.
 UNSUPPORTED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+#: The Content-Encodings a request body may have (lower case) -> the coding's name in messages ("x-gzip" is gzip's
+#: old name, RFC 9110 8.4.1.3). Anything else is refused with 415 before the body is read.
+CONTENT_CODINGS = {"identity": "identity", "gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate"}
+#: The codings a 415 answer names (its Accept-Encoding header, RFC 7694).
+ACCEPTED_CODINGS = "gzip, deflate, identity"
+#: An Inference-Header-Content-Length value: decimal digits, perhaps with a sign (its range is checked after).
+_LENGTH = re.compile(r"[+-]?[0-9]+")
 
 
 def server_version() -> str:
@@ -89,6 +107,11 @@ class HttpApi:
         self.executor = executor
         self.max_request_bytes = max_request_bytes
         self.stopping = False
+
+    def runner(self, **options: Any) -> web.AppRunner:
+        """The runner that serves `app()`: aiohttp's decompression off, since `infer` decompresses a body itself
+        (aiohttp's errors for a body that is not what its Content-Encoding says would be answered as faults)."""
+        return web.AppRunner(self.app(), auto_decompress=False, **options)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._middleware])
@@ -124,6 +147,7 @@ class HttpApi:
                 response = await handler(request)
         except ServeError as exc:
             response = error_response(exc.status, str(exc))
+            response.headers.update(getattr(exc, "headers", {}))
         except web.HTTPRequestEntityTooLarge:
             response = error_response(413, f"the request body is larger than {self.max_request_bytes} bytes, this "
                                            "server's limit (ps-serve --max-request-bytes)")
@@ -169,19 +193,22 @@ class HttpApi:
 
     async def infer(self, request: web.Request) -> web.Response:
         self._check_model(request)
+        coding = content_coding(request.headers.get("Content-Encoding"))   # 415 before reading the body
         body = await request.read()
         header_length = request.headers.get(HEADER_LENGTH)
         state = self.served.current()   # the one state this request uses, whatever is swapped in meanwhile
         answer = await asyncio.get_running_loop().run_in_executor(self.executor, self.answer, state, body,
-                                                                  header_length)
+                                                                  header_length, coding)
         response = web.Response(body=answer.body)
         response.headers["Content-Type"] = answer.content_type
         if answer.header_length is not None:
             response.headers[HEADER_LENGTH] = str(answer.header_length)
         return response
 
-    def answer(self, state: ModelState, body: bytes, header_length: str | None) -> Answer:
-        """Decodes the request, runs the model on `state` and encodes the answer (on a worker thread)."""
+    def answer(self, state: ModelState, body: bytes, header_length: str | None, coding: str = "identity") -> Answer:
+        """Decompresses and decodes the request, runs the model on `state` and encodes the answer (on a worker
+        thread)."""
+        body = decompress(body, coding, self.max_request_bytes)
         request = parse_infer_request(state, body, header_length)
         started = time.perf_counter()
         outputs = state.infer(request.inputs, [name for name, _ in request.outputs] or None)
@@ -195,6 +222,50 @@ class HttpApi:
 
 
 # ---------------------------------------------------------------------- decoding a request
+
+
+def content_coding(header: str | None) -> str:
+    """The content coding of a request body from its Content-Encoding header (none: identity); UnsupportedMediaType
+    (415) for one this server cannot read, such as br or zstd, or a list of several."""
+    coding = (header or "").strip().lower() or "identity"
+    if coding not in CONTENT_CODINGS:
+        raise UnsupportedMediaType(f"Content-Encoding {header[:40]!r} is not supported; send identity, gzip or "
+                                   "deflate", {"Accept-Encoding": ACCEPTED_CODINGS})
+    return CONTENT_CODINGS[coding]
+
+
+def decompress(body: bytes, coding: str, limit: int) -> bytes:
+    """The body decompressed from its content coding (`content_coding`): RequestError naming the coding when the
+    body is not valid data of it, PayloadTooLarge (413) when it decompresses to more than `limit` bytes."""
+    if coding == "identity" or not body:
+        return body
+    if coding == "gzip":
+        wbits = 16 + zlib.MAX_WBITS
+    else:   # deflate: the zlib format (RFC 1950), or raw deflate (RFC 1951) as some clients send it
+        wbits = zlib.MAX_WBITS if body[0] & 0x0F == 8 else -zlib.MAX_WBITS
+    parts: list[bytes] = []
+    size = 0
+    data = body
+    while True:
+        decompressor = zlib.decompressobj(wbits)
+        try:
+            part = decompressor.decompress(data, limit - size + 1)
+        except zlib.error as exc:
+            raise RequestError(f"the request body is not valid {coding} (Content-Encoding: {coding}): {exc}") from None
+        size += len(part)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body decompresses to more than {limit} bytes, this server's limit "
+                                  "(ps-serve --max-request-bytes)")
+        parts.append(part)
+        if not decompressor.eof:
+            raise RequestError(f"the request body is not valid {coding} (Content-Encoding: {coding}): it ends "
+                               f"before the compressed data does ({len(body)} bytes)")
+        data = decompressor.unused_data
+        if not data:
+            return b"".join(parts)
+        if coding != "gzip" or not data.startswith(b"\x1f\x8b"):   # only gzip may hold several members
+            raise RequestError(f"the request body is not valid {coding} (Content-Encoding: {coding}): "
+                               f"{len(data)} bytes follow the end of the compressed data")
 
 
 @dataclass(frozen=True)
@@ -211,23 +282,36 @@ def parse_infer_request(state: ModelState, body: bytes, header_length: str | Non
     """An inference request from its body (JSON, or JSON and binary tensor data), checked against `state`."""
     if header_length is None:
         header, binary = body, memoryview(b"")
+        what = "the request body"
     else:
-        try:
-            length = int(header_length)
-        except ValueError:
-            raise RequestError(f"{HEADER_LENGTH} must be an integer, got {header_length!r}") from None
-        if not 0 <= length <= len(body):
-            raise RequestError(f"{HEADER_LENGTH} is {length}, but the body has {len(body)} bytes")
+        text = header_length.strip()
+        if not _LENGTH.fullmatch(text):
+            raise RequestError(f"{HEADER_LENGTH} must be an integer, got {header_length[:40]!r}")
+        shown = text if len(text) <= 24 else text[:21] + "..."
+        # a value of more than 24 digits is beyond any body: compared by its sign alone (int() refuses 4300 digits)
+        length = int(text) if len(text) <= 24 else (-1 if text.startswith("-") else len(body) + 1)
+        if length < 0:
+            raise RequestError(f"{HEADER_LENGTH} must be >= 0 and at most the body's size ({len(body)} bytes), got "
+                               f"{shown}")
+        if length > len(body):
+            raise RequestError(f"{HEADER_LENGTH} is {shown}, but the body has {len(body)} bytes; it must be at "
+                               "most the body's size")
+        if length == 0:
+            raise RequestError(f"{HEADER_LENGTH} is 0, but the JSON header cannot be empty: the body starts with the "
+                               f"request's JSON, and {HEADER_LENGTH} gives its length in bytes")
         header, binary = body[:length], memoryview(body)[length:]
+        what = f"the request's JSON header (the first {length} bytes of the body)"
     try:
-        document = json.loads(header)
+        document = json.loads(header, parse_constant=JsonNumber.parse)
+    except RecursionError:
+        raise RequestError(f"{what} is not valid JSON: nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
-        raise RequestError(f"the request is not valid JSON: {exc}") from None
+        raise RequestError(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise RequestError(f"the request must be a JSON object, got {type(document).__name__}")
     request_id = document.get("id")
     if request_id is not None and not isinstance(request_id, str):
-        raise RequestError(f"id must be a string, got {request_id!r}")
+        raise RequestError(f"id must be a string, got {_short(request_id)}")
     parameters = _parameters(document.get("parameters"), "the request")
     for name in UNSUPPORTED_PARAMETERS:
         if parameters.get(name) not in (None, 0, "", False):
@@ -257,7 +341,8 @@ def _inputs(state: ModelState, items: Any, binary: memoryview) -> dict[str, np.n
         size = parameters.get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise RequestError(f"input '{name}': binary_data_size must be a non-negative integer, got {size!r}")
+                raise RequestError(f"input '{name}': binary_data_size must be a non-negative integer, got "
+                                   f"{_short(size)}")
             if "data" in item:
                 raise RequestError(f"input '{name}' has both 'data' and binary_data_size; send one")
             if offset + size > len(binary):
@@ -304,13 +389,13 @@ def _parameters(value: Any, where: str) -> dict[str, Any]:
 def _flag(parameters: dict[str, Any], key: str, where: str, default: bool | None = False) -> Any:
     value = parameters.get(key, default)
     if value is not default and not isinstance(value, bool):
-        raise RequestError(f"{where}: parameter {key!r} must be true or false, got {value!r}")
+        raise RequestError(f"{where}: parameter {key!r} must be true or false, got {_short(value)}")
     return value
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, (bytes, memoryview)) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """A value of the request as JSON text for an error message, cut to 80 characters however large or deep."""
+    return brief(value, 80)
 
 
 # ---------------------------------------------------------------------- encoding the answer
@@ -335,7 +420,7 @@ def encode_infer_response(served: ServedModel, state: ModelState, request_id: st
             tensor["data"] = to_json(array)
         tensors.append(tensor)
     document["outputs"] = tensors
-    header = json.dumps(document, separators=(",", ":")).encode()
+    header = json.dumps(document, separators=(",", ":"), allow_nan=False).encode()   # to_json wrote no NaN
     if not blobs:
         return Answer(header, "application/json")
     return Answer(b"".join([header, *blobs]), "application/octet-stream", len(header))

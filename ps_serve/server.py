@@ -94,7 +94,7 @@ class InferenceServer:
     async def start(self) -> dict[str, Any]:
         """Listens; the READY line's fields. OSError (naming the address) when a port cannot be bound."""
         config = self.config
-        self._runner = web.AppRunner(self.http.app(), access_log=None, shutdown_timeout=STOP_SECONDS)
+        self._runner = self.http.runner(access_log=None, shutdown_timeout=STOP_SECONDS)
         await self._runner.setup()
         site = web.TCPSite(self._runner, config.host, config.port, ssl_context=self.ssl_context)
         try:

@@ -299,13 +299,7 @@ def _big_numbers(spec: TensorSpec, values: np.ndarray) -> np.ndarray:
             if fractional:
                 raise RequestError(f"input '{spec.name}' is {spec.datatype}: data must hold integers, found "
                                    f"{_show(fractional[0])}")
-        numbers = [int(v) for v in values]
-        info = np.iinfo(NUMPY_DTYPES[spec.datatype])
-        for bound in (min(numbers), max(numbers)):
-            if not info.min <= bound <= info.max:
-                raise RequestError(f"input '{spec.name}' is {spec.datatype}: {_show(bound)} is outside "
-                                   f"{info.min}..{info.max}")
-        return np.array(numbers, dtype=NUMPY_DTYPES[spec.datatype])
+        return _in_integer_range(spec, [int(v) for v in values])
     return np.array([_to_float(v) for v in values], dtype=np.float64)
 
 
@@ -326,13 +320,18 @@ def _exact_integers(spec: TensorSpec, data: list, depth: int, values: np.ndarray
         raise RequestError(f"input '{spec.name}' is {spec.datatype}: data must hold integers, found {_show(found)}")
     objects = list(_leaves(data, depth))
     if all(type(v) is int for v in objects):   # noqa: E721 - exactly int: JSON integers
-        info = np.iinfo(NUMPY_DTYPES[spec.datatype])
-        for bound in (min(objects), max(objects)):
-            if not info.min <= bound <= info.max:
-                raise RequestError(f"input '{spec.name}' is {spec.datatype}: {_show(bound)} is outside "
-                                   f"{info.min}..{info.max}")
-        return np.array(objects, dtype=NUMPY_DTYPES[spec.datatype])
+        return _in_integer_range(spec, objects)
     return values
+
+
+def _in_integer_range(spec: TensorSpec, numbers: list[int]) -> np.ndarray:
+    """Python integers as the input's integer dtype; RequestError naming the first bound outside its range."""
+    info = np.iinfo(NUMPY_DTYPES[spec.datatype])
+    for bound in (min(numbers), max(numbers)):
+        if not info.min <= bound <= info.max:
+            raise RequestError(f"input '{spec.name}' is {spec.datatype}: {_show(bound)} is outside "
+                               f"{info.min}..{info.max}")
+    return np.array(numbers, dtype=NUMPY_DTYPES[spec.datatype])
 
 
 def _show(value: Any) -> str:

@@ -25,7 +25,7 @@ import math
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, auto_pads, constants, opset_of, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, auto_pads, constants, opset_of, rebuild, static_shapes
 
 __all__ = ["expand_grouped_convs"]
 
@@ -43,24 +43,17 @@ def expand_grouped_convs(model: onnx.ModelProto) -> int:
     shapes = static_shapes(model)
     fixed = constants(model)
     emit = Emitter(model, "grouped_conv")
-    nodes: list[onnx.NodeProto] = []
-    rewritten = 0
-    for node in model.graph.node:
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         group = next((a.i for a in node.attribute if a.name == "group"), 1)
-        x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1],
-                                                  node.output[0])) \
-            if node.op_type == "Conv" else (None, None, None)
-        if node.op_type != "Conv" or group == 1 or node.input[1] in fixed or \
-                x is None or w is None or y is None:
-            nodes.append(node)
-            continue
-        nodes += _as_matmul(node, group, x, w, y, emit)
-        rewritten += 1
-    if rewritten:
-        model.graph.ClearField("node")
-        model.graph.node.extend(nodes)
-        model.graph.initializer.extend(emit.initializers)
-    return rewritten
+        if node.op_type != "Conv" or group == 1 or node.input[1] in fixed:
+            return None
+        x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
+        if x is None or w is None or y is None:
+            return None
+        return _as_matmul(node, group, x, w, y, emit)
+
+    return rebuild(model, emit, replace)
 
 
 def _as_matmul(node: onnx.NodeProto, group: int, x: tuple[int, ...], w: tuple[int, ...],

@@ -31,12 +31,14 @@ refuses them only if a gradient must flow through them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from worker_client.engine.rewrites.fold import evaluate_node
-from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, rebuild, static_shapes
 
 __all__ = ["gather_copying_pads", "index_without_steps_or_copying_pads", "slice_cropping_pads", "unstep_slices"]
 
@@ -111,20 +113,12 @@ def unstep_slices(model: onnx.ModelProto) -> int:
     shapes = static_shapes(model)
     bounds = _Bounds(model, shapes)
     emit = Emitter(model, "unstepped")
-    nodes: list[onnx.NodeProto] = []
-    rewritten = 0
-    for node in model.graph.node:
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         plan = _slice_plan(node, shapes, bounds) if node.op_type == "Slice" else None
-        if plan is None:
-            nodes.append(node)
-            continue
-        nodes += _unstepped(node, shapes[node.input[0]], plan, emit)
-        rewritten += 1
-    if rewritten:
-        model.graph.ClearField("node")
-        model.graph.node.extend(nodes)
-        model.graph.initializer.extend(emit.initializers)
-    return rewritten
+        return None if plan is None else _unstepped(node, shapes[node.input[0]], plan, emit)
+
+    return rebuild(model, emit, replace)
 
 
 def _slice_plan(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]],
@@ -217,95 +211,100 @@ def index_without_steps_or_copying_pads(model: onnx.ModelProto) -> int:
 def gather_copying_pads(model: onnx.ModelProto) -> int:
     """Rewrite every Pad in mode edge, reflect or wrap with constant pads and static data as Gathers, in place
     (module docstring). Returns the number rewritten."""
-    if opset_of(model) < _BOUNDS_AS_INPUTS["Pad"]:
-        return 0
-    shapes = static_shapes(model)
-    bounds = _Bounds(model, shapes)
-    emit = Emitter(model, "gathered_pad")
-    nodes: list[onnx.NodeProto] = []
-    rewritten = 0
-    for node in model.graph.node:
-        mode = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "mode"), b"constant")
-        mode = mode.decode() if isinstance(mode, bytes) else mode
-        shape = shapes.get(node.input[0]) if node.op_type == "Pad" else None
-        pads = bounds.ints(node, 1) if shape is not None else None
-        axes = bounds.ints(node, 3) if pads is not None else None
-        if shape is None or pads is None or axes is None or mode not in ("edge", "reflect", "wrap"):
-            nodes.append(node)
-            continue
-        rank = len(shape)
-        axes = [a % rank for a in axes] or list(range(rank))
-        if len(pads) != 2 * len(axes) or any(not -rank <= a < rank for a in axes):
-            nodes.append(node)
-            continue
-        sources = [_sources(mode, shape[axis], pads[i], pads[i + len(axes)]) for i, axis in enumerate(axes)]
-        if any(s is None for s in sources):
-            nodes.append(node)   # reflect wider than the axis allows: onnxruntime's own error, left to it
-            continue
-        chain = [(axis, index) for axis, index in zip(axes, sources)
-                 if index is not None and not np.array_equal(index, np.arange(shape[axis]))]
-        source = node.input[0]
-        if not chain:
-            nodes.append(helper.make_node("Identity", [source], [node.output[0]], name=node.name or emit.name()))
-        for position, (axis, index) in enumerate(chain):
-            out = node.output[0] if position == len(chain) - 1 else emit.name()
-            nodes.append(helper.make_node("Gather", [source, emit.ints(index.tolist())], [out],
-                                          name=out if out != node.output[0] else (node.name or emit.name()),
-                                          axis=axis))
-            source = out
-        rewritten += 1
-    if rewritten:
-        model.graph.ClearField("node")
-        model.graph.node.extend(nodes)
-        model.graph.initializer.extend(emit.initializers)
-    return rewritten
+    return _rewrite_pads(model, "gathered_pad", _gathered)
 
 
 def slice_cropping_pads(model: onnx.ModelProto) -> int:
     """Rewrite every constant-mode Pad with a negative pad, constant pads and static data as a Slice (the crop)
     and a Pad of what is left, in place (module docstring). Returns the number rewritten."""
+    return _rewrite_pads(model, "cropping_pad", _cropped)
+
+
+_PadOperands = tuple[str, tuple[int, ...], list[int], list[int]]
+
+
+def _rewrite_pads(model: onnx.ModelProto, stem: str,
+                  rewrite: Callable[[onnx.NodeProto, _PadOperands, Emitter], list[onnx.NodeProto] | None]) -> int:
+    """Each Pad of static shape and pads swapped for what `rewrite` returns (None: kept)."""
     if opset_of(model) < _BOUNDS_AS_INPUTS["Pad"]:
         return 0
     shapes = static_shapes(model)
     bounds = _Bounds(model, shapes)
-    emit = Emitter(model, "cropping_pad")
+    emit = Emitter(model, stem)
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        found = _pad_operands(node, shapes, bounds)
+        return None if found is None else rewrite(node, found, emit)
+
+    return rebuild(model, emit, replace)
+
+
+def _gathered(node: onnx.NodeProto, found: _PadOperands, emit: Emitter) -> list[onnx.NodeProto] | None:
+    """An edge, reflect or wrap Pad as a Gather along each padded axis."""
+    mode, shape, before, after = found
+    if mode not in ("edge", "reflect", "wrap"):
+        return None
+    sources = [_sources(mode, size, b, a) for size, b, a in zip(shape, before, after)]
+    if any(s is None for s in sources):
+        return None   # reflect wider than the axis allows: onnxruntime's own error, left to it
+    chain = [(axis, index) for axis, index in enumerate(sources)
+             if index is not None and not np.array_equal(index, np.arange(shape[axis]))]
     nodes: list[onnx.NodeProto] = []
-    rewritten = 0
-    for node in model.graph.node:
-        mode = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "mode"), b"constant")
-        shape = shapes.get(node.input[0]) if node.op_type == "Pad" and mode in (b"constant", "constant") else None
-        pads = bounds.ints(node, 1) if shape is not None else None
-        axes = bounds.ints(node, 3) if pads is not None else None
-        if shape is None or pads is None or axes is None or not any(p < 0 for p in pads):
-            nodes.append(node)
-            continue
-        rank = len(shape)
-        axes = [a % rank for a in axes] or list(range(rank))
-        if len(pads) != 2 * len(axes):
-            nodes.append(node)
-            continue
-        before, after = [0] * rank, [0] * rank
-        for i, axis in enumerate(axes):
-            before[axis], after[axis] = pads[i], pads[i + len(axes)]
-        cut = [a for a in range(rank) if before[a] < 0 or after[a] < 0]
-        cropped = emit.name()
+    source = node.input[0]
+    if not chain:
+        nodes.append(helper.make_node("Identity", [source], [node.output[0]], name=node.name or emit.name()))
+    for position, (axis, index) in enumerate(chain):
+        out = node.output[0] if position == len(chain) - 1 else emit.name()
+        nodes.append(helper.make_node("Gather", [source, emit.ints(index.tolist())], [out],
+                                      name=out if out != node.output[0] else (node.name or emit.name()),
+                                      axis=axis))
+        source = out
+    return nodes
+
+
+def _cropped(node: onnx.NodeProto, found: _PadOperands, emit: Emitter) -> list[onnx.NodeProto] | None:
+    """A constant Pad with a negative pad as a Slice of the crop and a Pad of the rest."""
+    mode, shape, before, after = found
+    if mode != "constant" or not any(p < 0 for p in before + after):
+        return None
+    cut = [a for a in range(len(shape)) if before[a] < 0 or after[a] < 0]
+    cropped = emit.name()
+    nodes = [helper.make_node(
+        "Slice", [node.input[0], emit.ints([max(-before[a], 0) for a in cut]),
+                  emit.ints([shape[a] - max(-after[a], 0) for a in cut]), emit.ints(cut)], [cropped],
+        name=cropped)]
+    if any(p > 0 for p in before + after):
+        value = [node.input[2]] if len(node.input) > 2 and node.input[2] else []
         nodes.append(helper.make_node(
-            "Slice", [node.input[0], emit.ints([max(-before[a], 0) for a in cut]),
-                      emit.ints([shape[a] - max(-after[a], 0) for a in cut]), emit.ints(cut)], [cropped],
-            name=cropped))
-        if any(p > 0 for p in before + after):
-            value = [node.input[2]] if len(node.input) > 2 and node.input[2] else []
-            nodes.append(helper.make_node(
-                "Pad", [cropped, emit.ints([max(p, 0) for p in before] + [max(p, 0) for p in after])] + value,
-                [node.output[0]], name=node.name or emit.name()))
-        else:
-            nodes.append(helper.make_node("Identity", [cropped], [node.output[0]], name=node.name or emit.name()))
-        rewritten += 1
-    if rewritten:
-        model.graph.ClearField("node")
-        model.graph.node.extend(nodes)
-        model.graph.initializer.extend(emit.initializers)
-    return rewritten
+            "Pad", [cropped, emit.ints([max(p, 0) for p in before] + [max(p, 0) for p in after])] + value,
+            [node.output[0]], name=node.name or emit.name()))
+    else:
+        nodes.append(helper.make_node("Identity", [cropped], [node.output[0]], name=node.name or emit.name()))
+    return nodes
+
+
+def _pad_operands(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], bounds: _Bounds) -> _PadOperands | None:
+    """A Pad's mode, its data's static shape, and its pads before and after every axis (its `axes` input spread
+    out); None for another node, or a Pad whose shape or pads are not static."""
+    if node.op_type != "Pad":
+        return None
+    mode = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "mode"), b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    shape = shapes.get(node.input[0])
+    pads = bounds.ints(node, 1) if shape is not None else None
+    axes = bounds.ints(node, 3) if pads is not None else None
+    if shape is None or pads is None or axes is None:
+        return None
+    rank = len(shape)
+    if any(not -rank <= a < rank for a in axes):
+        return None
+    axes = [a % rank for a in axes] or list(range(rank))
+    if len(pads) != 2 * len(axes):
+        return None
+    before, after = [0] * rank, [0] * rank
+    for i, axis in enumerate(axes):
+        before[axis], after[axis] = pads[i], pads[i + len(axes)]
+    return mode, shape, before, after
 
 
 def _sources(mode: str, size: int, before: int, after: int) -> np.ndarray | None:

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, rebuild, static_shapes
 
 __all__ = ["flatten_weight_matmuls"]
 
@@ -22,23 +22,16 @@ def flatten_weight_matmuls(model: onnx.ModelProto) -> int:
     """
     shapes = static_shapes(model)
     emit = Emitter(model, "flat_matmul")
-    nodes: list[onnx.NodeProto] = []
-    rewritten = 0
-    for node in model.graph.node:
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         left = shapes.get(node.input[0]) if node.op_type == "MatMul" else None
         right = shapes.get(node.input[1]) if node.op_type == "MatMul" else None
         if left is None or right is None or len(left) <= 2 or len(right) != 2:
-            nodes.append(node)
-            continue
+            return None
         to_flat, flat = emit.reshape(node.input[0], [int(np.prod(left[:-1])), left[-1]])
         product = emit.name()
-        nodes += [to_flat,
-                  helper.make_node("MatMul", [flat, node.input[1]], [product],
-                                   name=node.name or product),
-                  emit.reshape(product, list(left[:-1]) + [right[1]], out=node.output[0])[0]]
-        rewritten += 1
-    if rewritten:
-        model.graph.ClearField("node")
-        model.graph.node.extend(nodes)
-        model.graph.initializer.extend(emit.initializers)
-    return rewritten
+        return [to_flat,
+                helper.make_node("MatMul", [flat, node.input[1]], [product], name=node.name or product),
+                emit.reshape(product, list(left[:-1]) + [right[1]], out=node.output[0])[0]]
+
+    return rebuild(model, emit, replace)

@@ -26,7 +26,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, opset_of, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, opset_of, rebuild, static_shapes
 
 __all__ = ["drop_idle_ceil_modes", "pad_overhanging_average_pools"]
 
@@ -87,23 +87,14 @@ def pad_overhanging_average_pools(model: onnx.ModelProto) -> int:
         return 0
     shapes = static_shapes(model)
     emit = Emitter(model, "ceil_pool")
-    nodes: list[onnx.NodeProto] = []
-    rewritten = 0
-    for node in model.graph.node:
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         x = shapes.get(node.input[0]) if node.op_type == "AveragePool" else None
         y = shapes.get(node.output[0]) if x is not None else None
         geometry = _geometry(node, x) if y is not None and len(y) == len(x) else None
-        replacement = _padded_pool(node, x, y, geometry, opset, emit) if geometry is not None else None
-        if replacement is None:
-            nodes.append(node)
-            continue
-        nodes += replacement
-        rewritten += 1
-    if rewritten:
-        model.graph.ClearField("node")
-        model.graph.node.extend(nodes)
-        model.graph.initializer.extend(emit.initializers)
-    return rewritten
+        return _padded_pool(node, x, y, geometry, opset, emit) if geometry is not None else None
+
+    return rebuild(model, emit, replace)
 
 
 def _padded_pool(node: onnx.NodeProto, x: tuple[int, ...], y: tuple[int, ...], geometry: tuple[list[int], ...],

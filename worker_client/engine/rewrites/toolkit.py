@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["Emitter", "auto_pads", "constants", "opset_of", "static_shapes"]
+__all__ = ["Emitter", "auto_pads", "constants", "opset_of", "rebuild", "static_shapes"]
 
 
 def opset_of(model: onnx.ModelProto) -> int:
@@ -91,3 +91,23 @@ def auto_pads(mode: bytes | str, size: tuple[int, ...], kernel: list[int], strid
         begins.append(small if upper else large)
         ends.append(large if upper else small)
     return begins + ends
+
+
+def rebuild(model: onnx.ModelProto, emit: Emitter,
+            replace: Callable[[onnx.NodeProto], list[onnx.NodeProto] | None]) -> int:
+    """Each node of the graph, in order, kept or swapped for the nodes `replace` returns (None: kept); the
+    Emitter's new constants added. Returns the number replaced; the graph is untouched when none is."""
+    nodes: list[onnx.NodeProto] = []
+    replaced = 0
+    for node in model.graph.node:
+        replacement = replace(node)
+        if replacement is None:
+            nodes.append(node)
+            continue
+        nodes += replacement
+        replaced += 1
+    if replaced:
+        model.graph.ClearField("node")
+        model.graph.node.extend(nodes)
+        model.graph.initializer.extend(emit.initializers)
+    return replaced

@@ -28,7 +28,9 @@ from pathlib import Path
 
 from prometheus_client import disable_created_metrics
 
+from ps_common.errors import JobConfigError
 from ps_common.logs import configure_logging
+from ps_common.tf_config import split_address
 from ps_common.tls import AUTH_TOKEN_ENV, READER_TOKEN_ENV, client_security, token_from
 from ps_serve.follow import Follower, FollowError
 from ps_serve.metrics import FollowCollector
@@ -148,6 +150,12 @@ def _follower(args: argparse.Namespace, server: InferenceServer) -> Follower | N
     addresses = [a.strip() for a in args.follow.split(",") if a.strip()]
     if not addresses:
         raise FollowError("--follow names no shard address")
+    for address in addresses:   # a bad one was retried for 30 s; a port past 65535 reached another port
+        for replica in address.split("|"):
+            try:
+                split_address(replica)
+            except JobConfigError as exc:
+                raise FollowError(f"--follow: {exc}") from None
     if (args.follow_tls_cert is None) != (args.follow_tls_key is None):
         raise FollowError("--follow-tls-cert and --follow-tls-key go together: give both or neither")
     token = token_from(args.follow_token_file) if args.follow_token_file else (

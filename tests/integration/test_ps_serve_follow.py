@@ -184,7 +184,10 @@ def test_a_job_that_cannot_be_followed_ends_ps_serve_with_one_line_and_exit_2(st
     with client(cluster, "w0") as w0:
         w0.initialize(other)
     for flags, expected in ((["--follow", cluster.address_option], "does not match the shards"),
-                            (["--follow", ","], "names no shard address")):
+                            (["--follow", ","], "names no shard address"),
+                            # was retried for 30 s (and 127.0.0.1:99999 would have reached port 34463)
+                            (["--follow", "notanaddr"], "address 'notanaddr' is not host:port"),
+                            (["--follow", "127.0.0.1:99999"], "with a port in 1..65535")):
         child = ChildProcess("ps-serve", python_module_argv("ps_serve.cli", "--model", str(model), *flags),
                              env=child_env(None, drop=["PS_AUTH_TOKEN", "PS_READER_TOKEN"]), cwd=REPO_ROOT,
                              ready_prefix=READY_PREFIX, stderr=PIPE, new_session=False)

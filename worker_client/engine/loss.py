@@ -9,6 +9,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ps_common.errors import UnsupportedModelError
+from worker_client.engine.rewrites.toolkit import opset_of
 from worker_client.engine.trainables import FLOAT_TYPES
 
 __all__ = ["LossSpec", "attach_loss", "parse_loss"]
@@ -94,8 +95,7 @@ def _log_softmax(logits: str, out: str, model: onnx.ModelProto, names) -> list[o
     """LogSoftmax over axis 1 of (batch, classes) logits. Below opset 13 (a model the version converter could not
     upgrade) spelled out -- x - max - log(sum(exp(x - max))), with the reductions' axes as attributes -- since
     onnx-ad refuses that opset's LogSoftmax, though on 2-D logits its flattening changes nothing."""
-    opset = max([o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] or [1])
-    if opset >= _LOG_SOFTMAX_ON_AN_AXIS:
+    if opset_of(model) >= _LOG_SOFTMAX_ON_AN_AXIS:
         return [helper.make_node("LogSoftmax", [logits], [out], name=out, axis=1)]
     peak, shifted, exp, total, log_total = (names(stem) for stem in (
         "ce_peak", "ce_shifted", "ce_exp", "ce_sum", "ce_log_sum"))

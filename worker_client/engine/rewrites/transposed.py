@@ -24,7 +24,7 @@ import onnx
 from onnx import helper
 
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
-from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, rebuild, static_shapes
 
 __all__ = ["convolve_trained_transposed_convs"]
 
@@ -61,21 +61,20 @@ def _split_groups(model: onnx.ModelProto, outputs: set[str]) -> None:
         return
     shapes = static_shapes(model)
     emit = Emitter(model, "transposed_group")
-    nodes: list[onnx.NodeProto] = []
-    for node in model.graph.node:
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         group = next((a.i for a in node.attribute if a.name == "group"), 1) if node.op_type == "ConvTranspose" \
             else 1
         x, w = (shapes.get(node.input[0]), shapes.get(node.input[1])) if group > 1 else (None, None)
         if group == 1 or group > MAX_GROUPS or node.output[0] not in outputs or x is None or w is None or \
                 x[1] % group or w[0] != x[1]:
-            nodes.append(node)
-            continue
+            return None
         pieces, kernels = [emit.name() for _ in range(group)], [emit.name() for _ in range(group)]
         parts = [emit.name() for _ in range(group)]
-        nodes += [helper.make_node("Split", [node.input[0], emit.ints([x[1] // group] * group)], pieces,
-                                   name=emit.name(), axis=1),
-                  helper.make_node("Split", [node.input[1], emit.ints([w[0] // group] * group)], kernels,
-                                   name=emit.name(), axis=0)]
+        nodes = [helper.make_node("Split", [node.input[0], emit.ints([x[1] // group] * group)], pieces,
+                                  name=emit.name(), axis=1),
+                 helper.make_node("Split", [node.input[1], emit.ints([w[0] // group] * group)], kernels,
+                                  name=emit.name(), axis=0)]
         kept = [a for a in node.attribute if a.name != "group"]
         for piece, kernel, part in zip(pieces, kernels, parts):
             one = helper.make_node("ConvTranspose", [piece, kernel], [part], name=part)
@@ -84,9 +83,9 @@ def _split_groups(model: onnx.ModelProto, outputs: set[str]) -> None:
             outputs.add(part)
         nodes.append(helper.make_node("Concat", parts, [node.output[0]], name=node.name or emit.name(), axis=1))
         outputs.discard(node.output[0])
-    model.graph.ClearField("node")
-    model.graph.node.extend(nodes)
-    model.graph.initializer.extend(emit.initializers)
+        return nodes
+
+    rebuild(model, emit, replace)
 
 
 def _split_biases(model: onnx.ModelProto, outputs: set[str]) -> None:
@@ -94,13 +93,12 @@ def _split_biases(model: onnx.ModelProto, outputs: set[str]) -> None:
     to the unbiased one)."""
     shapes = static_shapes(model)
     emit = Emitter(model, "transposed_bias")
-    nodes: list[onnx.NodeProto] = []
-    for node in model.graph.node:
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         weight = shapes.get(node.input[1]) if node.op_type == "ConvTranspose" else None
         if node.op_type != "ConvTranspose" or node.output[0] not in outputs or len(node.input) <= _BIAS or \
                 not node.input[_BIAS] or weight is None:
-            nodes.append(node)
-            continue
+            return None
         group = next((a.i for a in node.attribute if a.name == "group"), 1)
         result, unbiased = node.output[0], emit.name()
         plain = onnx.NodeProto()
@@ -108,9 +106,8 @@ def _split_biases(model: onnx.ModelProto, outputs: set[str]) -> None:
         del plain.input[_BIAS:]
         plain.output[0] = unbiased
         bias, bias_name = emit.reshape(node.input[_BIAS], [1, weight[1] * group] + [1] * (len(weight) - 2))
-        nodes += [plain, bias, helper.make_node("Add", [unbiased, bias_name], [result], name=emit.name())]
         outputs.discard(result)
         outputs.add(unbiased)
-    model.graph.ClearField("node")
-    model.graph.node.extend(nodes)
-    model.graph.initializer.extend(emit.initializers)
+        return [plain, bias, helper.make_node("Add", [unbiased, bias_name], [result], name=emit.name())]
+
+    rebuild(model, emit, replace)

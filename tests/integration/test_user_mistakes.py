@@ -150,12 +150,42 @@ def test_ps_launch_from_the_command_line_prints_no_traceback_for_a_corrupt_model
     assert done.stdout == ""
 
 
-def test_ps_launch_refuses_a_metrics_port_in_use_before_starting_a_shard(taken_port: int, files, monkeypatch,
-                                                                          capsys) -> None:
+@pytest.fixture
+def free_port_below_a_taken_one() -> Iterator[tuple[socket.socket, int]]:
+    """(holder, P): a listening socket holds P, and `holder` holds P-1 until the test closes it.
+
+    Holding both until the call matters: a P-1 that some other process owns would make the launcher
+    report shard 0's port instead of shard 1's (seen once in CI).
+    """
+    for _ in range(50):
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        holder = socket.socket()
+        try:
+            holder.bind(("127.0.0.1", port - 1))
+        except OSError:
+            holder.close()
+            taken.close()
+            continue
+        try:
+            yield holder, port
+        finally:
+            holder.close()
+            taken.close()
+        return
+    pytest.fail("found no pair of adjacent ports on 127.0.0.1 in 50 tries")
+
+
+def test_ps_launch_refuses_a_metrics_port_in_use_before_starting_a_shard(free_port_below_a_taken_one, files,
+                                                                          monkeypatch, capsys) -> None:
     from ps_tools import launch
     from ps_tools.launch import supervise   # where the launcher starts its processes
 
+    holder, taken_port = free_port_below_a_taken_one
     monkeypatch.setattr(supervise, "ChildProcess", lambda *a, **k: pytest.fail("a process was started"))
+    holder.close()   # frees shard 0's port only now
     status = launch.main(["--shards", "2", "--model", str(files["model"]), "--metrics-port", str(taken_port - 1)])
     err = capsys.readouterr().err
     assert status == 2, err

@@ -61,34 +61,51 @@ class CheckpointDirectory:
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise OSError(f"checkpoint directory {self.path} is not writable")
 
+    def owner(self) -> dict | None:
+        """What the directory's SHARD.json says ({"shard_index", "num_shards"}), or None when it has none
+        (an unreadable one is logged and counts as none: `claim` rewrites it)."""
+        owner_file = self.path / OWNER_FILE
+        try:
+            owner = json.loads(owner_file.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("rewriting unreadable %s: %s", owner_file, exc)
+            return None
+        return owner if isinstance(owner, dict) else None
+
+    def mismatch(self, shard_index: int, num_shards: int) -> str | None:
+        """Why shard_index of num_shards may not use the directory (it belongs to another shard), or None.
+        Reads only: the launcher asks before it starts any shard, and `claim` asks again."""
+        owner = self.owner()
+        if owner is None or (owner.get("shard_index"), owner.get("num_shards")) == (shard_index, num_shards):
+            return None
+        return (f"checkpoint directory {self.path} belongs to shard_index={owner.get('shard_index')} of "
+                f"num_shards={owner.get('num_shards')}; this shard is shard_index={shard_index} of "
+                f"num_shards={num_shards}")
+
     def claim(self, shard_index: int, num_shards: int) -> None:
         """Marks the directory as shard_index's of num_shards; CheckpointMismatchError when another shard's it is."""
         self.ensure()
         owner_file = self.path / OWNER_FILE
         want = {"shard_index": shard_index, "num_shards": num_shards}
-        try:
-            owner = json.loads(owner_file.read_text())
-        except FileNotFoundError:
-            owner = None
-        except (OSError, ValueError) as exc:
-            log.warning("rewriting unreadable %s: %s", owner_file, exc)
-            owner = None
-        if owner is None:
+        if self.owner() is None:
             tmp = self.path / f".{OWNER_FILE}.tmp-{os.getpid()}"
             tmp.write_text(json.dumps(want))
             _fsync_path(tmp)
             try:
-                os.link(tmp, owner_file)          # fails when another shard claimed it first
+                if owner_file.exists():           # unreadable (owner() logged it): rewritten
+                    os.replace(tmp, owner_file)
+                else:
+                    os.link(tmp, owner_file)      # fails when another shard claimed it first
             except FileExistsError:
-                owner = json.loads(owner_file.read_text())
+                pass                              # theirs: checked below
             finally:
                 tmp.unlink(missing_ok=True)
             _fsync_path(self.path, directory=True)
-        if owner is not None and {k: owner.get(k) for k in want} != want:
-            raise CheckpointMismatchError(
-                f"checkpoint directory {self.path} belongs to shard_index={owner.get('shard_index')} of "
-                f"num_shards={owner.get('num_shards')}; this shard is shard_index={shard_index} of "
-                f"num_shards={num_shards}: give every shard a directory of its own")
+        why = self.mismatch(shard_index, num_shards)
+        if why is not None:
+            raise CheckpointMismatchError(f"{why}: give every shard a directory of its own")
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete-named checkpoint, newest first."""

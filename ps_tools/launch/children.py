@@ -96,13 +96,22 @@ def shard_argv(config: JobConfig, level: str, index: int, stage: int | None = No
     argv = process.python_module_argv(
         "ps_server", *jobconfig.to_argv(c, scope="server", skip=skip), *logging_flags(level),
         "--shard-index", str(index), "--host", "127.0.0.1", "--port", port, "--stop-with-parent", *extra)
-    if c.server.checkpoint_dir is not None:   # a checkpoint folder belongs to one shard (one replica of it)
-        folder = Path(c.server.checkpoint_dir) if stage is None else Path(c.server.checkpoint_dir) / f"stage{stage}"
-        argv += ["--checkpoint-dir", str(folder / (f"shard{index}" if replica == 0 else
-                                                   f"shard{index}-replica{replica}"))]
+    folder = checkpoint_folder(c, index, stage, replica)
+    if folder is not None:
+        argv += ["--checkpoint-dir", str(folder)]
     if c.server.metrics_port is not None:   # one port each: the base plus the shard's number (0: any)
         argv += ["--metrics-port", str(c.server.metrics_port + number if c.server.metrics_port else 0)]
     return argv
+
+
+def checkpoint_folder(config: JobConfig, index: int, stage: int | None = None, replica: int = 0) -> Path | None:
+    """Shard `index`'s checkpoint folder under --checkpoint-dir (of stage `stage`, of replica `replica`: a folder
+    belongs to one shard process), or None when the job keeps no checkpoints."""
+    if config.server.checkpoint_dir is None:
+        return None
+    root = Path(config.server.checkpoint_dir)
+    folder = root if stage is None else root / f"stage{stage}"
+    return folder / (f"shard{index}" if replica == 0 else f"shard{index}-replica{replica}")
 
 
 def witness_argv(config: JobConfig, level: str, replication: Replication) -> list[str]:

@@ -39,11 +39,13 @@ from ps_common.jobconfig import JobConfig, JobConfigError
 from ps_common.process import ChildProcess, Output
 from ps_common.scratch import ScratchDir
 from ps_models.datasets import Dataset
+from ps_server.checkpoints import CheckpointDirectory
+from ps_server.checkpoints.directory import OWNER_FILE
 from ps_server.cli import READY_PREFIX
 from ps_common.tls import AUTH_TOKEN_ENV, client_security, token_from
 from ps_tools import export
-from ps_tools.launch.children import (Child, Replication, replication_plan, shard_argv, stage_argv, witness_argv,
-                                      worker_argv)
+from ps_tools.launch.children import (Child, Replication, checkpoint_folder, replication_plan, shard_argv, stage_argv,
+                                      witness_argv, worker_argv)
 from ps_tools.launch.display import LEVELS, PLAIN, Display, Progress, display_level, format_number
 from ps_tools.launch.pipeline_evaluation import PipelineEvaluations
 from ps_tools.launch.record import JobScalars, run_record, write_record
@@ -163,15 +165,41 @@ class Launcher:
                                  "pipeline job's shards are not replicated yet; use one of the two")
         # folders the job writes into only late (the record at its end, checkpoints in the shards): a file there,
         # or a path that cannot be made, was found after the whole run (the record, and the result, lost)
-        for value, what in ((c.launch.record, "--record"), (getattr(c.server, "checkpoint_dir", None),
-                                                           "--checkpoint-dir")):
+        for value, what in ((c.launch.record, "--record"), (c.server.checkpoint_dir, "--checkpoint-dir")):
             if value:
                 _make_folder(Path(value), what)
+        self._check_checkpoint_owners()
         if c.launch.export:
             out = Path(c.launch.export)
             if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
                 raise JobConfigError(f"Invalid --export {c.launch.export!r}: give a file name in an existing folder "
                                      "(e.g. runs/model.onnx)")
+
+    def _check_checkpoint_owners(self) -> None:
+        """Refuses a --checkpoint-dir whose shard folders another job's shards own (another --shards), before any
+        shard starts: each shard would refuse its folder on its own, but only after the others had started and made
+        folders of their own there (a stray shard1/ beside a 1-shard job's checkpoints, which `ps-ctl export` of
+        the folder then trips on)."""
+        c = self.config
+        stages = [None] if c.job.stages == 1 else list(range(c.job.stages))
+        for stage in stages:
+            for index in range(c.job.shards):
+                for replica in range(c.job.shard_replicas):
+                    folder = checkpoint_folder(c, index, stage, replica)
+                    if folder is None:
+                        return
+                    directory = CheckpointDirectory(folder)
+                    if directory.mismatch(index, c.job.shards) is None:
+                        continue
+                    owner = directory.owner() or {}
+                    newest = directory.checkpoints()[:1]
+                    holds = f", newest checkpoint at step {newest[0][0]}" if newest else ", no checkpoint yet"
+                    total = owner.get("num_shards")
+                    raise JobConfigError(
+                        f"Invalid --checkpoint-dir {c.server.checkpoint_dir!r}: {folder} belongs to shard "
+                        f"{owner.get('shard_index')} of a {total}-shard job ({OWNER_FILE}{holds}), and this job has "
+                        f"--shards {c.job.shards}: resume with --shards {total}, or point --checkpoint-dir at "
+                        "another folder")
 
     # ------------------------------------------------------------------ processes
 

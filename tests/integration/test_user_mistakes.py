@@ -19,6 +19,7 @@ import pytest
 from ps_common.process import child_env, python_module_argv
 from ps_models.builders import write_model
 from ps_models.datasets import DIGITS_PATH
+from ps_server.checkpoints import CheckpointDirectory
 
 #: Longest run of one command here: each fails before it starts anything.
 COMMAND_TIMEOUT = 60
@@ -54,8 +55,10 @@ def files(tmp_path_factory) -> dict[str, Path]:
     np.savez(root / "labels15.npz", **{**arrays, "y_train": arrays["y_train"] + 5, "y_test": arrays["y_test"] + 5})
     np.savez(root / "float_labels.npz", **{**arrays, "y_train": arrays["y_train"].astype(np.float32),
                                            "y_test": arrays["y_test"].astype(np.float32)})
+    one_shard = root / "one-shard-checkpoints"   # what a 1-shard job's shard leaves in --checkpoint-dir
+    CheckpointDirectory(one_shard / "shard0").claim(0, 1)
     return {"model": model, "truncated": truncated, "labels15": root / "labels15.npz",
-            "float_labels": root / "float_labels.npz"}
+            "float_labels": root / "float_labels.npz", "one_shard": one_shard}
 
 
 # ---------------------------------------------------------------------- ps-server
@@ -106,6 +109,11 @@ LAUNCH_MISTAKES = {
                          ["Invalid --record '{truncated}': it is a file, not a folder"]),
     "checkpoint-dir-is-a-file": (["--model", "{model}", "--checkpoint-dir", "{truncated}"],
                                  ["Invalid --checkpoint-dir '{truncated}': it is a file, not a folder"]),
+    # each shard refuses a folder another job's shard owns, but only once the others have started (and made folders)
+    "checkpoint-dir-of-another-shard-count": (["--model", "{model}", "--checkpoint-dir", "{one_shard}"],
+                                              ["{one_shard}/shard0 belongs to shard 0 of a 1-shard job (SHARD.json, "
+                                               "no checkpoint yet), and this job has --shards 2",
+                                               "resume with --shards 1, or point --checkpoint-dir at another folder"]),
 }
 try:
     import onnxruntime

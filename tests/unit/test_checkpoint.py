@@ -185,6 +185,32 @@ def test_workers_live_at_the_checkpoint_get_a_fresh_lease_and_workers_that_left_
 # ---------------------------------------------------------------------- atomic writes and the directory
 
 
+def test_a_directory_is_claimed_once_and_another_shard_is_refused_naming_both(tmp_path):
+    directory = CheckpointDirectory(tmp_path / "shard0")
+    assert directory.mismatch(0, 1) is None and not directory.path.exists()   # asking makes nothing
+    directory.claim(0, 1)
+    assert json.loads((directory.path / ckpt_directory.OWNER_FILE).read_text()) == {"shard_index": 0, "num_shards": 1}
+    directory.claim(0, 1)                                                     # the same shard again: fine
+    assert directory.mismatch(0, 1) is None
+    why = directory.mismatch(0, 2)
+    assert why == (f"checkpoint directory {directory.path} belongs to shard_index=0 of num_shards=1; this shard "
+                   "is shard_index=0 of num_shards=2")
+    with pytest.raises(CheckpointMismatchError, match="shard_index=1 of num_shards=2: give every shard a directory"):
+        CheckpointDirectory(directory.path).claim(1, 2)
+    assert directory.owner() == {"shard_index": 0, "num_shards": 1}           # the refused claim changed nothing
+
+
+def test_an_unreadable_owner_file_is_rewritten_by_the_claim(tmp_path, caplog):
+    directory = CheckpointDirectory(tmp_path)
+    (tmp_path / ckpt_directory.OWNER_FILE).write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert directory.mismatch(1, 3) is None
+        directory.claim(1, 3)
+    assert directory.owner() == {"shard_index": 1, "num_shards": 3}
+    assert "rewriting unreadable" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == [ckpt_directory.OWNER_FILE]   # no temporary left
+
+
 def test_a_crash_mid_write_leaves_no_file_under_the_final_name(tmp_path, monkeypatch):
     shard = trained_shard()
     directory = CheckpointDirectory(tmp_path)

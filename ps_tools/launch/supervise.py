@@ -596,7 +596,10 @@ class Launcher:
                   else f"test loss {format_number(loss, '.4f')}")
         saved = [f"record in {c.launch.record}"] if c.launch.record else []
         saved += [f"TensorBoard: tensorboard --logdir {c.worker.tensorboard}"] if c.worker.tensorboard else []
-        self._say(f"done: {result} after {summary['steps']} steps in {summary['seconds']:.1f} s; "
+        target = c.worker.steps
+        idle = (f"nothing trained (the job was already at step {summary['steps']}, at or past --steps {target}); "
+                if target is not None and not summary["samples"] and summary["steps"] >= target else "")
+        self._say(f"done: {idle}{result} after {summary['steps']} steps in {summary['seconds']:.1f} s; "
                   f"{summary['samples_per_second']:,.0f} samples/s, {summary['stale_drops']} stale drop(s)"
                   + "".join(f"; {s}" for s in saved), always=True,
                   **{k: summary[k] for k in ("test_accuracy", "test_loss", "steps", "seconds", "samples_per_second",

@@ -162,3 +162,23 @@ def test_log_json_gives_only_json_lines_with_fields_and_the_metrics_are_served_w
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url)
         assert "ps_step{" in text and "ps_pushes_total{" in text, text[:500]
         assert "_created" not in text
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 60)
+def test_a_job_resumed_from_checkpoints_at_its_steps_says_it_trained_nothing(tmp_path) -> None:
+    """A second run of a finished job over its checkpoints has nothing left to do: it says so, rather than a
+    "done after 20 steps" that reads as if it trained them."""
+    flags = ("--shards", "1", "--workers", "1", "--model", "mlp", "--data", "digits", "--steps", "20",
+             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--timeout", str(JOB_TIMEOUT))
+    runs = [subprocess.run(python_module_argv("ps_tools.launch", *flags), capture_output=True, text=True,
+                           env=child_env(), timeout=JOB_TIMEOUT + 30) for _ in range(2)]
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-3000:]
+    first, second = (json.loads(done.stdout.strip().splitlines()[-1]) for done in runs)
+    assert first["samples"] == 640 and first["steps"] == 20
+    assert second["samples"] == 0 and second["steps"] == 20
+    assert "nothing trained" not in runs[0].stderr
+    assert ("WARNING: the shards are already at step 20, at or past --steps 20: nothing to train (raise --steps to "
+            "train further)") in runs[1].stderr
+    assert "done: nothing trained (the job was already at step 20, at or past --steps 20); test accuracy" \
+        in runs[1].stderr

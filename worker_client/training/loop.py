@@ -387,6 +387,9 @@ class Trainer:
             "clock": tally.start_clock, "resumed": self.resumed, "train_examples": self.part.num_rows,
             "batch_size": plan.batch_size, "batches_per_epoch": self.batches_per_epoch,
             "target_steps": plan.steps, "epochs": plan.epochs})
+        if plan.steps is not None and client.step >= plan.steps:   # resumed from a finished job's checkpoints
+            log.warning("the shards are already at step %d, at or past --steps %d: nothing to train (raise --steps "
+                        "to train further)", client.step, plan.steps, extra={"step": client.step, "steps": plan.steps})
         started = time.monotonic()
         try:
             stopped = self._train(tally, started)

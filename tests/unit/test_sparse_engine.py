@@ -39,6 +39,18 @@ def test_tables_used_only_through_gather_on_a_graph_input_are_found_by_size_or_n
     assert find_sparse_tables(build_mlp(), min_rows=1) == []     # no Gather: nothing sparse
 
 
+@pytest.mark.parametrize("asked, kind", [({"named": ["nope"]}, "sparse"), ({"exclude": ["nope"]}, "dense"),
+                                         ({"named": ["nope"], "dynamic": ["nope"]}, "dynamic")])
+def test_a_table_the_model_lacks_is_named_as_asked_with_the_tables_it_has(embedding_path, asked, kind):
+    with pytest.raises(ValueError) as refused:
+        find_sparse_tables(onnx.load(str(embedding_path)), **asked)
+    assert str(refused.value) == (f"{kind} table 'nope' is not an initializer of the model; the tables it gathers "
+                                  "rows of are ['embedding.weight']")
+    with pytest.raises(ValueError, match="^dynamic table 'nope' is not an initializer of the model, which gathers "
+                                         "rows of no table$"):
+        find_sparse_tables(build_mlp(), named=["nope"], dynamic=["nope"])
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_row_gradients_scattered_into_the_table_equal_the_dense_gradient(embedding_path, tmp_path, seed):
     dense, sparse = engines(embedding_path, tmp_path)

@@ -151,7 +151,8 @@ class GradientEngine:
             declared = declared_dynamic_tables(model) if self._min_bytes is not None else []
             dynamic = tuple(dict.fromkeys([*self._dynamic_request, *declared]))
             tables = find_sparse_tables(model, min_rows=min_rows, min_bytes=self._min_bytes,
-                                        named=tuple(dict.fromkeys([*named, *declared])), exclude=self._dense_request)
+                                        named=tuple(dict.fromkeys([*named, *declared])), exclude=self._dense_request,
+                                        dynamic=dynamic)
             if tables:
                 model, self.sparse = rewrite_sparse(model, tables, self.batch_size,
                                                     base_dir=self.model_path.parent, dynamic=dynamic)

@@ -189,18 +189,24 @@ DEFAULT_SPARSE_MIN_BYTES = 1 << 20
 
 
 def find_sparse_tables(model: onnx.ModelProto, *, min_rows: int | None = None, min_bytes: int | None = None,
-                       named: Sequence[str] = (), exclude: Collection[str] = ()) -> list[str]:
+                       named: Sequence[str] = (), exclude: Collection[str] = (),
+                       dynamic: Collection[str] = ()) -> list[str]:
     """The float initializers to train sparsely: used only through Gather(axis 0) with indices that are graph inputs
     or computed from graph inputs alone, with >= min_rows rows or >= min_bytes bytes (None: none by that size), or
-    named; never one in `exclude`. A named table that does not qualify is a ValueError saying why."""
+    named; never one in `exclude`. A named table that does not qualify is a ValueError saying why (`dynamic`: the
+    named ones asked for as dynamic tables, so that the error names what was asked)."""
     graph = model.graph
     indices_ok = _input_only(graph)
     found = []
     initializers = {t.name: t for t in graph.initializer}
     for name in [*named, *exclude]:
         if name not in initializers:
-            kind = "sparse" if name in named else "dense"
-            raise ValueError(f"{kind} table {name!r} is not an initializer of the model")
+            kind = "dynamic" if name in dynamic else "sparse" if name in named else "dense"
+            tables = [t for t in initializers if _gathers_only(graph, t, indices_ok) is not None]
+            raise ValueError(f"{kind} table {name!r} is not an initializer of the model; the tables it gathers rows "
+                             f"of are {tables}" if tables else
+                             f"{kind} table {name!r} is not an initializer of the model, which gathers rows of no "
+                             "table")
     for name in named:
         if name in exclude:
             raise ValueError(f"table {name!r} is named both sparse and dense")

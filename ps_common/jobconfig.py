@@ -347,6 +347,11 @@ def validate(config: JobConfig, *, scope: str) -> None:
     job, worker = config.job, config.worker
     if not math.isinf(job.staleness) and job.staleness != int(job.staleness):
         raise _fail(config, known["job.staleness"], "must be a whole number or inf")
+    for name, mode in (("job.staleness", "ssp"), ("job.max_staleness", "async")):
+        # a bound of another mode changes nothing: a user who set it expects it to hold
+        if job.mode != mode and name in config.sources and config.get(name) != known[name].default:
+            raise _fail(config, known[name], f"applies only in mode {mode}, and this job's mode is {job.mode} "
+                                             f"(from {config.source('job.mode')}): drop it, or use --mode {mode}")
     if job.replicas_to_aggregate is not None and job.workers is not None and job.replicas_to_aggregate > job.workers:
         raise _fail(config, known["job.replicas_to_aggregate"],
                     f"must be <= workers ({job.workers}, from {config.source('job.workers')})")

@@ -109,6 +109,15 @@ LAUNCH_MISTAKES = {
                          ["Invalid --record '{truncated}': it is a file, not a folder"]),
     "checkpoint-dir-is-a-file": (["--model", "{model}", "--checkpoint-dir", "{truncated}"],
                                  ["Invalid --checkpoint-dir '{truncated}': it is a file, not a folder"]),
+    # settings that would change nothing in this job: a user who set one expects it to hold
+    "staleness-in-sync": (["--model", "{model}", "--mode", "sync", "--staleness", "2"],
+                          ["Invalid [job] staleness (--staleness): 2.0 (from --staleness): applies only in mode ssp, "
+                           "and this job's mode is sync (from --mode): drop it, or use --mode ssp"]),
+    "label-column-with-npz": (["--model", "{model}", "--data", "{labels15}", "--label-column", "y"],
+                              ["Invalid --label-column 'y': it applies only to a folder of Parquet files, and --data "
+                               "'{labels15}' is not one"]),
+    "shuffle-rows-with-digits": (["--model", "{model}", "--shuffle-rows", "64"],
+                                 ["Invalid --shuffle-rows 64: it applies only to a folder of Parquet files"]),
     # each shard refuses a folder another job's shard owns, but only once the others have started (and made folders)
     "checkpoint-dir-of-another-shard-count": (["--model", "{model}", "--checkpoint-dir", "{one_shard}"],
                                               ["{one_shard}/shard0 belongs to shard 0 of a 1-shard job (SHARD.json, "

@@ -211,10 +211,29 @@ def test_replicas_alone_set_the_worker_count_as_before() -> None:
 
 
 def test_staleness_accepts_inf_from_flags_and_toml(tmp_path: Path) -> None:
-    assert math.isinf(load(["--staleness", "inf"], scope="server").job.staleness)
-    assert math.isinf(load(["--config", write(tmp_path, "[job]\nstaleness = inf\n")], scope="server").job.staleness)
+    assert math.isinf(load(["--mode", "ssp", "--staleness", "inf"], scope="server").job.staleness)
+    assert math.isinf(load(["--config", write(tmp_path, "[job]\nmode = \"ssp\"\nstaleness = inf\n")],
+                           scope="server").job.staleness)
     with pytest.raises(JobConfigError, match="whole number or inf"):
-        load(["--staleness", "1.5"], scope="server")
+        load(["--mode", "ssp", "--staleness", "1.5"], scope="server")
+
+
+@pytest.mark.parametrize("flags, mode, needs", [
+    (["--staleness", "3"], "sync", "ssp"), (["--staleness", "inf"], "async", "ssp"),
+    (["--max-staleness", "2"], "sync", "async"), (["--max-staleness", "2"], "ssp", "async")])
+def test_a_bound_of_another_mode_is_refused_naming_the_mode(flags, mode, needs) -> None:
+    with pytest.raises(JobConfigError) as refused:
+        load(["--mode", mode, *flags], scope="server")
+    assert f"applies only in mode {needs}, and this job's mode is {mode} (from --mode): drop it, or use --mode " \
+           f"{needs}" in str(refused.value)
+    assert str(refused.value).startswith(f"Invalid [job] {flags[0][2:].replace('-', '_')} ({flags[0]})")
+
+
+def test_a_bound_at_its_default_is_taken_in_any_mode(tmp_path: Path) -> None:
+    """A job file written for every mode may spell the defaults out."""
+    config = load(["--config", write(tmp_path, "[job]\nmode = \"sync\"\nstaleness = 0\nmax_staleness = 0\n")],
+                  scope="server")
+    assert (config.job.staleness, config.job.max_staleness) == (0, 0)
 
 
 def test_worker_needs_as_many_servers_as_shards() -> None:

@@ -183,7 +183,14 @@ def prepare(model_path: Path, kind: str | None, *, model: str, data: str, loss: 
     if is_parquet_folder(data):
         dataset = ParquetDataset(data, label_column=label_column, shuffle_rows=shuffle_rows)
     else:
-        dataset = load_dataset(data, seed=seed, model=kind)
+        dataset = load_dataset(data, seed=seed, model=kind)   # first: a missing file is named as such
+        # settings of a Parquet stream, which other data would silently ignore
+        for flag, value, default in (("--label-column", label_column, LABEL_COLUMN),
+                                     ("--shuffle-rows", shuffle_rows, DEFAULT_SHUFFLE_ROWS)):
+            if value != default:
+                raise JobConfigError(f"Invalid {flag} {value!r}: it applies only to a folder of Parquet files, and "
+                                     f"--data {data!r} is not one (an .npz holds its labels in y_train and y_test; "
+                                     "digits and synthetic data have theirs built in): drop it")
     engine = GradientEngine(model_path, batch_size=batch_size, loss=loss, device=device, include=include or [],
                             exclude=exclude or [], expect_parameters=expect_parameters,
                             seed=(seed, worker_index),   # this worker's Dropout masks

@@ -55,6 +55,7 @@ from worker_client.engine import GradientEngine
 from worker_client.engine.batch import fix_batch
 from worker_client.engine.coverage import unsupported_nodes
 from worker_client.engine.lift import lift_parameters
+from worker_client.engine.exporters import restore_torch_training_batch_norms
 from worker_client.engine.load import load_model
 from worker_client.engine.loss import attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
@@ -183,6 +184,10 @@ def check_model(path: str | Path, *, batch_size: int = DEFAULT_BATCH,
     except ModelLoadError as exc:
         report.error = str(exc)
         return report
+    try:   # the copy checked against is the model the engine trains
+        restore_torch_training_batch_norms(original, str(path))
+    except UnsupportedModelError:
+        pass   # the engine refuses the model below, with this error
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = upgrade_opset(original, path)

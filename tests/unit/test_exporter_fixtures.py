@@ -70,12 +70,13 @@ def test_a_plain_tf2onnx_export_warns_that_its_biases_were_folded_away(tmp_path:
     assert len(engine.trainable_names) == 3   # of the six Keras variables
 
 
-@pytest.mark.parametrize("fixture", ["bn_dropout_train", "bn_dropout_opset11"])
+@pytest.mark.parametrize("fixture", ["bn_dropout_train", "bn_dropout_opset11", "bn_dropout_dynamo"])
 def test_training_mode_batch_norm_and_dropout_match_torch_for_the_same_batch_and_mask(
         fixture: str, tmp_path: Path) -> None:
     """Also at opset 11, where a BatchNormalization trains by having five outputs and a Dropout has no training
     flag: the upgrade to opset 16 keeps both training (engine/opset.py); they were read as eval-mode forms (a
-    wrong gradient for the layers before the BatchNorm, and no Dropout)."""
+    wrong gradient for the layers before the BatchNorm, and no Dropout). And from the dynamo exporter, which
+    writes the BatchNorm as an inference one (engine/exporters.py)."""
     path, inputs, kind, reference_loss, reference, prefixed = load_fixture(fixture, "torch")
     engine = GradientEngine(path, batch_size=len(inputs["labels"]), loss=kind,
                             cache_dir=tmp_path)

@@ -20,7 +20,8 @@ from worker_client.engine.differentiate import (
     differentiate,
     gradient_graph,
 )
-from worker_client.engine.exporters import folded_bias_layers, folded_variables_warning
+from worker_client.engine.exporters import (folded_bias_layers, folded_variables_warning,
+                                             restore_torch_training_batch_norms)
 from worker_client.engine.feeds import (
     check_shape,
     coerce,
@@ -161,6 +162,8 @@ class GradientEngine:
         else:
             model = load_model(self.model_path)
             self.data_inputs = data_inputs_of(model)
+        # before the opset upgrade, which drops the node metadata it reads
+        restore_torch_training_batch_norms(model, str(self.model_path))
         model = upgrade_opset(model, self.model_path)
         self.trainable_names: list[str] = trainable_parameters(
             model, include=include, exclude=exclude, source=self.model_path,

@@ -5,18 +5,37 @@ simplifies ``x + 0`` to ``x`` and ``x * 1`` to ``x``: a Dense or Conv bias initi
 zeros, or a LayerNormalization's beta, is no longer in the graph and cannot train. Nothing
 in the ONNX file says a variable was there; the one trace is a weight layer with no bias
 after it. `folded_bias_layers` finds those, and the engine warns about them.
+
+torch.onnx.export's dynamo exporter (its default since torch 2.9) records on each node the
+torch op it came from (`pkg.torch.onnx.fx_node`), and writes a BatchNorm that ran in training
+mode as an inference BatchNormalization: with `optimize=False` the node keeps its own running
+statistics, and `restore_torch_training_batch_norms` puts it back in training mode; with the
+default `optimize=True`, onnxscript's rewriter folds it into the Conv or Gemm before it, or
+merges its running statistics with equal-valued parameters (its own weight and bias, at
+first), and the model can only be refused: it would train without that BatchNorm.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 
 import onnx
+from onnx import helper
 
+from ps_common.errors import UnsupportedModelError
 from worker_client.engine.selection import TF2ONNX, VALUE_PRESERVING, consumers
 from worker_client.engine.support import node_label
 
-__all__ = ["folded_bias_layers", "folded_variables_warning"]
+__all__ = ["folded_bias_layers", "folded_variables_warning", "from_torch_dynamo", "restore_torch_training_batch_norms"]
+
+#: Node metadata the dynamo exporter writes: the torch.fx node a node came from, its module scopes, and the
+#: onnxscript rewrite rule that produced it (when one did).
+_FX_NODE, _SCOPES, _RULE = "pkg.torch.onnx.fx_node", "pkg.torch.onnx.name_scopes", "pkg.onnxscript.rewriter.rule_name"
+#: The aten batch norms that take a `training` flag (the sixth argument), and the exporter's documented remedy.
+_FLAGGED_BATCH_NORMS = ("batch_norm", "native_batch_norm", "_batch_norm_impl_index")
+_DYNAMO_REMEDY = ("export with dynamo=False as docs/models.md (\"Exporter recipes\") says, or with dynamo=True and "
+                  "optimize=False")
 
 #: Weight layers and the input index of their own bias, if the op has one.
 _WEIGHT_LAYERS = {"MatMul": None, "Gemm": 2, "Conv": 2, "ConvTranspose": 2}
@@ -63,3 +82,78 @@ def folded_variables_warning(layers: list[onnx.NodeProto]) -> str:
             f"zero-initialized bias away and it will not train; LayerNormalization's beta "
             f"goes the same way. Re-export with the marker recipe in docs/models.md, or "
             f"pass --expect-parameters N to make a mismatch an error")
+
+
+def _metadata(node: onnx.NodeProto) -> dict[str, str]:
+    return {entry.key: entry.value for entry in node.metadata_props}
+
+
+def from_torch_dynamo(model: onnx.ModelProto) -> bool:
+    """Whether torch.onnx's dynamo exporter wrote the model (its nodes carry the fx node they came from)."""
+    return model.producer_name == "pytorch" and any(_FX_NODE in _metadata(n) for n in model.graph.node)
+
+
+def _torch_batch_norm_training(node: onnx.NodeProto) -> bool | None:
+    """From the dynamo exporter's record of the aten op a node came from: True for a batch norm in training mode,
+    False for one in eval mode, None when it came from no batch norm (or carries no record)."""
+    record = _metadata(node).get(_FX_NODE, "")
+    target = re.search(r"target=torch\.ops\.aten\.(\w+)", record)
+    if target is None or "batch_norm" not in target.group(1):
+        return None
+    op = target.group(1)
+    if "no_training" in op or "no_update" in op:   # _native_batch_norm_legit_no_training, _batch_norm_no_update
+        return False
+    if op in _FLAGGED_BATCH_NORMS:
+        args = re.search(r"args = \((.*)\), kwargs", record)
+        flags = re.findall(r"(?:^|, )(True|False)(?=,|$)", args.group(1)) if args else []
+        return bool(flags) and flags[0] == "True"   # the first bare flag is `training`
+    return True   # _native_batch_norm_legit(_functional), _batch_norm_with_update: the training forms
+
+
+def _module_of(node: onnx.NodeProto) -> str:
+    """The torch module a dynamo-exported node came from, as its attribute path ("layer1.0.bn1"), or its label."""
+    scopes = re.findall(r"'([^']*)'", _metadata(node).get(_SCOPES, ""))
+    path = ".".join(s for s in scopes[:-1] if s)   # the last scope is the op itself
+    return path or node_label(node)
+
+
+def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> int:
+    """Puts each BatchNormalization that the dynamo exporter wrote from a training-mode torch BatchNorm back in
+    training mode (in place; returns how many). UnsupportedModelError naming each module when the exporter folded
+    one into another node or merged its running statistics with other values: those models lost the BatchNorm."""
+    if not from_torch_dynamo(model):
+        return 0
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    uses = consumers(graph)
+    lost, restored = [], 0
+    for node in graph.node:
+        if not _torch_batch_norm_training(node):
+            continue
+        if node.op_type != "BatchNormalization":
+            rule = _metadata(node).get(_RULE, "")
+            if "BatchNorm" in rule:
+                lost.append(f"{_module_of(node)} (folded into {node_label(node)!r}, a {node.op_type}, by {rule})")
+            continue
+        if any(a.name == "training_mode" and a.i for a in node.attribute) or any(node.output[1:]):
+            continue   # already in training form
+        statistics = list(node.input[3:5])
+        own = [name in initializers and name not in node.input[:3] and
+               all(user is node and index in (3, 4) for user, index in uses.get(name, []))
+               for name in statistics]
+        if not all(own):
+            lost.append(f"{_module_of(node)} ({node_label(node)!r}: its running statistics {statistics} are merged "
+                        f"with other values)")
+            continue
+        node.attribute.append(helper.make_attribute("training_mode", 1))
+        # training mode has three outputs (onnx's shape inference insists): the new running statistics, unread
+        del node.output[1:]
+        node.output.extend(f"{node.output[0]}__running_{what}" for what in ("mean", "var"))
+        restored += 1
+    if lost:
+        raise UnsupportedModelError(
+            f"{source}: torch.onnx.export's dynamo exporter (the default since torch 2.9) wrote {len(lost)} "
+            f"training-mode BatchNorm(s) as inference ones, and its optimizer then folded or merged them: "
+            f"{'; '.join(lost)}. Trained as it is, the model would not normalize with batch statistics there: "
+            f"{_DYNAMO_REMEDY}")
+    return restored

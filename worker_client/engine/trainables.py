@@ -11,6 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from ps_common.errors import UnsupportedModelError
+from worker_client.engine.exporters import from_torch_dynamo
 from worker_client.engine.selection import FLOAT_TYPES, classify, consumers
 from worker_client.engine.support import node_label, warn_caller
 
@@ -55,8 +56,9 @@ def trainable_parameters(model: onnx.ModelProto, *, include: Sequence[str],
             f"(tf2onnx folds zero- or one-initialized Keras variables into constants), "
             f"re-export with the recipe in docs/models.md; if the rule picked a constant "
             f"or missed a weight, name them with include / exclude patterns")
+    dynamo = from_torch_dynamo(model)
     for name, nodes in shared_parameters(model, names).items():
-        warn_caller(f"{source}: {tie_warning(name, nodes)}")
+        warn_caller(f"{source}: {tie_warning(name, nodes, dynamo=dynamo)}")
     return names
 
 
@@ -143,12 +145,17 @@ def shared_parameters(model: onnx.ModelProto,
     return shared
 
 
-def tie_warning(name: str, nodes: Sequence[onnx.NodeProto]) -> str:
-    """The text of the warning about one parameter shared by several layers."""
+def tie_warning(name: str, nodes: Sequence[onnx.NodeProto], *, dynamo: bool = False) -> str:
+    """The text of the warning about one parameter shared by several layers; `dynamo`: the model is from
+    torch.onnx's dynamo exporter, whose optimizer merges equal-valued initializers in any mode."""
     listed = ", ".join(f"{node_label(n)} ({n.op_type})" for n in nodes)
+    cause = (f"If the model came from torch.onnx.export in eval mode, the exporter merged parameters that held "
+             f"equal values (fresh LayerNorms, zero biases) into one initializer: re-export with {_EXPORT_HINT}"
+             if not dynamo else
+             "torch.onnx.export's dynamo exporter (the default since torch 2.9) merges parameters that hold equal "
+             "values (fresh LayerNorms, zero biases) into one initializer when it optimizes the graph: re-export "
+             "with dynamo=False as docs/models.md (\"Exporter recipes\") says, or with optimize=False")
     return (f"initializer {name!r} feeds {len(nodes)} layers: {listed}; they are trained as "
-            f"one tied parameter. If the model came from torch.onnx.export in eval mode, "
-            f"the exporter merged parameters that held equal values (fresh LayerNorms, zero "
-            f"biases) into one initializer: re-export with {_EXPORT_HINT}. Ignore this "
+            f"one tied parameter. {cause}. Ignore this "
             f"warning if the sharing is intended (tied embeddings), or exclude the "
             f"initializer if it is a constant")

@@ -1,0 +1,129 @@
+"""Models from torch.onnx's dynamo exporter (the default since torch 2.9): a BatchNorm that trained in torch.
+
+The exporter records on every node the torch.fx node it came from. It writes a training-mode
+BatchNorm as an inference BatchNormalization; with its default optimize=True, onnxscript then
+folds it into the Conv or Gemm before it, or merges its running statistics with equal-valued
+parameters. The graphs here are written by hand with that metadata, as torch 2.13 writes it
+(tests/fixtures/torch/bn_dropout_dynamo.onnx is a real export, trained against torch).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ps_common.errors import UnsupportedModelError
+from worker_client.engine.exporters import from_torch_dynamo, restore_torch_training_batch_norms
+from worker_client.engine.trainables import trainable_parameters
+
+TRAINING = ("%_native_batch_norm_legit_functional : [num_users=3] = call_function[target=torch.ops.aten."
+            "_native_batch_norm_legit_functional.default](args = (%conv2d, %p_bn_weight, %p_bn_bias, %b_bn_running_mean, "
+            "%b_bn_running_var, True, 0.1, 1e-05), kwargs = {})")
+EVAL = ("%_native_batch_norm_legit_no_training : [num_users=1] = call_function[target=torch.ops.aten."
+        "_native_batch_norm_legit_no_training.default](args = (%conv2d, %p_bn_weight, %p_bn_bias, %b_bn_running_mean, "
+        "%b_bn_running_var, 0.1, 1e-05), kwargs = {})")
+
+
+def _flagged(training: bool) -> str:
+    return (f"%batch_norm : [num_users=1] = call_function[target=torch.ops.aten.batch_norm.default](args = (%x, "
+            f"%p_bn_weight, %p_bn_bias, %b_bn_running_mean, %b_bn_running_var, {training}, 0.1, 1e-05, True), "
+            "kwargs = {})")
+
+
+def _record(node: onnx.NodeProto, fx_node: str, *, rule: str | None = None, scope: str = "bn") -> onnx.NodeProto:
+    entries = {"pkg.torch.onnx.fx_node": fx_node,
+               "pkg.torch.onnx.name_scopes": f"['', '{scope}', 'batch_norm']"}
+    if rule:
+        entries["pkg.onnxscript.rewriter.rule_name"] = rule
+    for key, value in entries.items():
+        node.metadata_props.add(key=key, value=value)
+    return node
+
+
+def _model(nodes: list[onnx.NodeProto], initializers: dict[str, np.ndarray], *,
+           producer: str = "pytorch") -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 4])],
+                              [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, k) for k, v in initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name=producer)
+    return model
+
+
+def _batch_norm(fx_node: str, statistics: tuple[str, str] = ("bn.running_mean", "bn.running_var")) -> onnx.ModelProto:
+    node = _record(helper.make_node("BatchNormalization", ["x", "bn.weight", "bn.bias", *statistics], ["y"],
+                                    name="node_batch_norm"), fx_node)
+    return _model([node], {"bn.weight": np.ones(3, np.float32), "bn.bias": np.zeros(3, np.float32),
+                           "bn.running_mean": np.zeros(3, np.float32), "bn.running_var": np.ones(3, np.float32)})
+
+
+@pytest.mark.parametrize("fx_node", [TRAINING, _flagged(True)])
+def test_a_training_batch_norm_written_as_inference_is_put_back_in_training_mode(fx_node: str) -> None:
+    model = _batch_norm(fx_node)
+    assert from_torch_dynamo(model)
+    assert restore_torch_training_batch_norms(model, "m.onnx") == 1
+    node = model.graph.node[0]
+    assert helper.get_node_attr_value(node, "training_mode") == 1
+    assert list(node.output) == ["y", "y__running_mean", "y__running_var"]   # as onnx's shape inference insists
+    onnx.checker.check_model(onnx.shape_inference.infer_shapes(model, strict_mode=True))
+    assert restore_torch_training_batch_norms(model, "m.onnx") == 0          # once is enough
+
+
+@pytest.mark.parametrize("fx_node", [EVAL, _flagged(False), "%relu : call_function[target=torch.ops.aten.relu.default]"])
+def test_an_eval_mode_batch_norm_and_other_nodes_are_left_alone(fx_node: str) -> None:
+    model = _batch_norm(fx_node)
+    before = model.SerializeToString()
+    assert restore_torch_training_batch_norms(model, "m.onnx") == 0
+    assert model.SerializeToString() == before
+
+
+def test_another_producers_metadata_is_not_read() -> None:
+    model = _batch_norm(TRAINING)
+    model.producer_name = "someone"
+    assert not from_torch_dynamo(model)
+    assert restore_torch_training_batch_norms(model, "m.onnx") == 0
+
+
+def test_a_batch_norm_folded_into_its_conv_is_refused_naming_the_module_and_the_remedy() -> None:
+    conv = _record(helper.make_node("Conv", ["x", "c.weight", "c.bias"], ["y"], name="node_Conv_19"), TRAINING,
+                   rule="FuseBatchNormIntoConv", scope="layer1.bn")
+    model = _model([conv], {"c.weight": np.ones((3, 3, 1, 1), np.float32), "c.bias": np.zeros(3, np.float32)})
+    with pytest.raises(UnsupportedModelError) as refused:
+        restore_torch_training_batch_norms(model, "m.onnx")
+    assert str(refused.value) == (
+        "m.onnx: torch.onnx.export's dynamo exporter (the default since torch 2.9) wrote 1 training-mode "
+        "BatchNorm(s) as inference ones, and its optimizer then folded or merged them: layer1.bn (folded into "
+        "'node_Conv_19', a Conv, by FuseBatchNormIntoConv). Trained as it is, the model would not normalize with "
+        "batch statistics there: export with dynamo=False as docs/models.md (\"Exporter recipes\") says, or with "
+        "dynamo=True and optimize=False")
+
+
+def test_an_eval_mode_batch_norm_folded_into_its_conv_is_an_ordinary_conv() -> None:
+    conv = _record(helper.make_node("Conv", ["x", "c.weight"], ["y"], name="node_Conv_19"), EVAL,
+                   rule="FuseBatchNormIntoConv")
+    assert restore_torch_training_batch_norms(_model([conv], {"c.weight": np.ones((3, 3, 1, 1), np.float32)}),
+                                              "m.onnx") == 0
+
+
+def test_running_statistics_merged_with_the_weight_and_bias_are_refused() -> None:
+    """optimize=True merges equal-valued initializers: a fresh BatchNorm's running mean (zeros) into its bias and
+    its running variance (ones) into its weight."""
+    with pytest.raises(UnsupportedModelError, match=r"bn \('node_batch_norm': its running statistics "
+                                                    r"\['bn.bias', 'bn.weight'\] are merged with other values\)"):
+        restore_torch_training_batch_norms(_batch_norm(TRAINING, ("bn.bias", "bn.weight")), "m.onnx")
+
+
+def test_a_parameter_two_layer_norms_share_is_blamed_on_the_dynamo_exporters_merge() -> None:
+    norms = [_record(helper.make_node("LayerNormalization", [source, "ln1.weight", "ln1.bias"], [out],
+                                      name=f"node_layer_norm_{i}"),
+                     f"%layer_norm_{i} : call_function[target=torch.ops.aten.layer_norm.default]", scope=f"ln{i + 1}")
+             for i, (source, out) in enumerate((("x", "h"), ("h", "y")))]
+    model = _model(norms, {"ln1.weight": np.ones(4, np.float32), "ln1.bias": np.zeros(4, np.float32)})
+    with pytest.warns(UserWarning) as caught:
+        assert trainable_parameters(model, include=(), exclude=(), source="m.onnx") == ["ln1.weight", "ln1.bias"]
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 2 and all("feeds 2 layers: node_layer_norm_0 (LayerNormalization), node_layer_norm_1 "
+                                   "(LayerNormalization)" in t for t in texts)
+    assert all("torch.onnx.export's dynamo exporter (the default since torch 2.9) merges parameters that hold equal "
+               "values" in t and "re-export with dynamo=False" in t and "eval mode" not in t for t in texts)

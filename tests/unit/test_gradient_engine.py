@@ -185,6 +185,7 @@ def test_output_loss_differentiates_the_models_own_scalar_output(tmp_path: Path)
     target = rng.standard_normal((4, 2)).astype(np.float32)
     engine = GradientEngine(path, batch_size=4, loss="output:objective", cache_dir=tmp_path)
     assert engine.input_names == ["x", "labels"]
+    assert engine.takes_labels   # the graph's own input of that name: the data's labels feed it
     loss, grads = engine.gradients(engine.parameters(), {"x": x, "labels": target})
     residual = (x @ weight - target).astype(np.float64)
     assert loss == pytest.approx(float(np.mean(residual ** 2)), rel=1e-6)
@@ -192,6 +193,13 @@ def test_output_loss_differentiates_the_models_own_scalar_output(tmp_path: Path)
 
 
 # --- parameters, predict, selection ---------------------------------------------------------
+
+def test_an_engine_says_whether_its_step_takes_the_datas_labels(tmp_path: Path) -> None:
+    path, _, kind, _, _ = _fixture("mlp")
+    assert GradientEngine(path, batch_size=16, loss=kind, cache_dir=tmp_path).takes_labels
+    assert not GradientEngine(path, batch_size=16, loss=None, cache_dir=tmp_path).takes_labels
+    assert not GradientEngine(path, batch_size=16, loss="vjp", cache_dir=tmp_path).takes_labels
+
 
 def test_parameters_returns_copies_of_the_initial_initializer_values(tmp_path: Path) -> None:
     path, _, kind, _, _ = _fixture("mlp")

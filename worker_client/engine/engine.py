@@ -455,6 +455,12 @@ class GradientEngine:
         return {name: None if dims is None else tuple(dims) for name, (_, dims) in self._feeds.items()}
 
     @property
+    def takes_labels(self) -> bool:
+        """Whether `step` takes the data's labels: a loss with labels is attached (not loss="output:NAME", "vjp"
+        or None)."""
+        return self._graph is not None and "labels" in self._feeds
+
+    @property
     def loss_kind(self) -> str | None:
         """The attached loss: "cross_entropy", "bce", "mse", "output", "vjp", or None (predict only)."""
         return None if self._loss is None else self._loss.kind

@@ -83,6 +83,7 @@ class _StageEngineView:
         self.input_names = list(model_inputs)
         self.data_inputs = {name: (None, None) for name in model_inputs}   # the whole model's data inputs
         self.loss_kind = runner.engine.loss_kind
+        self.takes_labels = True   # the batch's labels go to the last stage, whose loss reads them
         self.sparse = SparsePlan({}, [])
 
     def server_parameters(self) -> dict[str, np.ndarray]:

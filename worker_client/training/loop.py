@@ -201,7 +201,7 @@ class Trainer:
         self.input_names = list(engine.data_inputs) or list(dataset.input_names)
         # a loss read off the model's own output (loss="output:NAME") adds no labels input: the data's labels are
         # then not fed (they were, and the engine refused the unknown input after the job had started)
-        self._feeds_labels = _takes_labels(engine)
+        self._feeds_labels = engine.takes_labels
         missing = [n for n in self.input_names if n not in dataset.input_names]
         if missing:
             raise ValueError(f"dataset {dataset.name!r} feeds inputs {dataset.input_names}, but the model also takes "
@@ -644,12 +644,3 @@ class Trainer:
                              time.monotonic() + self.plan.wait_timeout, others_left)
         except TrainingError as exc:
             log.warning("%s; evaluating the parameters as they are", exc)
-
-
-def _takes_labels(engine: Any) -> bool:
-    """Whether the engine's gradient model takes the data's labels: not one whose loss is its own output
-    (loss="output:NAME"). An engine without a gradient model to ask (a pipeline stage's view) takes them."""
-    try:
-        return "labels" in engine.feed_dims()
-    except (AttributeError, RuntimeError):
-        return True

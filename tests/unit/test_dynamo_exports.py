@@ -15,7 +15,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ps_common.errors import UnsupportedModelError
-from worker_client.engine.exporters import from_torch_dynamo, restore_torch_training_batch_norms
+from worker_client.engine import GradientEngine
+from worker_client.engine.exporters import (from_torch_dynamo, restore_torch_training_batch_norms,
+                                             torch_parameters_renamed_or_dropped)
+from worker_client.engine.selection import classify
 from worker_client.engine.trainables import trainable_parameters
 
 TRAINING = ("%_native_batch_norm_legit_functional : [num_users=3] = call_function[target=torch.ops.aten."
@@ -33,8 +36,9 @@ def _flagged(training: bool) -> str:
 
 
 def _record(node: onnx.NodeProto, fx_node: str, *, rule: str | None = None, scope: str = "bn") -> onnx.NodeProto:
+    outer = [scope[:i] for i, c in enumerate(scope) if c == "."]   # as the exporter writes them: cumulative
     entries = {"pkg.torch.onnx.fx_node": fx_node,
-               "pkg.torch.onnx.name_scopes": f"['', '{scope}', 'batch_norm']"}
+               "pkg.torch.onnx.name_scopes": str(["", *outer, scope, "batch_norm"])}
     if rule:
         entries["pkg.onnxscript.rewriter.rule_name"] = rule
     for key, value in entries.items():
@@ -127,3 +131,81 @@ def test_a_parameter_two_layer_norms_share_is_blamed_on_the_dynamo_exporters_mer
                                    "(LayerNormalization)" in t for t in texts)
     assert all("torch.onnx.export's dynamo exporter (the default since torch 2.9) merges parameters that hold equal "
                "values" in t and "re-export with dynamo=False" in t and "eval mode" not in t for t in texts)
+
+
+def _fx(node: onnx.NodeProto, record: str) -> onnx.NodeProto:
+    node.metadata_props.add(key="pkg.torch.onnx.fx_node", value=record)
+    return node
+
+
+def test_its_one_element_literals_are_constants_and_its_named_scalars_parameters() -> None:
+    """The optimizer writes an attention's scale or a mask's -inf as one-element initializers; a 0-d torch
+    parameter is named in the record of the op that reads it (torch.export calls it p_<name>)."""
+    nodes = [_fx(helper.make_node("Mul", ["x", "val_51"], ["a"]), "%mul : call_function[target=torch.ops.aten."
+                                                                   "mul.Tensor](args = (%x, 0.5), kwargs = {})"),
+             _fx(helper.make_node("Add", ["a", "val_6"], ["b"]), "%masked_fill : call_function[...]"),
+             _fx(helper.make_node("Div", ["b", "head.temp"], ["c"]), "%div : call_function[target=torch.ops.aten."
+                                                                      "div.Tensor](args = (%b, %p_head_temp), ...)"),
+             _fx(helper.make_node("Mul", ["c", "head.t"], ["y"]), "%mul_1 : (args = (%c, %p_head_temperature))")]
+    model = _model(nodes, {"val_51": np.array(0.5, np.float32), "val_6": np.array([-np.inf], np.float32),
+                           "head.temp": np.array(2.0, np.float32), "head.t": np.array(1.5, np.float32)})
+    roles = classify(model)
+    assert {n: r.kind for n, r in roles.items()} == {"val_51": "constant", "val_6": "constant",
+                                                      "head.temp": "parameter", "head.t": "constant"}
+    assert roles["val_51"].reason == ("a one-element literal that torch.onnx's dynamo exporter wrote as an "
+                                      "initializer (no torch parameter of that name reads it)")
+    model.producer_name = "someone"   # no record to read: every one-element initializer trains, as before
+    assert {r.kind for r in classify(model).values()} == {"parameter"}
+
+
+def test_the_unit_scale_and_shift_of_a_group_norms_instance_norm_are_constants() -> None:
+    group_norm = ("%group_norm : call_function[target=torch.ops.aten.group_norm.default](args = (%conv2d, 2, "
+                  "%p_gn_weight, %p_gn_bias, 1e-05, False), kwargs = {})")
+    instance_norm = ("%instance_norm : call_function[target=torch.ops.aten.instance_norm.default](args = (%x, "
+                     "%p_in_weight, %p_in_bias, None, None, True, 0.1, 1e-05, False), kwargs = {})")
+    nodes = [_fx(helper.make_node("InstanceNormalization", ["x", "val_9", "val_12"], ["a"]), group_norm),
+             _fx(helper.make_node("Mul", ["a", "val_22"], ["b"]), group_norm),
+             _fx(helper.make_node("InstanceNormalization", ["b", "in.weight", "in.bias"], ["y"]), instance_norm)]
+    model = _model(nodes, {"val_9": np.ones(2, np.float32), "val_12": np.zeros(2, np.float32),
+                           "val_22": np.ones((3, 1, 1), np.float32), "in.weight": np.ones(3, np.float32),
+                           "in.bias": np.zeros(3, np.float32)})
+    kinds = {n: r.kind for n, r in classify(model).items()}
+    assert kinds == {"val_9": "constant", "val_12": "constant", "val_22": "parameter",   # GroupNorm's weight, reshaped
+                     "in.weight": "parameter", "in.bias": "parameter"}
+
+
+def test_a_batch_norm_without_running_statistics_is_refused_saying_why() -> None:
+    """track_running_stats=False: the exporter feeds the batch's own statistics (ReduceMeans in the graph) to an
+    inference BatchNormalization, and the gradient would not flow back through them."""
+    record = ("%_native_batch_norm_legit : call_function[target=torch.ops.aten._native_batch_norm_legit.no_stats]"
+              "(args = (%conv2d, %p_net_2_weight, %p_net_2_bias, True, 0.1, 1e-05), kwargs = {})")
+    statistics = [helper.make_node("ReduceMean", ["x"], ["val_2"], keepdims=0),
+                  helper.make_node("ReduceMean", ["x"], ["val_6"], keepdims=0)]
+    norm = _record(helper.make_node("BatchNormalization", ["x", "bn.weight", "bn.bias", "val_2", "val_6"], ["y"]),
+                   record, scope="net.2")
+    model = _model([*statistics, norm], {"bn.weight": np.ones(3, np.float32), "bn.bias": np.zeros(3, np.float32)})
+    with pytest.raises(UnsupportedModelError, match=r"^m\.onnx: BatchNorm\(s\) \['net\.2'\] keep no running "
+                                                    r"statistics \(track_running_stats=False\)"):
+        restore_torch_training_batch_norms(model, "m.onnx")
+
+
+def test_torch_parameters_the_optimizer_folded_or_renamed_are_named_when_the_engine_is_built(tmp_path) -> None:
+    """A Linear whose zero bias the optimizer dropped (its Gemm has no bias input) and whose weight it stored
+    transposed under a generated name: both are read by the op's record, neither is an initializer of its name."""
+    record = ("%linear : call_function[target=torch.ops.aten.linear.default](args = (%x, %p_fc_weight, "
+              "%p_fc_bias), kwargs = {})")
+    gemm = _fx(helper.make_node("Gemm", ["x", "val_1"], ["y"], name="node_linear"), record)
+    graph = helper.make_graph([gemm], "main_graph", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 2])],
+                              [numpy_helper.from_array(np.ones((3, 2), np.float32), "val_1")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="pytorch")
+    assert torch_parameters_renamed_or_dropped(model) == ["p_fc_bias", "p_fc_weight"]
+    path = tmp_path / "linear.onnx"
+    onnx.save(model, path)
+    with pytest.warns(UserWarning, match=r"2 torch parameter\(s\) are not in the graph under their own names "
+                                         r"\(p_fc_bias, p_fc_weight, as torch\.export names them\)"):
+        engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+    assert engine.trainable_names == ["val_1"]
+    model.graph.initializer[0].name = "fc.weight"   # held under its own name: only the dropped bias is named
+    model.graph.node[0].input[1] = "fc.weight"
+    assert torch_parameters_renamed_or_dropped(model) == ["p_fc_bias"]

@@ -20,8 +20,8 @@ from worker_client.engine.differentiate import (
     differentiate,
     gradient_graph,
 )
-from worker_client.engine.exporters import (folded_bias_layers, folded_variables_warning,
-                                             restore_torch_training_batch_norms)
+from worker_client.engine.exporters import (folded_bias_layers, folded_variables_warning, renamed_or_dropped_warning,
+                                             restore_torch_training_batch_norms, torch_parameters_renamed_or_dropped)
 from worker_client.engine.feeds import (
     check_shape,
     coerce,
@@ -171,6 +171,9 @@ class GradientEngine:
         folded = folded_bias_layers(model, self.trainable_names)
         if folded:
             warn_caller(f"{self.model_path}: {folded_variables_warning(folded)}")
+        renamed = torch_parameters_renamed_or_dropped(model)
+        if renamed:
+            warn_caller(f"{self.model_path}: {renamed_or_dropped_warning(renamed)}")
         self._initial = initial_values(model, self.trainable_names)
         bfloat16 = [name for name, value in self._initial.items() if value.dtype.name == "bfloat16"]
         if bfloat16:   # onnxruntime's Python API takes no ml_dtypes array: the first run failed with a bare

@@ -24,14 +24,16 @@ import onnx
 from onnx import helper
 
 from ps_common.errors import UnsupportedModelError
-from worker_client.engine.selection import TF2ONNX, VALUE_PRESERVING, consumers
+from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, VALUE_PRESERVING, consumers, from_torch_dynamo,
+                                            node_metadata)
 from worker_client.engine.support import node_label
 
-__all__ = ["folded_bias_layers", "folded_variables_warning", "from_torch_dynamo", "restore_torch_training_batch_norms"]
+__all__ = ["folded_bias_layers", "folded_variables_warning", "from_torch_dynamo", "restore_torch_training_batch_norms",
+           "renamed_or_dropped_warning", "torch_parameters_renamed_or_dropped"]
 
 #: Node metadata the dynamo exporter writes: the torch.fx node a node came from, its module scopes, and the
 #: onnxscript rewrite rule that produced it (when one did).
-_FX_NODE, _SCOPES, _RULE = "pkg.torch.onnx.fx_node", "pkg.torch.onnx.name_scopes", "pkg.onnxscript.rewriter.rule_name"
+_FX_NODE, _SCOPES, _RULE = TORCH_FX_NODE, "pkg.torch.onnx.name_scopes", "pkg.onnxscript.rewriter.rule_name"
 #: The aten batch norms that take a `training` flag (the sixth argument), and the exporter's documented remedy.
 _FLAGGED_BATCH_NORMS = ("batch_norm", "native_batch_norm", "_batch_norm_impl_index")
 _DYNAMO_REMEDY = ("export with dynamo=False as docs/models.md (\"Exporter recipes\") says, or with dynamo=True and "
@@ -84,23 +86,16 @@ def folded_variables_warning(layers: list[onnx.NodeProto]) -> str:
             f"pass --expect-parameters N to make a mismatch an error")
 
 
-def _metadata(node: onnx.NodeProto) -> dict[str, str]:
-    return {entry.key: entry.value for entry in node.metadata_props}
-
-
-def from_torch_dynamo(model: onnx.ModelProto) -> bool:
-    """Whether torch.onnx's dynamo exporter wrote the model (its nodes carry the fx node they came from)."""
-    return model.producer_name == "pytorch" and any(_FX_NODE in _metadata(n) for n in model.graph.node)
-
-
 def _torch_batch_norm_training(node: onnx.NodeProto) -> bool | None:
     """From the dynamo exporter's record of the aten op a node came from: True for a batch norm in training mode,
     False for one in eval mode, None when it came from no batch norm (or carries no record)."""
-    record = _metadata(node).get(_FX_NODE, "")
+    record = node_metadata(node).get(_FX_NODE, "")
     target = re.search(r"target=torch\.ops\.aten\.(\w+)", record)
     if target is None or "batch_norm" not in target.group(1):
         return None
     op = target.group(1)
+    if _without_running_statistics(node):
+        return True
     if "no_training" in op or "no_update" in op:   # _native_batch_norm_legit_no_training, _batch_norm_no_update
         return False
     if op in _FLAGGED_BATCH_NORMS:
@@ -110,11 +105,17 @@ def _torch_batch_norm_training(node: onnx.NodeProto) -> bool | None:
     return True   # _native_batch_norm_legit(_functional), _batch_norm_with_update: the training forms
 
 
+def _without_running_statistics(node: onnx.NodeProto) -> bool:
+    """Whether the node came from a BatchNorm with track_running_stats=False (aten's ``.no_stats`` overload)."""
+    return re.search(r"target=torch\.ops\.aten\.\w*batch_norm\w*\.no_stats\b",
+                     node_metadata(node).get(_FX_NODE, "")) is not None
+
+
 def _module_of(node: onnx.NodeProto) -> str:
     """The torch module a dynamo-exported node came from, as its attribute path ("layer1.0.bn1"), or its label."""
-    scopes = re.findall(r"'([^']*)'", _metadata(node).get(_SCOPES, ""))
-    path = ".".join(s for s in scopes[:-1] if s)   # the last scope is the op itself
-    return path or node_label(node)
+    scopes = re.findall(r"'([^']*)'", node_metadata(node).get(_SCOPES, ""))
+    # cumulative paths, outermost first ('', 'net', 'net.1'), then the op itself
+    return next((scope for scope in reversed(scopes[:-1]) if scope), "") or node_label(node)
 
 
 def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> int:
@@ -126,12 +127,15 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
     uses = consumers(graph)
-    lost, restored = [], 0
+    lost, unsupported, restored = [], [], 0
     for node in graph.node:
         if not _torch_batch_norm_training(node):
             continue
+        if node.op_type == "BatchNormalization" and _without_running_statistics(node):
+            unsupported.append(_module_of(node))
+            continue
         if node.op_type != "BatchNormalization":
-            rule = _metadata(node).get(_RULE, "")
+            rule = node_metadata(node).get(_RULE, "")
             if "BatchNorm" in rule:
                 lost.append(f"{_module_of(node)} (folded into {node_label(node)!r}, a {node.op_type}, by {rule})")
             continue
@@ -150,6 +154,13 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
         del node.output[1:]
         node.output.extend(f"{node.output[0]}__running_{what}" for what in ("mean", "var"))
         restored += 1
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{source}: BatchNorm(s) {unsupported} keep no running statistics (track_running_stats=False): "
+            f"torch.onnx.export's dynamo exporter computes their batch statistics in the graph and hands them to an "
+            f"inference BatchNormalization, whose gradient does not reach back through them, so the layers before "
+            f"would train wrongly; give them track_running_stats=True (the engine then trains them with batch "
+            f"statistics) and export as docs/models.md (\"Exporter recipes\") says")
     if lost:
         raise UnsupportedModelError(
             f"{source}: torch.onnx.export's dynamo exporter (the default since torch 2.9) wrote {len(lost)} "
@@ -157,3 +168,26 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
             f"{'; '.join(lost)}. Trained as it is, the model would not normalize with batch statistics there: "
             f"{_DYNAMO_REMEDY}")
     return restored
+
+
+def torch_parameters_renamed_or_dropped(model: onnx.ModelProto) -> list[str]:
+    """The torch parameters that the ops of a dynamo-exported model read (`%p_<name>` in their records, as
+    torch.export spells them) but that no initializer holds under their own name: the exporter's optimizer folded
+    them away (a zero bias, a unit scale: they cannot train) or stored them transposed, packed or reshaped under a
+    generated name (they train under that name). [] for other models, and for an export with optimize=False."""
+    if not from_torch_dynamo(model):
+        return []
+    referenced = {match for node in model.graph.node
+                  for match in re.findall(r"%(p_\w+)", node_metadata(node).get(_FX_NODE, ""))}
+    held = {"p_" + re.sub(r"\W", "_", t.name) for t in model.graph.initializer}
+    return sorted(referenced - held)
+
+
+def renamed_or_dropped_warning(names: list[str]) -> str:
+    """The warning about `names` (from `torch_parameters_renamed_or_dropped`)."""
+    return (f"{len(names)} torch parameter(s) are not in the graph under their own names ({', '.join(names)}, as "
+            f"torch.export names them): the optimizer of torch.onnx.export's dynamo exporter (optimize=True, the "
+            f"default) folded each away, so that it does not train (a zero bias, a unit scale), or stored it "
+            f"transposed, packed or reshaped under a generated name (val_N), under which it trains. Export with "
+            f"optimize=False, or with dynamo=False as docs/models.md (\"Exporter recipes\") says, to train the "
+            f"module as it is")

@@ -20,6 +20,13 @@ floating-point initializer one role, by the first rule that applies:
    bias). Except, in a tf2onnx model, a layer's bias: the one-element bias of a Dense(1) or
    a Conv2D(filters=1) (a binary classifier's head), which is a Conv's or Gemm's bias
    input or is added to a MatMul's, Gemm's or Conv's output.
+   torch.onnx's dynamo exporter (its optimizer, on by default) writes literals the same way
+   (an attention's scale, a mask's -inf, Softplus's beta): in its models, a one-element
+   initializer is a constant unless a node it feeds came from a torch op that read a torch
+   parameter of that name (the exporter records each node's torch.fx node: `%p_<name>`).
+   The same exporter writes a GroupNorm as an InstanceNormalization over the groups with a
+   unit scale and a zero shift of its own, then GroupNorm's weight and bias: that scale and
+   shift are constants too.
 5. **parameter** -- everything else: it trains.
 
 `include` / `exclude` patterns (trainables.py) override the rule.
@@ -27,6 +34,7 @@ floating-point initializer one role, by the first rule that applies:
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -34,7 +42,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-__all__ = ["CONFIGURATION_OPERANDS", "FLOAT_TYPES", "Role", "classify", "consumers"]
+__all__ = ["CONFIGURATION_OPERANDS", "FLOAT_TYPES", "TORCH_FX_NODE", "Role", "classify", "consumers",
+           "from_torch_dynamo", "node_metadata"]
 
 #: Element types a parameter can have.
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
@@ -95,6 +104,35 @@ def consumers(graph: onnx.GraphProto) -> Uses:
     return found
 
 
+#: The node metadata in which torch.onnx's dynamo exporter records the torch.fx node a node came from.
+TORCH_FX_NODE = "pkg.torch.onnx.fx_node"
+
+
+def node_metadata(node: onnx.NodeProto) -> dict[str, str]:
+    return {entry.key: entry.value for entry in node.metadata_props}
+
+
+def from_torch_dynamo(model: onnx.ModelProto) -> bool:
+    """Whether torch.onnx's dynamo exporter wrote the model (its nodes carry the fx node they came from)."""
+    return model.producer_name == "pytorch" and any(TORCH_FX_NODE in node_metadata(n) for n in model.graph.node)
+
+
+def _names_torch_parameter(name: str, uses: Uses) -> bool:
+    """Whether a node that reads initializer `name` came from a torch op that read the torch parameter `name`
+    (torch.export calls it ``p_`` + the name with its dots as underscores)."""
+    reference = re.compile(re.escape("%p_" + re.sub(r"\W", "_", name)) + r"\b")
+    return any(reference.search(node_metadata(node).get(TORCH_FX_NODE, "")) for node, _ in uses.get(name, []))
+
+
+def _is_group_norm_unit(name: str, uses: Uses) -> bool:
+    """Whether `name` is read only as the scale or shift of InstanceNormalizations that came from a torch
+    group_norm (and names no torch parameter): the dynamo exporter's own ones and zeros."""
+    readers = uses.get(name, [])
+    return bool(readers) and not _names_torch_parameter(name, uses) and all(
+        node.op_type == "InstanceNormalization" and index in (1, 2) and
+        "aten.group_norm" in node_metadata(node).get(TORCH_FX_NODE, "") for node, index in readers)
+
+
 def classify(model: onnx.ModelProto) -> dict[str, Role]:
     """The role of every floating-point initializer, in initializer order (module docstring)."""
     graph = model.graph
@@ -102,6 +140,7 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
     producers = {out: node for node in graph.node for out in node.output if out}
     constants = {t.name: t for t in graph.initializer}
     exporter = model.producer_name if model.producer_name in CONSTANTS_AS_INITIALIZERS else None
+    dynamo = from_torch_dynamo(model)
     roles = {}
     for tensor in graph.initializer:
         if tensor.data_type not in FLOAT_TYPES:
@@ -122,6 +161,12 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
             roles[tensor.name] = Role("constant", f"a one-element constant of a {exporter} "
                                                   f"model ({exporter} writes every constant "
                                                   f"as an initializer)")
+        elif dynamo and _is_group_norm_unit(tensor.name, uses):
+            roles[tensor.name] = Role("constant", "the unit scale or zero shift of the InstanceNormalization that "
+                                                  "torch.onnx's dynamo exporter writes a GroupNorm as")
+        elif single and dynamo and not _names_torch_parameter(tensor.name, uses):
+            roles[tensor.name] = Role("constant", "a one-element literal that torch.onnx's dynamo exporter wrote "
+                                                  "as an initializer (no torch parameter of that name reads it)")
         else:
             roles[tensor.name] = Role("parameter", "a weight")
     return roles

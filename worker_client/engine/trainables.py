@@ -11,8 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from ps_common.errors import UnsupportedModelError
-from worker_client.engine.exporters import from_torch_dynamo
-from worker_client.engine.selection import FLOAT_TYPES, classify, consumers
+from worker_client.engine.selection import FLOAT_TYPES, classify, consumers, from_torch_dynamo
 from worker_client.engine.support import node_label, warn_caller
 
 __all__ = ["FLOAT_TYPES", "initial_values", "select_trainable", "shared_parameters",

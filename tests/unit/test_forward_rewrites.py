@@ -19,6 +19,7 @@ from worker_client import GradientEngine
 from worker_client.engine.rewrites.conv import explicit_auto_pads, explicit_transposed_conv_pads
 from worker_client.engine.rewrites.indexing import gather_copying_pads, slice_cropping_pads, unstep_slices
 from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
+from worker_client.engine.rewrites.sequences import split_constant_sequences
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
 
 OPSET = 18
@@ -355,3 +356,76 @@ def test_an_output_axis_the_exporter_named_like_the_batch_is_left_to_inference(t
     x = rng.standard_normal((4, 2, 8, 8)).astype(np.float32)
     loss, grads = engine.gradients(engine.parameters(), {"x": x, "labels": np.zeros((4, 1, 8, 8), np.float32)})
     assert grads["w"].shape == (1, 2, 3, 3) and np.isfinite(loss)
+
+
+# --- torch's chunk and split as sequences (the dynamo exporter, optimize=False) --------------------------------
+
+@pytest.mark.parametrize("split, keepdims, positions", [
+    (np.array(3, np.int64), 1, [0, 1, 2]),        # chunk(3): pieces of 3, 3 and a shorter 2
+    (np.array([2, 5, 1], np.int64), 1, [2, 0]),   # split([2, 5, 1]), read out of order, one piece unread
+    (None, 1, [0, -1]),                           # single slices, the axis kept; a negative position
+    (None, 0, [3, 7]),                            # single slices, the axis dropped
+])
+def test_a_sequence_read_at_constant_positions_becomes_a_split_with_the_same_values(split, keepdims,
+                                                                                    positions) -> None:
+    inputs = ["x"] + (["split"] if split is not None else [])
+    nodes = [helper.make_node("SplitToSequence", inputs, ["seq"], axis=-1, keepdims=keepdims)]
+    nodes += [helper.make_node("SequenceAt", ["seq", f"p{i}"], [f"y{i}"]) for i in range(len(positions))]
+    initializers = [_ints(f"p{i}", p) for i, p in enumerate(positions)]
+    if split is not None:
+        initializers.append(numpy_helper.from_array(split, "split"))
+    model = _model(nodes, [("x", (2, 3, 8))], initializers, outputs=[f"y{i}" for i in range(len(positions))])
+    assert _agrees(model, split_constant_sequences, _feeds(x=(2, 3, 8)),
+                   ops_left=("SplitToSequence", "SequenceAt")) == 1
+
+
+def test_a_piece_split_again_is_rewritten_once_its_length_is_known() -> None:
+    nodes = [helper.make_node("SplitToSequence", ["x", "six"], ["seq"], axis=-1),
+             helper.make_node("SequenceAt", ["seq", "zero"], ["first"]),
+             helper.make_node("SplitToSequence", ["first", "sizes"], ["again"], axis=-1),
+             helper.make_node("SequenceAt", ["again", "one"], ["y"])]
+    model = _model(nodes, [("x", (2, 12))], [_ints("six", 6), _ints("zero", 0), _ints("one", 1),
+                                              _ints("sizes", [2, 4])])
+    assert _agrees(model, split_constant_sequences, _feeds(x=(2, 12)), ops_left=("SplitToSequence",)) == 2
+
+
+@pytest.mark.parametrize("case", ["position fed", "sequence is an output", "length unknown"])
+def test_a_sequence_not_read_at_constant_positions_is_left_alone(case: str) -> None:
+    nodes = [helper.make_node("SplitToSequence", ["x", "three"], ["seq"], axis=1),
+             helper.make_node("SequenceAt", ["seq", "p" if case == "position fed" else "zero"], ["y"])]
+    inputs = [("x", (2, "n" if case == "length unknown" else 6))]
+    graph = helper.make_graph(
+        nodes, "rewrite",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(inputs[0][1]))] +
+        ([helper.make_tensor_value_info("p", TensorProto.INT64, [])] if case == "position fed" else []),
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)] +
+        ([helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT, None)]
+         if case == "sequence is an output" else []),
+        initializer=[_ints("three", 3), _ints("zero", 0)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    before = model.SerializeToString()
+    assert split_constant_sequences(model) == 0
+    assert model.SerializeToString() == before
+
+
+def test_a_model_that_chunks_trains_with_the_gradient_of_the_same_model_written_with_split(tmp_path: Path) -> None:
+    """Before the rewrite such a model was refused: onnx-ad has no rule for SequenceAt."""
+    weight = numpy_helper.from_array(np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32), "w")
+
+    def write(name: str, chunk: list[onnx.NodeProto]) -> Path:
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), *chunk,
+                 helper.make_node("Mul", ["a", "b"], ["y"])]
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(_model(nodes, [("x", (3, 4))], [weight, _ints("two", [3, 3]), _ints("zero", 0),
+                                                   _ints("one", 1)]), path)
+        return path
+
+    sequence = write("sequence", [helper.make_node("SplitToSequence", ["h", "two"], ["seq"], axis=1),
+                                  helper.make_node("SequenceAt", ["seq", "zero"], ["a"]),
+                                  helper.make_node("SequenceAt", ["seq", "one"], ["b"])])
+    split = write("split", [helper.make_node("Split", ["h", "two"], ["a", "b"], axis=1)])
+    x, target = _feeds(x=(3, 4))["x"], np.ones((3, 3), np.float32)
+    grads = [GradientEngine(path, batch_size=3, loss="mse", cache_dir=tmp_path / "cache").gradients(
+        {"w": numpy_helper.to_array(weight)}, {"x": x, "labels": target}) for path in (sequence, split)]
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
+    np.testing.assert_allclose(grads[0][1]["w"], grads[1][1]["w"], rtol=1e-6)

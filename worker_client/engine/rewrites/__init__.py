@@ -19,6 +19,9 @@ avoids and why the replacement is exact.
   forward graph: onnx-ad refuses SAME); a ConvTranspose's output_shape as the pads it implies
   (onnx's shape inference gets the first wrong, and onnxruntime ignores the pads onnx-ad
   writes beside it, on both graphs);
+- `sequences`: a SplitToSequence read only at constant positions (torch's chunk and split, from
+  the dynamo exporter with optimize=False) as one Split (on the forward graph: onnx-ad
+  differentiates no sequence op);
 - `pools`: ceil-mode pools: the flag dropped where no window overhangs, and an overhanging
   AveragePool as a zero-padded one times a constant per position (on the forward graph:
   onnx-ad refuses ceil_mode);
@@ -54,6 +57,7 @@ from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
 from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
 from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
+from worker_client.engine.rewrites.sequences import split_constant_sequences
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
 
 __all__ = ["rewrite_adjoints", "rewrite_forward"]
@@ -67,6 +71,7 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     changed = 0
     if _bounds_matter(model):   # their passes need static shapes past an exporter's computed bounds
         changed += fold_shape_queries(model, floats=True)
+    changed += split_constant_sequences(model)
     changed += explicit_auto_pads(model)
     changed += explicit_transposed_conv_pads(model, adjoints=False)
     changed += convolve_trained_transposed_convs(model)
@@ -82,13 +87,15 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _bounds_matter(model: onnx.ModelProto) -> bool:
     """Whether the graph has a node the forward passes rewrite only with static shapes around it: a
-    ConvTranspose, a Pad, a Conv or pool with auto_pad, a ceil-mode pool, or a Slice with steps. torch's
+    ConvTranspose, a Pad, a SplitToSequence, a Conv or pool with auto_pad, a ceil-mode pool, or a Slice with
+    steps. torch's
     exporter (constant folding off) computes a Slice's bounds and a Pad's pads in the graph, from Constants
     and Shapes, and onnx's shape inference stops at them; folding those computations first makes what follows
     static. Other graphs are left as they are."""
     for node in model.graph.node:
         attributes = {a.name: a for a in node.attribute}
-        if node.op_type in ("ConvTranspose", "Pad") or (node.op_type == "Slice" and len(node.input) > 4) or \
+        if node.op_type in ("ConvTranspose", "Pad", "SplitToSequence") or \
+                (node.op_type == "Slice" and len(node.input) > 4) or \
                 ("auto_pad" in attributes and attributes["auto_pad"].s not in (b"", b"NOTSET")) or \
                 (node.op_type in ("AveragePool", "MaxPool", "LpPool") and "ceil_mode" in attributes and
                  attributes["ceil_mode"].i):

@@ -1,0 +1,107 @@
+"""A SplitToSequence read only at constant positions, as the Split it stands for.
+
+torch.onnx's dynamo exporter with optimize=False writes `torch.chunk` and `torch.split` as a
+SplitToSequence whose pieces SequenceAt then reads, one constant position each. onnx-ad
+differentiates no sequence op, so such a model was refused. The same pieces come from one
+Split (with the piece sizes the SplitToSequence implies, and a Squeeze per piece when it splits
+into single slices without keeping the axis): exact, and differentiated as Split. Needs the
+split axis's length static and every position a constant; other sequences are left alone.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, rebuild, static_shapes
+
+__all__ = ["split_constant_sequences"]
+
+#: Rounds of the rewrite: a piece that is split again has a static length only once the first split is a Split.
+_ROUNDS = 8
+
+
+def split_constant_sequences(model: onnx.ModelProto) -> int:
+    """Each SplitToSequence read only by SequenceAt at constant positions, as a Split (in place); returns how many."""
+    total = 0
+    for _ in range(_ROUNDS):
+        done = _split_once(model)
+        total += done
+        if not done:
+            break
+    return total
+
+
+def _split_once(model: onnx.ModelProto) -> int:
+    graph = model.graph
+    if not any(node.op_type == "SplitToSequence" for node in graph.node):
+        return 0
+    shapes, values = static_shapes(model), constants(model)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {value.name for value in graph.output}
+    emit = Emitter(model, "sequence_split")
+    plans: dict[int, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if node.op_type != "SplitToSequence" or node.output[0] in outputs:
+            continue
+        users = readers.get(node.output[0], [])
+        sizes = _piece_sizes(node, shapes, values)
+        if not users or sizes is None or any(u.op_type != "SequenceAt" or u.input[0] != node.output[0]
+                                             or values.get(u.input[1]) is None or values[u.input[1]].size != 1
+                                             for u in users):
+            continue
+        positions = [int(values[u.input[1]].reshape(-1)[0]) for u in users]
+        if any(not -len(sizes) <= p < len(sizes) for p in positions):
+            continue   # onnxruntime's error to give, unchanged
+        rank = len(shapes[node.input[0]])
+        axis = _attribute(node, "axis", 0) % rank
+        pieces = [emit.name() for _ in sizes]
+        split_inputs, split_attributes = [node.input[0]], {"axis": axis}
+        if opset_of(model) >= 13:
+            split_inputs.append(emit.ints(sizes))
+        else:
+            split_attributes["split"] = sizes
+        plans[id(node)] = [helper.make_node("Split", split_inputs, pieces, name=node.name or emit.name(),
+                                            **split_attributes)]
+        squeeze = (len(node.input) < 2 or not node.input[1]) and not _attribute(node, "keepdims", 1)
+        for user, position in zip(users, positions):
+            piece = pieces[position]
+            if squeeze and opset_of(model) >= 13:
+                plans[id(user)] = [helper.make_node("Squeeze", [piece, emit.ints([axis])], [user.output[0]],
+                                                    name=user.name or emit.name())]
+            elif squeeze:
+                plans[id(user)] = [helper.make_node("Squeeze", [piece], [user.output[0]], axes=[axis],
+                                                    name=user.name or emit.name())]
+            else:
+                plans[id(user)] = [helper.make_node("Identity", [piece], [user.output[0]],
+                                                    name=user.name or emit.name())]
+    rebuild(model, emit, lambda node: plans.get(id(node)))
+    return sum(1 for nodes in plans.values() if nodes[0].op_type == "Split")
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _piece_sizes(node: onnx.NodeProto, shapes, values) -> list[int] | None:
+    """The pieces' lengths along the axis, from the input's static length and the `split` input; None when either
+    is unknown or they disagree."""
+    shape = shapes.get(node.input[0])
+    if not shape:
+        return None
+    length = shape[_attribute(node, "axis", 0) % len(shape)]
+    if len(node.input) < 2 or not node.input[1]:
+        return [1] * length
+    split = values.get(node.input[1])
+    if split is None or split.ndim > 1:
+        return None
+    if split.ndim == 0:   # pieces of this length, the last one shorter
+        step = int(split)
+        if step < 1:
+            return None
+        return [step] * (length // step) + ([length % step] if length % step else [])
+    sizes = [int(s) for s in split]
+    return sizes if sum(sizes) == length and all(s >= 0 for s in sizes) else None

@@ -209,3 +209,29 @@ def test_torch_parameters_the_optimizer_folded_or_renamed_are_named_when_the_eng
     model.graph.initializer[0].name = "fc.weight"   # held under its own name: only the dropped bias is named
     model.graph.node[0].input[1] = "fc.weight"
     assert torch_parameters_renamed_or_dropped(model) == ["p_fc_bias"]
+
+
+def test_a_parameter_merged_into_another_layer_is_named_and_a_tie_torch_had_is_not() -> None:
+    """The records say which torch parameter each op read: ln2's LayerNorm reading ln1.weight is the optimizer's
+    merge; an output projection reading the embedding's weight that its own torch op read too is torch's tie."""
+    norms = [_fx(helper.make_node("LayerNormalization", ["x", "ln1.weight", "ln1.bias"], ["h"], name="node_ln_0"),
+                 "%layer_norm : (args = (%x, [4], %p_ln1_weight, %p_ln1_bias, 1e-05), kwargs = {})"),
+             _fx(helper.make_node("LayerNormalization", ["h", "ln1.weight", "ln1.bias"], ["g"], name="node_ln_1"),
+                 "%layer_norm_1 : (args = (%h, [4], %p_ln2_weight, %p_ln2_bias, 1e-05), kwargs = {})"),
+             _fx(helper.make_node("Gather", ["emb.weight", "ids"], ["e"], name="node_embedding"),
+                 "%embedding : (args = (%p_emb_weight, %ids), kwargs = {})"),
+             _fx(helper.make_node("MatMul", ["g", "emb.weight"], ["m"], name="node_linear"),
+                 "%linear : (args = (%g, %p_emb_weight), kwargs = {})"),
+             helper.make_node("Add", ["m", "e"], ["y"])]
+    model = _model(norms, {"ln1.weight": np.ones(4, np.float32), "ln1.bias": np.zeros(4, np.float32),
+                           "emb.weight": np.ones((4, 4), np.float32)})
+    with pytest.warns(UserWarning) as caught:
+        trainable_parameters(model, include=(), exclude=(), source="m.onnx")
+    texts = sorted(str(w.message) for w in caught)
+    assert len(texts) == 2, texts
+    assert texts[0].startswith("m.onnx: initializer 'ln1.bias' (torch parameter ln1.bias) is also read by node_ln_1 "
+                               "(LayerNormalization), which came from torch ops that did not read it: the optimizer of "
+                               "torch.onnx.export's dynamo exporter (optimize=True, the default) merged it")
+    assert texts[1].startswith("m.onnx: initializer 'ln1.weight' (torch parameter ln1.weight) is also read by "
+                               "node_ln_1 (LayerNormalization)")
+    assert not any("emb.weight" in t for t in texts)

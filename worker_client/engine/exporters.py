@@ -25,11 +25,12 @@ from onnx import helper
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, VALUE_PRESERVING, consumers, from_torch_dynamo,
-                                            node_metadata)
-from worker_client.engine.support import node_label
+                                            node_metadata, reads_torch_parameter)
+from worker_client.engine.support import node_label, nodes_listed
 
 __all__ = ["folded_bias_layers", "folded_variables_warning", "from_torch_dynamo", "restore_torch_training_batch_norms",
-           "renamed_or_dropped_warning", "torch_parameters_renamed_or_dropped"]
+           "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning",
+           "torch_parameters_renamed_or_dropped"]
 
 #: Node metadata the dynamo exporter writes: the torch.fx node a node came from, its module scopes, and the
 #: onnxscript rewrite rule that produced it (when one did).
@@ -78,7 +79,7 @@ def _biased(value: str, uses, trainable: set[str]) -> bool:
 
 def folded_variables_warning(layers: list[onnx.NodeProto]) -> str:
     """The warning about `layers` (from `folded_bias_layers`)."""
-    listed = ", ".join(f"{node_label(n)} ({n.op_type})" for n in layers)
+    listed = nodes_listed(layers)
     return (f"{len(layers)} weight layer(s) of this tf2onnx model have no bias: {listed}. If "
             f"the Keras layers had one (use_bias=True, the default), tf2onnx folded the "
             f"zero-initialized bias away and it will not train; LayerNormalization's beta "
@@ -191,3 +192,33 @@ def renamed_or_dropped_warning(names: list[str]) -> str:
             f"transposed, packed or reshaped under a generated name (val_N), under which it trains. Export with "
             f"optimize=False, or with dynamo=False as docs/models.md (\"Exporter recipes\") says, to train the "
             f"module as it is")
+
+
+def merged_torch_parameters(model: onnx.ModelProto, names: Collection[str]) -> dict[str, list[onnx.NodeProto]]:
+    """Of `names`, the torch parameters (an op that reads one came from a torch op reading it) that ops of other
+    torch ops read too, with those ops: the dynamo exporter's optimizer merged them with an equal value (another
+    layer's fresh LayerNorm weight, a literal), so they would train as one. A parameter every reader of which
+    came from an op reading it (tied embeddings: one torch parameter) is not listed. Nodes an onnxscript rule
+    wrote (a BatchNorm fused into a Conv) carry another op's record and are not counted. {} for other models."""
+    if not from_torch_dynamo(model):
+        return {}
+    uses = consumers(model.graph)
+    merged = {}
+    for name in names:
+        readers = [node for node, _ in uses.get(name, []) if _FX_NODE in node_metadata(node)
+                   and _RULE not in node_metadata(node)]
+        if any(reads_torch_parameter(node, name) for node in readers):
+            strangers = [node for node in readers if not reads_torch_parameter(node, name)]
+            if strangers:
+                merged[name] = strangers
+    return merged
+
+
+def merged_warning(name: str, strangers: list[onnx.NodeProto]) -> str:
+    """The warning about one parameter from `merged_torch_parameters`."""
+    listed = nodes_listed(strangers)
+    return (f"initializer {name!r} (torch parameter {name}) is also read by {listed}, which came from torch ops "
+            f"that did not read it: the optimizer of torch.onnx.export's dynamo exporter (optimize=True, the default) "
+            f"merged it with a tensor of equal value (another layer's fresh LayerNorm weight, a zero bias, a "
+            f"literal), so they would train as one parameter. Export with optimize=False, or with dynamo=False as "
+            f"docs/models.md (\"Exporter recipes\") says")

@@ -43,7 +43,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 __all__ = ["CONFIGURATION_OPERANDS", "FLOAT_TYPES", "TORCH_FX_NODE", "Role", "classify", "consumers",
-           "from_torch_dynamo", "node_metadata"]
+           "from_torch_dynamo", "names_torch_parameter", "node_metadata", "reads_torch_parameter"]
 
 #: Element types a parameter can have.
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
@@ -117,18 +117,23 @@ def from_torch_dynamo(model: onnx.ModelProto) -> bool:
     return model.producer_name == "pytorch" and any(TORCH_FX_NODE in node_metadata(n) for n in model.graph.node)
 
 
-def _names_torch_parameter(name: str, uses: Uses) -> bool:
-    """Whether a node that reads initializer `name` came from a torch op that read the torch parameter `name`
-    (torch.export calls it ``p_`` + the name with its dots as underscores)."""
-    reference = re.compile(re.escape("%p_" + re.sub(r"\W", "_", name)) + r"\b")
-    return any(reference.search(node_metadata(node).get(TORCH_FX_NODE, "")) for node, _ in uses.get(name, []))
+def reads_torch_parameter(node: onnx.NodeProto, name: str) -> bool:
+    """Whether `node` came from a torch op that read the torch parameter `name` (torch.export calls it ``p_`` +
+    the name with its dots as underscores, in the record the dynamo exporter keeps on each node)."""
+    reference = re.escape("%p_" + re.sub(r"\W", "_", name)) + r"\b"
+    return re.search(reference, node_metadata(node).get(TORCH_FX_NODE, "")) is not None
+
+
+def names_torch_parameter(name: str, uses: Uses) -> bool:
+    """Whether a node that reads initializer `name` came from a torch op that read the torch parameter `name`."""
+    return any(reads_torch_parameter(node, name) for node, _ in uses.get(name, []))
 
 
 def _is_group_norm_unit(name: str, uses: Uses) -> bool:
     """Whether `name` is read only as the scale or shift of InstanceNormalizations that came from a torch
     group_norm (and names no torch parameter): the dynamo exporter's own ones and zeros."""
     readers = uses.get(name, [])
-    return bool(readers) and not _names_torch_parameter(name, uses) and all(
+    return bool(readers) and not names_torch_parameter(name, uses) and all(
         node.op_type == "InstanceNormalization" and index in (1, 2) and
         "aten.group_norm" in node_metadata(node).get(TORCH_FX_NODE, "") for node, index in readers)
 
@@ -164,7 +169,7 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
         elif dynamo and _is_group_norm_unit(tensor.name, uses):
             roles[tensor.name] = Role("constant", "the unit scale or zero shift of the InstanceNormalization that "
                                                   "torch.onnx's dynamo exporter writes a GroupNorm as")
-        elif single and dynamo and not _names_torch_parameter(tensor.name, uses):
+        elif single and dynamo and not names_torch_parameter(tensor.name, uses):
             roles[tensor.name] = Role("constant", "a one-element literal that torch.onnx's dynamo exporter wrote "
                                                   "as an initializer (no torch parameter of that name reads it)")
         else:

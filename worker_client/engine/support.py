@@ -21,6 +21,11 @@ def node_label(node: onnx.NodeProto) -> str:
     return node.name or f"<unnamed {node.op_type} -> {node.output[0] if node.output else ''}>"
 
 
+def nodes_listed(nodes) -> str:
+    """Nodes for a message: "name (OpType), name (OpType)"."""
+    return ", ".join(f"{node_label(n)} ({n.op_type})" for n in nodes)
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Shape inference with data propagation, so shapes computed by Shape/Concat/Reshape
     chains (how exporters spell a dynamic flatten) become static once the batch is."""

@@ -11,8 +11,9 @@ import onnx
 from onnx import numpy_helper
 
 from ps_common.errors import UnsupportedModelError
-from worker_client.engine.selection import FLOAT_TYPES, classify, consumers, from_torch_dynamo
-from worker_client.engine.support import node_label, warn_caller
+from worker_client.engine.exporters import merged_torch_parameters, merged_warning
+from worker_client.engine.selection import FLOAT_TYPES, classify, consumers, from_torch_dynamo, names_torch_parameter
+from worker_client.engine.support import node_label, nodes_listed, warn_caller
 
 __all__ = ["FLOAT_TYPES", "initial_values", "select_trainable", "shared_parameters",
            "tie_warning", "trainable_parameters"]
@@ -56,7 +57,15 @@ def trainable_parameters(model: onnx.ModelProto, *, include: Sequence[str],
             f"re-export with the recipe in docs/models.md; if the rule picked a constant "
             f"or missed a weight, name them with include / exclude patterns")
     dynamo = from_torch_dynamo(model)
-    for name, nodes in shared_parameters(model, names).items():
+    merged = merged_torch_parameters(model, names)   # a dynamo export's record says which ties torch had
+    for name, strangers in merged.items():
+        warn_caller(f"{source}: {merged_warning(name, strangers)}")
+    if dynamo:   # its sharing is torch's own (tied embeddings), or was reported just above
+        uses = consumers(model.graph)
+        told = set(merged) | {name for name in names if names_torch_parameter(name, uses)}
+    else:
+        told = set()
+    for name, nodes in shared_parameters(model, [n for n in names if n not in told]).items():
         warn_caller(f"{source}: {tie_warning(name, nodes, dynamo=dynamo)}")
     return names
 
@@ -147,7 +156,7 @@ def shared_parameters(model: onnx.ModelProto,
 def tie_warning(name: str, nodes: Sequence[onnx.NodeProto], *, dynamo: bool = False) -> str:
     """The text of the warning about one parameter shared by several layers; `dynamo`: the model is from
     torch.onnx's dynamo exporter, whose optimizer merges equal-valued initializers in any mode."""
-    listed = ", ".join(f"{node_label(n)} ({n.op_type})" for n in nodes)
+    listed = nodes_listed(nodes)
     cause = (f"If the model came from torch.onnx.export in eval mode, the exporter merged parameters that held "
              f"equal values (fresh LayerNorms, zero biases) into one initializer: re-export with {_EXPORT_HINT}"
              if not dynamo else

@@ -13,7 +13,7 @@ from onnx import numpy_helper
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.exporters import merged_torch_parameters, merged_warning
 from worker_client.engine.selection import FLOAT_TYPES, classify, consumers, from_torch_dynamo, names_torch_parameter
-from worker_client.engine.support import node_label, nodes_listed, warn_caller
+from worker_client.engine.support import nodes_listed, warn_caller
 
 __all__ = ["FLOAT_TYPES", "initial_values", "select_trainable", "shared_parameters",
            "tie_warning", "trainable_parameters"]

@@ -12,7 +12,10 @@ mode as an inference BatchNormalization: with `optimize=False` the node keeps it
 statistics, and `restore_torch_training_batch_norms` puts it back in training mode; with the
 default `optimize=True`, onnxscript's rewriter folds it into the Conv or Gemm before it, or
 merges its running statistics with equal-valued parameters (its own weight and bias, at
-first), and the model can only be refused: it would train without that BatchNorm.
+first), and the model can only be refused: it would train without that BatchNorm. The same
+optimizer merges other parameters with equal values (`merged_torch_parameters`), drops or
+renames some (`torch_parameters_renamed_or_dropped`), and writes literals as initializers
+(selection.py, rule 4, makes those constants); the engine warns about the first two.
 """
 
 from __future__ import annotations

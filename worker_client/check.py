@@ -480,7 +480,7 @@ def format_report(report: CheckReport) -> str:
         lines.append(f"error: {report.error}")
     if report.differences:
         lines.append(f"gradient check: {report.differences}; a parameter passes when most of "
-                     f"{FD_DIRECTIONS} random directions agree")
+                     f"{FD_DIRECTIONS} random directions agree (tried one by one, until the outcome is settled)")
     for check in report.gradients:
         verdict = "ok" if check.ok else "MISMATCH"
         shown = check.shown

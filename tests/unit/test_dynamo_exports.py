@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine import GradientEngine
 from worker_client.engine.exporters import (from_torch_dynamo, restore_torch_training_batch_norms,
-                                             torch_parameters_renamed_or_dropped)
+                                             torch_padding_rows, torch_parameters_renamed_or_dropped)
 from worker_client.engine.selection import classify
 from worker_client.engine.trainables import trainable_parameters
 
@@ -235,3 +235,57 @@ def test_a_parameter_merged_into_another_layer_is_named_and_a_tie_torch_had_is_n
     assert texts[1].startswith("m.onnx: initializer 'ln1.weight' (torch parameter ln1.weight) is also read by "
                                "node_ln_1 (LayerNormalization)")
     assert not any("emb.weight" in t for t in texts)
+
+
+EMBEDDING = "%embedding : call_function[target=torch.ops.aten.embedding.default](args = (%p_e_weight, %ids{}), kwargs = {{}})"
+
+
+def _embedding_model(record: str | None, *, tied: bool = False) -> onnx.ModelProto:
+    gather = helper.make_node("Gather", ["e.weight", "ids"], ["rows"], name="node_embedding")
+    if record is not None:
+        _fx(gather, record)
+    nodes = [gather, helper.make_node("ReduceMean", ["rows", "axis"], ["y"], keepdims=0)]
+    if tied:
+        nodes[-1] = helper.make_node("ReduceMean", ["rows", "axis"], ["pooled"], keepdims=0)
+        nodes.append(_fx(helper.make_node("MatMul", ["pooled", "e.weight_t"], ["y"]), "%linear : (args = (%x, %p_o))"))
+        nodes.insert(0, _fx(helper.make_node("Transpose", ["e.weight"], ["e.weight_t"]), "%linear : (%p_o)"))
+    graph = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info("ids", TensorProto.INT64, [4, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.random.default_rng(0).standard_normal((5, 5))
+                                                       .astype(np.float32), "e.weight"),
+                               numpy_helper.from_array(np.array([1], np.int64), "axis")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="pytorch")
+
+
+def test_an_embeddings_padding_row_gets_no_gradient_as_in_torch(tmp_path) -> None:
+    """The exporter writes a plain Gather and drops padding_idx; its record keeps it, and torch keeps that row's
+    gradient at zero."""
+    ids = np.array([[0, 1, 2], [3, 0, 0], [4, 4, 1], [2, 0, 3]], np.int64)
+    target = np.ones((4, 5), np.float32)
+    grads = {}
+    for label, record in (("padded", EMBEDDING.format(", 0")), ("plain", EMBEDDING.format(""))):
+        path = tmp_path / f"{label}.onnx"
+        onnx.save(_embedding_model(record), path)
+        engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+        grads[label] = engine.gradients(engine.parameters(), {"ids": ids, "labels": target})[1]["e.weight"]
+    assert np.abs(grads["plain"][0]).max() > 0
+    assert not grads["padded"][0].any()
+    np.testing.assert_array_equal(grads["padded"][1:], grads["plain"][1:])
+
+
+@pytest.mark.parametrize("record, tied, expected", [
+    (EMBEDDING.format(", 0"), False, {"e.weight": 0}),
+    (EMBEDDING.format(", -1"), False, {"e.weight": 4}),   # counted from the end, as torch does
+    (EMBEDDING.format(""), False, {}),                    # no padding_idx
+    (EMBEDDING.format(", 0"), True, {}),                  # tied: the other use gives that row gradient
+])
+def test_only_a_table_read_only_as_a_padded_embedding_has_a_padding_row(record, tied, expected) -> None:
+    assert torch_padding_rows(_embedding_model(record, tied=tied)) == expected
+
+
+def test_a_padded_table_that_trains_sparsely_is_warned_about(tmp_path) -> None:
+    path = tmp_path / "padded.onnx"
+    onnx.save(_embedding_model(EMBEDDING.format(", 0")), path)
+    with pytest.warns(UserWarning, match=r"the padding_idx row of \['e\.weight'\] gets gradient while the table "
+                                         r"trains sparsely .*--dense-tables e\.weight trains it as torch does"):
+        GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache", sparse_tables=["e.weight"])

@@ -21,7 +21,8 @@ from worker_client.engine.differentiate import (
     gradient_graph,
 )
 from worker_client.engine.exporters import (folded_bias_layers, folded_variables_warning, renamed_or_dropped_warning,
-                                             restore_torch_training_batch_norms, torch_parameters_renamed_or_dropped)
+                                             restore_torch_training_batch_norms, torch_padding_rows,
+                                             torch_parameters_renamed_or_dropped)
 from worker_client.engine.feeds import (
     check_shape,
     coerce,
@@ -149,6 +150,8 @@ class GradientEngine:
             # in external data is mapped from its file, never read whole into the model
             model = read_model(self.model_path, external_data=False)
             self.data_inputs = data_inputs_of(model)
+            # the exporter's records name the tables, which the rewrite renames (T.rows)
+            padding, renamed = torch_padding_rows(model), torch_parameters_renamed_or_dropped(model)
             declared = declared_dynamic_tables(model) if self._min_bytes is not None else []
             dynamic = tuple(dict.fromkeys([*self._dynamic_request, *declared]))
             tables = find_sparse_tables(model, min_rows=min_rows, min_bytes=self._min_bytes,
@@ -162,6 +165,12 @@ class GradientEngine:
         else:
             model = load_model(self.model_path)
             self.data_inputs = data_inputs_of(model)
+            padding, renamed = torch_padding_rows(model), torch_parameters_renamed_or_dropped(model)
+        sparse_padded = sorted(name for name in padding if name in self.sparse.tables)
+        if sparse_padded:
+            warn_caller(f"{self.model_path}: the padding_idx row of {sparse_padded} gets gradient while the table "
+                        f"trains sparsely (torch keeps it at zero); --dense-tables {','.join(sparse_padded)} trains "
+                        f"it as torch does")
         # before the opset upgrade, which drops the node metadata it reads
         restore_torch_training_batch_norms(model, str(self.model_path))
         model = upgrade_opset(model, self.model_path)
@@ -171,10 +180,11 @@ class GradientEngine:
         folded = folded_bias_layers(model, self.trainable_names)
         if folded:
             warn_caller(f"{self.model_path}: {folded_variables_warning(folded)}")
-        renamed = torch_parameters_renamed_or_dropped(model)
         if renamed:
             warn_caller(f"{self.model_path}: {renamed_or_dropped_warning(renamed)}")
         self._initial = initial_values(model, self.trainable_names)
+        #: torch Embeddings' padding_idx rows (dynamo exports record them): their gradient is kept at zero
+        self._padding_rows = {name: row for name, row in padding.items() if name in self._initial}
         bfloat16 = [name for name, value in self._initial.items() if value.dtype.name == "bfloat16"]
         if bfloat16:   # onnxruntime's Python API takes no ml_dtypes array: the first run failed with a bare
             # "Numpy_type 256 can't be converted to MLDataType"
@@ -364,6 +374,8 @@ class GradientEngine:
         rest = iter(results[1:] if self._has_loss else results)
         gradients = {name: next(rest).reshape(self._initial[name].shape)
                      for name in self.trainable_names}
+        for name, row in self._padding_rows.items():
+            gradients[name][row] = 0
         wrt_inputs = {name: (value := next(rest)).reshape(value.shape[:-1])
                       for name in self.input_gradient_names}
         state = {name: next(rest) for name in self.state_names}

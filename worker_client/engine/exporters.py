@@ -32,7 +32,7 @@ from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, VALUE_PRESER
 from worker_client.engine.support import node_label, nodes_listed
 
 __all__ = ["folded_bias_layers", "folded_variables_warning", "from_torch_dynamo", "restore_torch_training_batch_norms",
-           "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning",
+           "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning", "torch_padding_rows",
            "torch_parameters_renamed_or_dropped"]
 
 #: Node metadata the dynamo exporter writes: the torch.fx node a node came from, its module scopes, and the
@@ -225,3 +225,30 @@ def merged_warning(name: str, strangers: list[onnx.NodeProto]) -> str:
             f"merged it with a tensor of equal value (another layer's fresh LayerNorm weight, a zero bias, a "
             f"literal), so they would train as one parameter. Export with optimize=False, or with dynamo=False as "
             f"docs/models.md (\"Exporter recipes\") says")
+
+
+#: torch's embedding in the exporter's record: the table, the ids, and padding_idx when the module has one.
+_EMBEDDING = re.compile(r"target=torch\.ops\.aten\.embedding\.default\]\(args = \(%\w+, %\w+(?:, (-?\d+))?")
+
+
+def torch_padding_rows(model: onnx.ModelProto) -> dict[str, int]:
+    """The tables of a dynamo-exported model whose torch Embedding has a padding_idx: table -> that row, whose
+    gradient torch keeps at zero (the exporter writes a plain Gather and drops it; its record keeps it). Only a
+    table that every reader reads as that embedding: a table also read otherwise (tied to an output projection)
+    gets gradient in that row from the other use, and is left out. {} for other models."""
+    if not from_torch_dynamo(model):
+        return {}
+    uses = consumers(model.graph)
+    rows = {}
+    for tensor in model.graph.initializer:
+        readers = uses.get(tensor.name, [])
+        found = set()
+        for node, index in readers:
+            match = _EMBEDDING.search(node_metadata(node).get(_FX_NODE, ""))
+            found.add(int(match.group(1)) if node.op_type == "Gather" and index == 0 and match and match.group(1)
+                      and reads_torch_parameter(node, tensor.name) else None)
+        if len(found) == 1 and None not in found and tensor.dims:
+            row = found.pop()
+            if -tensor.dims[0] <= row < tensor.dims[0]:
+                rows[tensor.name] = row % tensor.dims[0]
+    return rows

@@ -14,6 +14,7 @@ import onnx
 from onnx import helper
 
 from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, rebuild, static_shapes
+from worker_client.engine.selection import consumers
 
 __all__ = ["split_constant_sequences"]
 
@@ -37,49 +38,44 @@ def _split_once(model: onnx.ModelProto) -> int:
     if not any(node.op_type == "SplitToSequence" for node in graph.node):
         return 0
     shapes, values = static_shapes(model), constants(model)
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    uses = consumers(graph)
     outputs = {value.name for value in graph.output}
+    sizes_as_input = opset_of(model) >= 13   # Split's sizes and Squeeze's axes: inputs from opset 13, attributes before
     emit = Emitter(model, "sequence_split")
     plans: dict[int, list[onnx.NodeProto]] = {}
+    splits = 0
     for node in graph.node:
         if node.op_type != "SplitToSequence" or node.output[0] in outputs:
             continue
-        users = readers.get(node.output[0], [])
+        users = uses.get(node.output[0], [])
         sizes = _piece_sizes(node, shapes, values)
-        if not users or sizes is None or any(u.op_type != "SequenceAt" or u.input[0] != node.output[0]
-                                             or values.get(u.input[1]) is None or values[u.input[1]].size != 1
-                                             for u in users):
+        if not users or sizes is None or any(u.op_type != "SequenceAt" or index != 0 or values.get(u.input[1]) is None
+                                             or values[u.input[1]].size != 1 for u, index in users):
             continue
-        positions = [int(values[u.input[1]].reshape(-1)[0]) for u in users]
+        positions = [int(values[u.input[1]].reshape(-1)[0]) for u, _ in users]
         if any(not -len(sizes) <= p < len(sizes) for p in positions):
             continue   # onnxruntime's error to give, unchanged
-        rank = len(shapes[node.input[0]])
-        axis = _attribute(node, "axis", 0) % rank
+        axis = _attribute(node, "axis", 0) % len(shapes[node.input[0]])
         pieces = [emit.name() for _ in sizes]
         split_inputs, split_attributes = [node.input[0]], {"axis": axis}
-        if opset_of(model) >= 13:
+        if sizes_as_input:
             split_inputs.append(emit.ints(sizes))
         else:
             split_attributes["split"] = sizes
         plans[id(node)] = [helper.make_node("Split", split_inputs, pieces, name=node.name or emit.name(),
                                             **split_attributes)]
+        splits += 1
         squeeze = (len(node.input) < 2 or not node.input[1]) and not _attribute(node, "keepdims", 1)
-        for user, position in zip(users, positions):
-            piece = pieces[position]
-            if squeeze and opset_of(model) >= 13:
-                plans[id(user)] = [helper.make_node("Squeeze", [piece, emit.ints([axis])], [user.output[0]],
-                                                    name=user.name or emit.name())]
+        for (user, _), position in zip(users, positions):
+            piece, name = pieces[position], user.name or emit.name()
+            if squeeze and sizes_as_input:
+                plans[id(user)] = [helper.make_node("Squeeze", [piece, emit.ints([axis])], [user.output[0]], name=name)]
             elif squeeze:
-                plans[id(user)] = [helper.make_node("Squeeze", [piece], [user.output[0]], axes=[axis],
-                                                    name=user.name or emit.name())]
+                plans[id(user)] = [helper.make_node("Squeeze", [piece], [user.output[0]], axes=[axis], name=name)]
             else:
-                plans[id(user)] = [helper.make_node("Identity", [piece], [user.output[0]],
-                                                    name=user.name or emit.name())]
+                plans[id(user)] = [helper.make_node("Identity", [piece], [user.output[0]], name=name)]
     rebuild(model, emit, lambda node: plans.get(id(node)))
-    return sum(1 for nodes in plans.values() if nodes[0].op_type == "Split")
+    return splits
 
 
 def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:

@@ -28,20 +28,21 @@ from onnx import helper
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, VALUE_PRESERVING, consumers, from_torch_dynamo,
-                                            node_metadata, reads_torch_parameter)
+                                            node_metadata, reads_torch_parameter, torch_export_name)
 from worker_client.engine.support import node_label, nodes_listed
 
-__all__ = ["folded_bias_layers", "folded_variables_warning", "from_torch_dynamo", "restore_torch_training_batch_norms",
-           "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning", "torch_padding_rows",
-           "torch_parameters_renamed_or_dropped"]
+__all__ = ["DYNAMO_REMEDY", "folded_bias_layers", "folded_variables_warning", "from_torch_dynamo",
+           "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning", "restore_torch_training_batch_norms",
+           "torch_padding_rows", "torch_parameters_renamed_or_dropped"]
 
-#: Node metadata the dynamo exporter writes: the torch.fx node a node came from, its module scopes, and the
-#: onnxscript rewrite rule that produced it (when one did).
-_FX_NODE, _SCOPES, _RULE = TORCH_FX_NODE, "pkg.torch.onnx.name_scopes", "pkg.onnxscript.rewriter.rule_name"
-#: The aten batch norms that take a `training` flag (the sixth argument), and the exporter's documented remedy.
+#: Node metadata the dynamo exporter writes besides the torch.fx node a node came from (TORCH_FX_NODE): its module
+#: scopes, and the onnxscript rewrite rule that produced it (when one did).
+_SCOPES, _RULE = "pkg.torch.onnx.name_scopes", "pkg.onnxscript.rewriter.rule_name"
+#: The aten batch norms that take a `training` flag (the sixth argument).
 _FLAGGED_BATCH_NORMS = ("batch_norm", "native_batch_norm", "_batch_norm_impl_index")
-_DYNAMO_REMEDY = ("export with dynamo=False as docs/models.md (\"Exporter recipes\") says, or with dynamo=True and "
-                  "optimize=False")
+#: What every message about the dynamo exporter's optimizer tells the user to do.
+DYNAMO_REMEDY = ("export with dynamo=False as docs/models.md (\"Exporter recipes\") says, or with dynamo=True and "
+                 "optimize=False")
 
 #: Weight layers and the input index of their own bias, if the op has one.
 _WEIGHT_LAYERS = {"MatMul": None, "Gemm": 2, "Conv": 2, "ConvTranspose": 2}
@@ -93,13 +94,11 @@ def folded_variables_warning(layers: list[onnx.NodeProto]) -> str:
 def _torch_batch_norm_training(node: onnx.NodeProto) -> bool | None:
     """From the dynamo exporter's record of the aten op a node came from: True for a batch norm in training mode,
     False for one in eval mode, None when it came from no batch norm (or carries no record)."""
-    record = node_metadata(node).get(_FX_NODE, "")
+    record = node_metadata(node).get(TORCH_FX_NODE, "")
     target = re.search(r"target=torch\.ops\.aten\.(\w+)", record)
     if target is None or "batch_norm" not in target.group(1):
         return None
-    op = target.group(1)
-    if _without_running_statistics(node):
-        return True
+    op = target.group(1)   # the name before the overload: _native_batch_norm_legit for its .no_stats too
     if "no_training" in op or "no_update" in op:   # _native_batch_norm_legit_no_training, _batch_norm_no_update
         return False
     if op in _FLAGGED_BATCH_NORMS:
@@ -112,7 +111,7 @@ def _torch_batch_norm_training(node: onnx.NodeProto) -> bool | None:
 def _without_running_statistics(node: onnx.NodeProto) -> bool:
     """Whether the node came from a BatchNorm with track_running_stats=False (aten's ``.no_stats`` overload)."""
     return re.search(r"target=torch\.ops\.aten\.\w*batch_norm\w*\.no_stats\b",
-                     node_metadata(node).get(_FX_NODE, "")) is not None
+                     node_metadata(node).get(TORCH_FX_NODE, "")) is not None
 
 
 def _module_of(node: onnx.NodeProto) -> str:
@@ -170,7 +169,7 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
             f"{source}: torch.onnx.export's dynamo exporter (the default since torch 2.9) wrote {len(lost)} "
             f"training-mode BatchNorm(s) as inference ones, and its optimizer then folded or merged them: "
             f"{'; '.join(lost)}. Trained as it is, the model would not normalize with batch statistics there: "
-            f"{_DYNAMO_REMEDY}")
+            f"{DYNAMO_REMEDY}")
     return restored
 
 
@@ -182,8 +181,8 @@ def torch_parameters_renamed_or_dropped(model: onnx.ModelProto) -> list[str]:
     if not from_torch_dynamo(model):
         return []
     referenced = {match for node in model.graph.node
-                  for match in re.findall(r"%(p_\w+)", node_metadata(node).get(_FX_NODE, ""))}
-    held = {"p_" + re.sub(r"\W", "_", t.name) for t in model.graph.initializer}
+                  for match in re.findall(r"%(p_\w+)", node_metadata(node).get(TORCH_FX_NODE, ""))}
+    held = {torch_export_name(t.name) for t in model.graph.initializer}
     return sorted(referenced - held)
 
 
@@ -192,9 +191,8 @@ def renamed_or_dropped_warning(names: list[str]) -> str:
     return (f"{len(names)} torch parameter(s) are not in the graph under their own names ({', '.join(names)}, as "
             f"torch.export names them): the optimizer of torch.onnx.export's dynamo exporter (optimize=True, the "
             f"default) folded each away, so that it does not train (a zero bias, a unit scale), or stored it "
-            f"transposed, packed or reshaped under a generated name (val_N), under which it trains. Export with "
-            f"optimize=False, or with dynamo=False as docs/models.md (\"Exporter recipes\") says, to train the "
-            f"module as it is")
+            f"transposed, packed or reshaped under a generated name (val_N), under which it trains. To train the "
+            f"module as it is, {DYNAMO_REMEDY}")
 
 
 def merged_torch_parameters(model: onnx.ModelProto, names: Collection[str]) -> dict[str, list[onnx.NodeProto]]:
@@ -208,7 +206,7 @@ def merged_torch_parameters(model: onnx.ModelProto, names: Collection[str]) -> d
     uses = consumers(model.graph)
     merged = {}
     for name in names:
-        readers = [node for node, _ in uses.get(name, []) if _FX_NODE in node_metadata(node)
+        readers = [node for node, _ in uses.get(name, []) if TORCH_FX_NODE in node_metadata(node)
                    and _RULE not in node_metadata(node)]
         if any(reads_torch_parameter(node, name) for node in readers):
             strangers = [node for node in readers if not reads_torch_parameter(node, name)]
@@ -223,8 +221,7 @@ def merged_warning(name: str, strangers: list[onnx.NodeProto]) -> str:
     return (f"initializer {name!r} (torch parameter {name}) is also read by {listed}, which came from torch ops "
             f"that did not read it: the optimizer of torch.onnx.export's dynamo exporter (optimize=True, the default) "
             f"merged it with a tensor of equal value (another layer's fresh LayerNorm weight, a zero bias, a "
-            f"literal), so they would train as one parameter. Export with optimize=False, or with dynamo=False as "
-            f"docs/models.md (\"Exporter recipes\") says")
+            f"literal), so they would train as one parameter: {DYNAMO_REMEDY}")
 
 
 #: torch's embedding in the exporter's record: the table, the ids, and padding_idx when the module has one.
@@ -244,7 +241,7 @@ def torch_padding_rows(model: onnx.ModelProto) -> dict[str, int]:
         readers = uses.get(tensor.name, [])
         found = set()
         for node, index in readers:
-            match = _EMBEDDING.search(node_metadata(node).get(_FX_NODE, ""))
+            match = _EMBEDDING.search(node_metadata(node).get(TORCH_FX_NODE, ""))
             found.add(int(match.group(1)) if node.op_type == "Gather" and index == 0 and match and match.group(1)
                       and reads_torch_parameter(node, tensor.name) else None)
         if len(found) == 1 and None not in found and tensor.dims:

@@ -43,7 +43,8 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 __all__ = ["CONFIGURATION_OPERANDS", "FLOAT_TYPES", "TORCH_FX_NODE", "Role", "classify", "consumers",
-           "from_torch_dynamo", "names_torch_parameter", "node_metadata", "reads_torch_parameter"]
+           "from_torch_dynamo", "names_torch_parameter", "node_metadata", "reads_torch_parameter",
+           "torch_export_name"]
 
 #: Element types a parameter can have.
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
@@ -117,10 +118,15 @@ def from_torch_dynamo(model: onnx.ModelProto) -> bool:
     return model.producer_name == "pytorch" and any(TORCH_FX_NODE in node_metadata(n) for n in model.graph.node)
 
 
+def torch_export_name(name: str) -> str:
+    """What torch.export calls the torch parameter `name` in the records: ``p_`` + the name, dots as underscores."""
+    return "p_" + re.sub(r"\W", "_", name)
+
+
 def reads_torch_parameter(node: onnx.NodeProto, name: str) -> bool:
-    """Whether `node` came from a torch op that read the torch parameter `name` (torch.export calls it ``p_`` +
-    the name with its dots as underscores, in the record the dynamo exporter keeps on each node)."""
-    reference = re.escape("%p_" + re.sub(r"\W", "_", name)) + r"\b"
+    """Whether `node` came from a torch op that read the torch parameter `name` (`torch_export_name`, in the record
+    the dynamo exporter keeps on each node)."""
+    reference = re.escape("%" + torch_export_name(name)) + r"\b"
     return re.search(reference, node_metadata(node).get(TORCH_FX_NODE, "")) is not None
 
 

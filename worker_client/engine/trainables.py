@@ -11,7 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from ps_common.errors import UnsupportedModelError
-from worker_client.engine.exporters import merged_torch_parameters, merged_warning
+from worker_client.engine.exporters import DYNAMO_REMEDY, merged_torch_parameters, merged_warning
 from worker_client.engine.selection import FLOAT_TYPES, classify, consumers, from_torch_dynamo, names_torch_parameter
 from worker_client.engine.support import nodes_listed, warn_caller
 
@@ -60,12 +60,10 @@ def trainable_parameters(model: onnx.ModelProto, *, include: Sequence[str],
     merged = merged_torch_parameters(model, names)   # a dynamo export's record says which ties torch had
     for name, strangers in merged.items():
         warn_caller(f"{source}: {merged_warning(name, strangers)}")
-    if dynamo:   # its sharing is torch's own (tied embeddings), or was reported just above
-        uses = consumers(model.graph)
-        told = set(merged) | {name for name in names if names_torch_parameter(name, uses)}
-    else:
-        told = set()
-    for name, nodes in shared_parameters(model, [n for n in names if n not in told]).items():
+    # a torch parameter of a dynamo export: its sharing is torch's own (tied embeddings), or merged, said above
+    uses = consumers(model.graph) if dynamo else {}
+    untold = [name for name in names if not names_torch_parameter(name, uses)]
+    for name, nodes in shared_parameters(model, untold).items():
         warn_caller(f"{source}: {tie_warning(name, nodes, dynamo=dynamo)}")
     return names
 
@@ -161,8 +159,7 @@ def tie_warning(name: str, nodes: Sequence[onnx.NodeProto], *, dynamo: bool = Fa
              f"equal values (fresh LayerNorms, zero biases) into one initializer: re-export with {_EXPORT_HINT}"
              if not dynamo else
              "torch.onnx.export's dynamo exporter (the default since torch 2.9) merges parameters that hold equal "
-             "values (fresh LayerNorms, zero biases) into one initializer when it optimizes the graph: re-export "
-             "with dynamo=False as docs/models.md (\"Exporter recipes\") says, or with optimize=False")
+             f"values (fresh LayerNorms, zero biases) into one initializer when it optimizes the graph: re-{DYNAMO_REMEDY}")
     return (f"initializer {name!r} feeds {len(nodes)} layers: {listed}; they are trained as "
             f"one tied parameter. {cause}. Ignore this "
             f"warning if the sharing is intended (tied embeddings), or exclude the "

@@ -181,13 +181,14 @@ class Launcher:
         folders of their own there (a stray shard1/ beside a 1-shard job's checkpoints, which `ps-ctl export` of
         the folder then trips on)."""
         c = self.config
+        if c.server.checkpoint_dir is None:
+            return
         stages = [None] if c.job.stages == 1 else list(range(c.job.stages))
         for stage in stages:
             for index in range(c.job.shards):
                 for replica in range(c.job.shard_replicas):
                     folder = checkpoint_folder(c, index, stage, replica)
-                    if folder is None:
-                        return
+                    assert folder is not None   # the job keeps checkpoints
                     directory = CheckpointDirectory(folder)
                     if directory.mismatch(index, c.job.shards) is None:
                         continue

@@ -43,6 +43,11 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def tensorflow_available() -> bool:
+    """True when tensorflow can be imported here (a benchmark-only peer, like torch)."""
+    return importlib.util.find_spec("tensorflow") is not None
+
+
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 

@@ -10,12 +10,14 @@ The systems of one case (a model, a worker count, a mode, a network):
 - PyTorch RPC (`ps_bench.torch_rpc`), one per variant and transport (`TORCH_VARIANTS`):
   ``two-call/tcp`` and ``fused/tcp`` (TensorPipe's TCP transport only, as between hosts),
   ``fused/shm`` (TensorPipe's defaults, shared memory on one host); ``two-call/shm`` on request;
-- DDP (`ps_bench.ddp`, gloo): sync mode only.
+- DDP (`ps_bench.ddp`, gloo): sync mode only;
+- TensorFlow's ParameterServerStrategy (`ps_bench.tf_ps`, where tensorflow is importable): async
+  mode only, the only mode TensorFlow 2's parameter servers have; its tasks talk gRPC.
 
 A path's scope says which peers it meets: "one-host" paths (shm) meet every PyTorch RPC
 variant, "wire" paths (channel, grpc) only those over TCP -- each against the fastest of them
-(`best_peer`), and DDP in sync mode. Across network namespaces (``--netns``) only wire paths
-and TCP variants run: shared memory does not cross hosts.
+(`best_peer`); every path meets DDP in sync mode and TensorFlow in async mode. Across network
+namespaces (``--netns``) only wire paths and TCP variants run: shared memory does not cross hosts.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ PATHS = {"shm": "one-host", "channel": "wire", "grpc": "wire"}
 TORCH_VARIANTS = ("two-call/tcp", "fused/tcp", "fused/shm")
 ALL_TORCH_VARIANTS = ("two-call/tcp", "fused/tcp", "two-call/shm", "fused/shm")
 
-OURS, TORCH, DDP = "onnx-ps", "torch-rpc", "torch-ddp"
+OURS, TORCH, DDP, TF = "onnx-ps", "torch-rpc", "torch-ddp", "tf-ps"
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ MODELS: dict[str, ModelCase] = {
 class System:
     """One system of a case: ours on a data path, a PyTorch RPC variant over a transport, or DDP."""
 
-    kind: str                 # OURS, TORCH or DDP
+    kind: str                 # OURS, TORCH, DDP or TF
     path: str = ""            # ours: a key of PATHS
     variant: str = ""         # torch: two-call or fused
     transport: str = ""       # torch: tcp or shm
@@ -81,6 +83,8 @@ class System:
             return f"{OURS}[{self.path}]"
         if self.kind == TORCH:
             return f"{TORCH}[{self.variant}/{self.transport}]"
+        if self.kind == TF:
+            return f"{TF}[grpc]"
         return f"{DDP}[gloo]"
 
     @property
@@ -96,6 +100,8 @@ class System:
             return {"path": self.path}
         if self.kind == TORCH:
             return {"variant": self.variant, "transport": self.transport}
+        if self.kind == TF:
+            return {"strategy": "ParameterServerStrategy"}
         return {"backend": "gloo"}
 
 
@@ -111,8 +117,9 @@ def parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
 
 
 def systems_for(mode: str, paths: Sequence[str], torch_variants: Sequence[str], *, ddp: bool, with_torch: bool,
-                netns: bool) -> list[System]:
-    """The systems of one case, ours first. Across namespaces: wire paths and TCP variants only."""
+                netns: bool, with_tf: bool = False) -> list[System]:
+    """The systems of one case, ours first. Across namespaces: wire paths and TCP variants only. TensorFlow's
+    ParameterServerStrategy (`with_tf`) in async mode only."""
     out = [System(OURS, path=p) for p in paths if not (netns and PATHS[p] == "one-host")]
     if with_torch:
         for pair in torch_variants:
@@ -121,6 +128,8 @@ def systems_for(mode: str, paths: Sequence[str], torch_variants: Sequence[str], 
                 out.append(System(TORCH, variant=variant, transport=transport))
         if ddp and mode == "sync":
             out.append(System(DDP))
+    if with_tf and mode == "async":
+        out.append(System(TF))
     return out
 
 
@@ -178,10 +187,11 @@ class Comparison:
 
 
 def comparisons(runs: Mapping[System, list[float]]) -> list[Comparison]:
-    """For every path of ours that ran: against the best PyTorch RPC variant of its scope, and against DDP."""
+    """For every path of ours that ran: against the best PyTorch RPC variant of its scope, against DDP and
+    against TensorFlow."""
     out = []
     for ours in (s for s, v in runs.items() if s.kind == OURS and v):
-        for kind in (TORCH, DDP):
+        for kind in (TORCH, DDP, TF):
             peer = best_peer(runs, ours.scope, kind)
             if peer is not None:
                 out.append(Comparison(ours, peer, paired_ratios(runs[ours], runs[peer])))

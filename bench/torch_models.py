@@ -52,6 +52,10 @@ from pathlib import Path
 
 import numpy as np
 
+# the models' sizes, shared with ps_bench.tf_ps, which builds the same models in Keras
+from ps_bench.model_sizes import (D_MODEL, DROPOUT, FEED_FORWARD, HEADS, IMAGE_CLASSES, IMAGE_SHAPE, LAYERS,
+                                  SEQ_LEN, STAGES, TEXT_CLASSES, VOCAB)
+
 try:
     import torch
     from torch import nn
@@ -65,17 +69,6 @@ __all__ = ["MODELS", "VERSION", "ModelSpec", "build", "example_batch", "export",
 #: Part of every exported file's name: bumped whenever a model's definition or its export changes,
 #: so a file cached by an older definition is never taken for the current one.
 VERSION = 1
-
-#: The transformer's sizes.
-VOCAB = 8000
-SEQ_LEN = 64
-D_MODEL = 384
-HEADS = 6
-FEED_FORWARD = 1536
-LAYERS = 4
-TEXT_CLASSES = 4
-#: The ResNet's classes (CIFAR-10).
-IMAGE_CLASSES = 10
 
 
 @dataclass(frozen=True)
@@ -123,7 +116,7 @@ class ResNet18(nn.Module):
         self.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
         stages, inputs = [], 64
-        for outputs, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for outputs, stride in STAGES:
             stages.append(nn.Sequential(BasicBlock(inputs, outputs, stride),
                                         BasicBlock(outputs, outputs, 1)))
             inputs = outputs
@@ -144,7 +137,7 @@ class TransformerClassifier(nn.Module):
 
     def __init__(self, vocab: int = VOCAB, seq_len: int = SEQ_LEN, d_model: int = D_MODEL,
                  heads: int = HEADS, feed_forward: int = FEED_FORWARD, layers: int = LAYERS,
-                 classes: int = TEXT_CLASSES, dropout: float = 0.1) -> None:
+                 classes: int = TEXT_CLASSES, dropout: float = DROPOUT) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.position = nn.Parameter(torch.randn(1, seq_len, d_model) * 0.02)
@@ -161,7 +154,7 @@ class TransformerClassifier(nn.Module):
 
 
 MODELS: dict[str, ModelSpec] = {
-    "resnet18": ModelSpec("image", (3, 32, 32), "float32", IMAGE_CLASSES,
+    "resnet18": ModelSpec("image", IMAGE_SHAPE, "float32", IMAGE_CLASSES,
                           "ResNet-18 for 32x32 images (CIFAR style), training-mode BatchNorm, 11.2 M parameters",
                           ResNet18),
     "transformer": ModelSpec("ids", (SEQ_LEN,), "int64", TEXT_CLASSES,

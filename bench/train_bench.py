@@ -7,9 +7,11 @@ once per data path of ours (`--paths`: ``shm``, through shared memory on one hos
 every byte through gRPC as between hosts), then the same shape in PyTorch RPC
 (`ps_bench.torch_rpc`: one PS process per shard holding the same parts, torch autograd
 workers on the same torch module and batches) once per variant and transport
-(`--torch-variants`: ``two-call/tcp``, ``fused/tcp``, ``fused/shm``), and in sync mode DDP
-(`ps_bench.ddp`, gloo all-reduce, no parameter server); the order of the systems flips
-every repeat. A worker's rate is its timed steps over its timed window (start-up, warm-up
+(`--torch-variants`: ``two-call/tcp``, ``fused/tcp``, ``fused/shm``), in sync mode DDP
+(`ps_bench.ddp`, gloo all-reduce, no parameter server), and in async mode TensorFlow's
+ParameterServerStrategy where tensorflow is importable (`ps_bench.tf_ps`: ps tasks, worker
+tasks and a coordinator scheduling ``--tf-steps-per-function`` steps a call); the order of
+the systems flips every repeat. A worker's rate is its timed steps over its timed window (start-up, warm-up
 and the end are outside it); a run's steps/s is the sum over its workers (one step: one
 batch's gradient computed and pushed, and a pull), its samples/s that times the batch.
 
@@ -23,10 +25,10 @@ joined by a veth pair shaped to ``--netns-rate`` (`ps_bench.netns`; needs root):
 the wire paths and TCP transports run there.
 
 Prints one JSON line per system, ``{"system", "metric": "steps_per_s", "size_mb", "value",
-"unit", "model", "workers", "mode", "path" | "variant", "transport" | "backend",
+"unit", "model", "workers", "mode", "path" | "variant", "transport" | "backend" | "strategy",
 "samples_per_s", "runs", "machine", ...}`` (the median over repeats, each repeat in
-"runs"), and ratio lines ``{"system": "onnx-ps/torch-rpc" | "onnx-ps/torch-ddp", "metric":
-"steps_per_s_ratio", "path", "against", "scope", ...}``: per path of ours, the median of
+"runs"), and ratio lines ``{"system": "onnx-ps/torch-rpc" | "onnx-ps/torch-ddp" | "onnx-ps/tf-ps",
+"metric": "steps_per_s_ratio", "path", "against", "scope", ...}``: per path of ours, the median of
 the repeats' ratios against the fastest peer of the path's scope (``one-host`` paths meet
 every PyTorch RPC variant, ``wire`` paths those over TCP), above 1 we are faster.
 
@@ -51,10 +53,10 @@ from typing import Any
 
 from ps_common.modes import MODES
 from ps_common.process import start_and_wait_ready
-from ps_bench import harness, mlp, peers
+from ps_bench import harness, mlp, peers, tf_ps
 from ps_bench.harness import SYSTEM, TORCH, Proc, emit, log
 from ps_bench.netns import Network
-from ps_bench.peers import DDP, OURS, ModelCase, System
+from ps_bench.peers import DDP, OURS, TF, ModelCase, System
 from ps_bench.profiled_shard import OUT_ENV
 from ps_bench.train_worker import RESULT_PREFIX, data_channel_supported
 
@@ -91,6 +93,8 @@ class Case:
     #: ours, async without tables by rows: a step's PushPull overlaps the next gradient (ps-worker's --overlap;
     #: off by default, as in ps-worker)
     overlap: bool = False
+    #: TensorFlow's training steps in one scheduled function
+    tf_steps_per_function: int = tf_ps.STEPS_PER_FUNCTION
     #: --netns: the MB that crossed the veth pair in each run, by system label
     traffic: dict[str, list[float]] = field(default_factory=dict)
 
@@ -233,6 +237,37 @@ def run_ddp(case: Case) -> list[dict[str, Any]]:
         harness.stop_all(procs)
 
 
+def run_tf(case: Case) -> list[dict[str, Any]]:
+    """The job in TensorFlow's ParameterServerStrategy (async): ps tasks beside our shards, worker tasks and
+    the coordinator beside our workers; the coordinator's result (the steps/s of all workers together)."""
+    def address(side: str) -> str:
+        host = "127.0.0.1" if case.net is None else case.net.address(side)
+        return f"{host}:{harness.free_port()}"
+
+    cluster = tf_ps.cluster_spec([address("server") for _ in range(case.shards)],
+                                 [address("worker") for _ in range(case.workers)], address("worker"))
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+    children: list[Proc] = []
+    try:
+        for job, side in (("ps", "server"), ("worker", "worker")):
+            for i in range(len(cluster[job])):
+                children.append(proc(case, f"{TF} {job} {i}", side, "ps_bench.tf_ps",
+                                     ["server", "--job", job, "--index", i, "--cluster", json.dumps(cluster),
+                                      "--threads", case.threads], env=env))
+        for child in children:
+            child.wait_for(tf_ps.READY_PREFIX, harness.SHARD_START_TIMEOUT)
+        coordinator = proc(case, f"{TF} coordinator", "worker", "ps_bench.tf_ps",
+                           ["coordinator", "--cluster", json.dumps(cluster), "--model-name", case.model.name,
+                            "--model", case.onnx, "--data", case.data, "--tables", ",".join(case.tables),
+                            "--cache-dir", case.cache, "--workers", case.workers, "--batch", case.batch,
+                            "--warmup", case.warmup, "--steps", case.steps, "--steps-per-function",
+                            case.tf_steps_per_function, "--lr", LR, "--threads", case.threads], env=env)
+        children.append(coordinator)
+        return wait_results(case, [coordinator])
+    finally:
+        harness.stop_all(children)
+
+
 def rate(results: list[dict[str, Any]]) -> float:
     return sum(r["steps_per_s"] for r in results)
 
@@ -245,6 +280,8 @@ def runner(case: Case, system: System):
                 value = rate(run_ours(case, system.path))
             elif system.kind == DDP:
                 value = rate(run_ddp(case))
+            elif system.kind == TF:
+                value = rate(run_tf(case))
             else:
                 value = rate(run_torch(case, system.variant, system.transport))
         except RuntimeError:
@@ -274,6 +311,8 @@ def bench_case(args: argparse.Namespace, case: Case, systems: list[System]) -> d
         if values:
             value = peers.median(values)
             mine = {"overlap": case.overlapping} if system.kind == OURS else {}
+            if system.kind == TF:
+                mine["steps_per_function"] = case.tf_steps_per_function
             if system.label in case.traffic:
                 mine["veth_mb_per_run"] = round(peers.median(case.traffic[system.label]), 1)
             emit(system.kind, "steps_per_s", case.size_mb, value, "steps/s", **case.fields(), **system.fields(),
@@ -366,6 +405,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"PyTorch RPC's variant/transport pairs, of {','.join(peers.ALL_TORCH_VARIANTS)} or all "
                         f"(default {','.join(peers.TORCH_VARIANTS)})")
     p.add_argument("--no-ddp", action="store_true", help="leave DDP out of sync mode")
+    p.add_argument("--no-tf", action="store_true",
+                   help="leave TensorFlow's ParameterServerStrategy out of async mode (it runs where tensorflow is "
+                        "importable)")
+    p.add_argument("--tf-steps-per-function", type=int, default=tf_ps.STEPS_PER_FUNCTION,
+                   help=f"TensorFlow: training steps in one scheduled function (default {tf_ps.STEPS_PER_FUNCTION})")
     p.add_argument("--overlap", action="store_true",
                    help="ours: overlap a step's PushPull with the next gradient in async mode (ps-worker's "
                         "--overlap; off by default, as in ps-worker)")
@@ -399,8 +443,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     if (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0) \
-            or args.repeats < 1 or args.batch < 1 or args.shards < 1 or any(w < 1 for w in args.workers_list):
-        p.error("--steps, --repeats, --batch, --shards and --workers must be >= 1, --warmup >= 0")
+            or args.repeats < 1 or args.batch < 1 or args.shards < 1 or any(w < 1 for w in args.workers_list) \
+            or args.tf_steps_per_function < 1:
+        p.error("--steps, --repeats, --batch, --shards, --workers and --tf-steps-per-function must be >= 1, "
+                "--warmup >= 0")
     if args.netns and all(peers.PATHS[p_] == "one-host" for p_ in args.path_list):
         p.error("--netns runs the wire paths only (shared memory does not cross hosts): add --paths grpc")
     return args
@@ -421,7 +467,8 @@ def prepare(args: argparse.Namespace, model: ModelCase, work: Path, workers: int
                             sparse_tables=tables, sparse_min_bytes=None if tables else SPARSE_MIN_BYTES)
     size_mb = round(sum(v.nbytes for v in engine.server_parameters().values()) / 1e6, 4)   # tables whole
     return Case(model, onnx_path, data, work / "cache", sorted(engine.sparse.tables), size_mb, args.shards, workers,
-                "", args.batch, warmup, steps, args.threads, overlap=args.overlap)
+                "", args.batch, warmup, steps, args.threads, overlap=args.overlap,
+                tf_steps_per_function=args.tf_steps_per_function)
 
 
 def run_all(args: argparse.Namespace, work: Path, with_torch: bool, net: Network | None) -> None:
@@ -442,7 +489,8 @@ def run_all(args: argparse.Namespace, work: Path, with_torch: bool, net: Network
                 for mode in args.mode_list:
                     case.mode = mode
                     systems = peers.systems_for(mode, args.path_list, args.variant_list, ddp=not args.no_ddp,
-                                                with_torch=with_torch, netns=net is not None)
+                                                with_torch=with_torch, netns=net is not None,
+                                                with_tf=args.with_tf)
                     bench_case(args, case, systems)
     if args.profile or args.profile_only:
         case = prepare(args, peers.MODELS["mlp"], work, 1)
@@ -452,12 +500,25 @@ def run_all(args: argparse.Namespace, work: Path, with_torch: bool, net: Network
             profile(args, case, with_torch)
 
 
+def with_tensorflow(args: argparse.Namespace, with_torch: bool) -> bool:
+    """Whether TensorFlow's peer runs: with the other peers (not under --no-torch), unless --no-tf, where
+    tensorflow is importable; says on stderr when it is not."""
+    if not with_torch or args.no_tf:
+        return False
+    if not harness.tensorflow_available():
+        log(f"train_bench: tensorflow is not importable in this environment ({sys.executable}): TensorFlow's "
+            "ParameterServerStrategy left out of async mode (docs/benchmarks.md: the torch environment)")
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with_torch = not args.no_torch and harness.torch_available()
     if not with_torch:
         log("train_bench: " + ("--no-torch: " if args.no_torch else "torch is not importable in this environment "
             f"({sys.executable}): ") + "running onnx-ps only (docs/benchmarks.md: the torch environment)")
+    args.with_tf = with_tensorflow(args, with_torch)
     log(f"train_bench: machine {json.dumps(harness.machine())}")
     with tempfile.TemporaryDirectory(prefix="ps-train-bench-") as tmp:
         if args.netns:

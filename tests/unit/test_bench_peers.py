@@ -9,13 +9,14 @@ runs a tiny one of ours).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ps_bench import peers, train_bench
-from ps_bench.peers import DDP, OURS, TORCH, System
+from ps_bench import peers, tf_ps, train_bench
+from ps_bench.peers import DDP, OURS, TF, TORCH, System
 from ps_bench.train_worker import epochs_for
 from ps_models.datasets import load_dataset
 
@@ -36,7 +37,7 @@ def test_without_flags_the_benchmark_is_the_mlp_table_and_peers_presets_the_comp
 
 @pytest.mark.parametrize("argv", [["--models", "vgg"], ["--paths", "rdma"], ["--torch-variants", "fused/ib"],
                                   ["--modes", "bsp"], ["--steps", "0"], ["--shards", "0"],
-                                  ["--netns", "--paths", "shm"]])
+                                  ["--netns", "--paths", "shm"], ["--tf-steps-per-function", "0"]])
 def test_bad_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         train_bench.parse_args(argv)
@@ -58,6 +59,65 @@ def test_the_systems_of_a_case() -> None:
                               netns=True)
     assert [s.label for s in netns] == ["onnx-ps[grpc]", "torch-rpc[two-call/tcp]", "torch-rpc[fused/tcp]",
                                         "torch-ddp[gloo]"]
+
+
+def test_tensorflow_runs_in_async_mode_only_and_meets_every_path() -> None:
+    asynchronous = peers.systems_for("async", ["shm", "channel"], ["fused/tcp"], ddp=True, with_torch=True,
+                                     netns=False, with_tf=True)
+    assert [s.label for s in asynchronous] == ["onnx-ps[shm]", "onnx-ps[channel]", "torch-rpc[fused/tcp]",
+                                               "tf-ps[grpc]"]
+    # TensorFlow 2's parameter servers have no synchronous mode; without the flag it is not run at all
+    for mode in ("sync", "ssp"):
+        assert TF not in {s.kind for s in peers.systems_for(mode, ["shm"], ["fused/tcp"], ddp=True, with_torch=True,
+                                                            netns=False, with_tf=True)}
+    assert TF not in {s.kind for s in peers.systems_for("async", ["shm"], ["fused/tcp"], ddp=True, with_torch=True,
+                                                        netns=False)}
+    # its tasks talk gRPC: it crosses namespaces, and both scopes meet it
+    netns = peers.systems_for("async", ["shm", "grpc"], ["fused/shm"], ddp=True, with_torch=True, netns=True,
+                              with_tf=True)
+    assert [s.label for s in netns] == ["onnx-ps[grpc]", "tf-ps[grpc]"]
+    tf, shm, grpc = System(TF), System(OURS, path="shm"), System(OURS, path="grpc")
+    assert tf.scope == "wire" and tf.fields() == {"strategy": "ParameterServerStrategy"}
+    found = {(c.ours.path, c.peer.label): c.value for c in peers.comparisons({shm: [30.0], grpc: [10.0], tf: [20.0]})}
+    assert found == {("shm", "tf-ps[grpc]"): 1.5, ("grpc", "tf-ps[grpc]"): 0.5}
+
+
+@pytest.mark.parametrize("workers,warmup,steps,per_function,expected", [
+    (2, 3, 20, 10, (2, 4)),      # a warm-up function for each worker, at least
+    (2, 50, 500, 10, (10, 100)),
+    (1, 0, 7, 10, (1, 1)),       # timed steps rounded up to a whole function
+    (2, 2, 10, 3, (2, 7)),
+])
+def test_tensorflow_functions_cover_every_workers_steps(workers: int, warmup: int, steps: int, per_function: int,
+                                                       expected: tuple[int, int]) -> None:
+    assert tf_ps.function_counts(workers, warmup, steps, per_function) == expected
+
+
+@pytest.mark.parametrize("bad", [(0, 1, 1, 1), (1, -1, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0)])
+def test_tensorflow_function_counts_refuse_nonsense(bad: tuple[int, int, int, int]) -> None:
+    with pytest.raises(ValueError, match="got " + ", ".join(str(v) for v in (bad[0], bad[2], bad[1], bad[3]))):
+        tf_ps.function_counts(*bad)
+
+
+def test_the_tensorflow_cluster_names_the_coordinator_its_chief() -> None:
+    assert tf_ps.cluster_spec(["h:1", "h:2"], ["w:3"], "w:4") == {"ps": ["h:1", "h:2"], "worker": ["w:3"],
+                                                                 "chief": ["w:4"]}
+
+
+def test_without_tensorflow_its_peer_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "tensorflow", None)   # import tensorflow raises ImportError
+    with pytest.raises(SystemExit, match=r"ps_bench.tf_ps needs tensorflow \(tensorflow-cpu\)"):
+        tf_ps.main(["server", "--job", "ps", "--index", "0", "--cluster", '{"ps": ["127.0.0.1:1"]}'])
+    # nor does train_bench run it, and it says why
+    monkeypatch.setattr(train_bench.harness, "tensorflow_available", lambda: False)
+    assert not train_bench.with_tensorflow(train_bench.parse_args(["--peers"]), with_torch=True)
+    assert "tensorflow is not importable in this environment" in capsys.readouterr().err
+    monkeypatch.setattr(train_bench.harness, "tensorflow_available", lambda: True)
+    assert train_bench.with_tensorflow(train_bench.parse_args(["--peers"]), with_torch=True)
+    assert not train_bench.with_tensorflow(train_bench.parse_args(["--peers", "--no-tf"]), with_torch=True)
+    assert not train_bench.with_tensorflow(train_bench.parse_args(["--peers"]), with_torch=False)   # --no-torch
+    assert capsys.readouterr().err == ""
 
 
 def test_a_path_meets_the_fastest_peer_of_its_scope() -> None:
@@ -126,6 +186,21 @@ def test_bench_case_prints_a_line_per_system_and_ratio_lines_with_the_load(
     assert ratios[("onnx-ps/torch-rpc", "shm")]["value"] == pytest.approx(1.55)
     assert ratios[("onnx-ps/torch-rpc", "grpc")]["scope"] == "wire"
     assert ratios[("onnx-ps/torch-ddp", "grpc")]["value"] == pytest.approx(0.6875)
+
+
+def test_tensorflow_lines_say_its_strategy_and_steps_per_call(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rates = {"onnx-ps[channel]": [30.0], "tf-ps[grpc]": [12.0]}
+    monkeypatch.setattr(train_bench, "runner", lambda case, system: lambda: rates[system.label].pop(0))
+    args = train_bench.parse_args(["--peers", "--repeats", "1", "--tf-steps-per-function", "25"])
+    case = train_bench.Case(peers.MODELS["mlp"], tmp_path / "m.onnx", tmp_path / "d.npz", tmp_path, [], 0.81, 2, 2,
+                            "async", 32, 1, 5, 1, tf_steps_per_function=args.tf_steps_per_function)
+    systems = peers.systems_for("async", ["channel"], [], ddp=True, with_torch=True, netns=False, with_tf=True)
+    train_bench.bench_case(args, case, systems)
+    lines = {line["system"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert lines["tf-ps"]["strategy"] == "ParameterServerStrategy" and lines["tf-ps"]["steps_per_function"] == 25
+    assert lines["tf-ps"]["samples_per_s"] == 384.0
+    assert lines["onnx-ps/tf-ps"]["value"] == 2.5 and lines["onnx-ps/tf-ps"]["against"] == "tf-ps[grpc]"
 
 
 @pytest.mark.parametrize("model", ["mlp", "fm"])

@@ -9,6 +9,8 @@ parameters. The graphs here are written by hand with that metadata, as torch 2.1
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 import pytest
@@ -283,9 +285,36 @@ def test_only_a_table_read_only_as_a_padded_embedding_has_a_padding_row(record, 
     assert torch_padding_rows(_embedding_model(record, tied=tied)) == expected
 
 
-def test_a_padded_table_that_trains_sparsely_is_warned_about(tmp_path) -> None:
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_padded_table_that_trains_by_rows_pushes_no_gradient_for_its_padding_row(tmp_path, dynamic) -> None:
+    """By rows, the gradient is the batch's rows': the padding row's is zero in what the worker pushes, and the
+    others are the dense gradient's rows, as in torch."""
+    ids = np.array([[0, 1, 2], [3, 0, 0], [4, 4, 1], [2, 0, 3]], np.int64)
+    target = np.ones((4, 5), np.float32)
     path = tmp_path / "padded.onnx"
     onnx.save(_embedding_model(EMBEDDING.format(", 0")), path)
-    with pytest.warns(UserWarning, match=r"the padding_idx row of \['e\.weight'\] gets gradient while the table "
-                                         r"trains sparsely .*--dense-tables e\.weight trains it as torch does"):
-        GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache", sparse_tables=["e.weight"])
+    dense = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+    expected = dense.gradients(dense.parameters(), {"ids": ids, "labels": target})[1]["e.weight"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # nothing to warn about any more
+        engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache",
+                                sparse_tables=["e.weight"], dynamic_tables=["e.weight"] if dynamic else ())
+    plan = engine.sparse
+    assert plan.tables["e.weight"].padding_row == 0
+    batch = {"ids": ids, "labels": target}
+    unique = plan.unique_ids(batch)
+    table = engine.server_parameters().get("e.weight", dense.parameters()["e.weight"])
+    parameters = {**engine.parameters(),
+                  "e.weight.rows": plan.rows_parameter("e.weight", table[unique["e.weight"]])}
+    result = engine.step(parameters, plan.feeds(batch, unique))
+    (pushed_ids, rows), = plan.row_gradients(result.gradients, unique).values()
+    np.testing.assert_array_equal(pushed_ids, [0, 1, 2, 3, 4])
+    assert not rows[0].any() and not expected[0].any()
+    np.testing.assert_allclose(rows, expected[pushed_ids], rtol=1e-6)
+    # a batch without the padding id: every row as computed
+    other = {"ids": np.array([[1, 2, 3]] * 4, np.int64), "labels": target}
+    unique = plan.unique_ids(other)
+    result = engine.step({**parameters, "e.weight.rows": plan.rows_parameter("e.weight", table[unique["e.weight"]])},
+                         plan.feeds(other, unique))
+    (_, rows), = plan.row_gradients(result.gradients, unique).values()
+    assert np.abs(rows).min(axis=1).all()

@@ -166,11 +166,9 @@ class GradientEngine:
             model = load_model(self.model_path)
             self.data_inputs = data_inputs_of(model)
             padding, renamed = torch_padding_rows(model), torch_parameters_renamed_or_dropped(model)
-        sparse_padded = sorted(name for name in padding if name in self.sparse.tables)
-        if sparse_padded:
-            warn_caller(f"{self.model_path}: the padding_idx row of {sparse_padded} gets gradient while the table "
-                        f"trains sparsely (torch keeps it at zero); --dense-tables {','.join(sparse_padded)} trains "
-                        f"it as torch does")
+        for name, row in padding.items():   # a table by rows: its row gradients keep that row at zero
+            if name in self.sparse.tables:
+                self.sparse.tables[name].padding_row = row
         # before the opset upgrade, which drops the node metadata it reads
         restore_torch_training_batch_norms(model, str(self.model_path))
         model = upgrade_opset(model, self.model_path)

@@ -16,7 +16,7 @@ positions in the batch's list of unique ids. The engine then differentiates with
 At run time (`SparsePlan`): `unique_ids(inputs)` gives each table's unique ids of a batch
 (what the worker pulls), `feeds(inputs, ids)` the positions inputs, `rows_parameter` pads the
 pulled rows to P, and `row_gradients` cuts the rows' gradient back to the unique ids (what
-the worker pushes). Scattering the row gradient into a zero table gives the original model's
+the worker pushes), the padding row of a torch Embedding with padding_idx at zero. Scattering the row gradient into a zero table gives the original model's
 dense gradient (tests/unit/test_sparse_engine.py).
 
 A *dynamic* table (`rewrite_sparse(..., dynamic=...)`) is held by the shards as a dynamic table
@@ -59,6 +59,8 @@ class SparseTable:
     capacity: int                                       # P: index elements per batch
     positions: dict[str, str] = field(default_factory=dict)   # indices input -> positions input
     dynamic: bool = False                               # ids are int64 keys of a dynamic table, not row indices
+    #: torch's padding_idx (read from a dynamo export's record): the row whose gradient torch keeps at zero
+    padding_row: int | None = None
 
     @property
     def rows_name(self) -> str:
@@ -133,8 +135,17 @@ class SparsePlan:
 
     def row_gradients(self, gradients: Mapping[str, np.ndarray], ids: Mapping[str, np.ndarray]
                       ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """{table: (unique ids, their gradient rows)} from the engine's gradients of the rows parameters."""
-        return {name: (ids[name], gradients[table.rows_name][:len(ids[name])]) for name, table in self.tables.items()}
+        """{table: (unique ids, their gradient rows)} from the engine's gradients of the rows parameters; a
+        table's padding row, when the batch touched it, with a zero gradient (in place), as torch keeps it."""
+        out = {}
+        for name, table in self.tables.items():
+            unique, rows = ids[name], gradients[table.rows_name][:len(ids[name])]
+            if table.padding_row is not None:
+                at = int(np.searchsorted(unique, table.padding_row))
+                if at < len(unique) and unique[at] == table.padding_row:
+                    rows[at] = 0
+            out[name] = (unique, rows)
+        return out
 
 
 def _input_only(graph: onnx.GraphProto) -> set[str]:

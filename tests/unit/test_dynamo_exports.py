@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine import GradientEngine
-from worker_client.engine.exporters import (from_torch_dynamo, restore_torch_training_batch_norms,
+from worker_client.engine.exporters import (from_torch_dynamo, restore_torch_training_batch_norms, torch_origin,
                                              torch_padding_rows, torch_parameters_renamed_or_dropped)
 from worker_client.engine.selection import classify
 from worker_client.engine.trainables import trainable_parameters
@@ -318,3 +318,56 @@ def test_a_padded_table_that_trains_by_rows_pushes_no_gradient_for_its_padding_r
                          plan.feeds(other, unique))
     (_, rows), = plan.row_gradients(result.gradients, unique).values()
     assert np.abs(rows).min(axis=1).all()
+
+
+BAG_RECORD = ("%embedding_bag : call_function[target=torch.ops.aten.embedding_bag.padding_idx](args = (%p_e_weight, "
+              "%view, %arange, False, 1, False, None, False, None), kwargs = {})")
+
+
+def _bag_model(record: str | None) -> onnx.ModelProto:
+    """A table read through a sequence, as the exporter's EmbeddingBag Loop ends (ConcatFromSequence has no rule)."""
+    concat = helper.make_node("ConcatFromSequence", ["bags"], ["rows"], name="n20", axis=0)
+    if record is not None:
+        _fx(concat, record)
+        concat.metadata_props.add(key="pkg.torch.onnx.name_scopes", value="['', 'e', 'embedding_bag']")
+    nodes = [helper.make_node("Gather", ["e.weight", "ids"], ["picked"]),
+             helper.make_node("SequenceConstruct", ["picked"], ["bags"]), concat,
+             helper.make_node("ReduceMean", ["rows", "axis"], ["y"], keepdims=0)]
+    graph = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info("ids", TensorProto.INT64, [4, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.ones((5, 5), np.float32), "e.weight"),
+                               numpy_helper.from_array(np.array([1], np.int64), "axis")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="pytorch")
+
+
+def test_a_refused_node_names_the_torch_op_and_module_it_came_from(tmp_path) -> None:
+    path = tmp_path / "bag.onnx"
+    onnx.save(_bag_model(BAG_RECORD), path)
+    with pytest.raises(UnsupportedModelError) as refused:
+        GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+    text = str(refused.value)
+    assert "node 'n20' (ConcatFromSequence, from torch's aten.embedding_bag.padding_idx in module 'e'): " in text
+    assert text.endswith("or replace the op. nn.EmbeddingBag exports as a Loop over its bags (with either "
+                         "exporter), through which no gradient can be built: write it as nn.Embedding followed by a "
+                         "sum or mean over the bag axis (masking the padded ids), which trains by rows too.")
+    # a model without the exporter's record: the message as it was
+    onnx.save(_bag_model(None), path)
+    with pytest.raises(UnsupportedModelError) as refused:
+        GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache2")
+    assert "node 'n20' (ConcatFromSequence): " in str(refused.value) and "torch" not in str(refused.value)
+    assert str(refused.value).endswith("or replace the op.")
+
+
+def test_the_torch_origin_of_a_node_inside_a_loop_is_its_loops() -> None:
+    inner = helper.make_node("Slice", ["a", "b", "c"], ["d"], name="n0_7")
+    body = helper.make_graph([inner], "body", [], [helper.make_tensor_value_info("d", TensorProto.FLOAT, None)])
+    loop = _fx(helper.make_node("Loop", ["", "cond"], ["out"], name="n19_2", body=body),
+               BAG_RECORD.replace("padding_idx", "default"))
+    model = helper.make_model(helper.make_graph([loop], "g", [], []))
+    assert torch_origin(model, "n0_7")[0] == ", from torch's aten.embedding_bag.default"   # no module scope recorded
+    assert torch_origin(model, "n19_2")[1].startswith(" nn.EmbeddingBag exports as a Loop")
+    assert torch_origin(model, "elsewhere") == ("", "")
+    other = _fx(helper.make_node("Relu", ["x"], ["y"], name="r"), "%relu : call_function[target=torch.ops.aten."
+                                                                  "relu.default](args = (%x,), kwargs = {})")
+    assert torch_origin(helper.make_model(helper.make_graph([other], "g", [], [])), "r") == \
+        (", from torch's aten.relu.default", "")   # no known remedy: only where it came from

@@ -13,6 +13,7 @@ import onnx_ad
 from onnx import helper, numpy_helper
 
 from ps_common.errors import UnsupportedModelError
+from worker_client.engine.exporters import torch_origin
 from worker_client.engine.load import clamp_ir_version
 from worker_client.engine.support import infer_shapes, node_label
 from worker_client.engine.training_mode import TrainingForms
@@ -116,19 +117,20 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
                 f"{onnx_ad.__version__} says: {exc}); export the model with standard ONNX ops") from exc
         if match is None:
             node = _failing_node(exc)
-            where = "the model" if node is None else \
-                f"node {node_label(node)!r} ({node.op_type})"
+            origin, remedy = torch_origin(model, node.name) if node is not None else ("", "")
+            where = "the model" if node is None else f"node {node_label(node)!r} ({node.op_type}{origin})"
             raise UnsupportedModelError(
                 f"cannot differentiate {where}: onnx-ad {onnx_ad.__version__} says: {exc}. "
                 f"Exclude the parameters upstream of it (exclude=[...] patterns), give the "
                 f"model static shapes, or re-export it without that form of the op "
-                f"(docs/models.md lists the known limits)") from exc
+                f"(docs/models.md lists the known limits).{remedy}") from exc
         op_type, node = match.groups()
+        origin, remedy = torch_origin(model, node)
         raise UnsupportedModelError(
-            f"cannot differentiate node {node!r} ({op_type}): onnx-ad "
+            f"cannot differentiate node {node!r} ({op_type}{origin}): onnx-ad "
             f"{onnx_ad.__version__} has no reverse rule for {op_type}, and the node lies "
             f"between a trainable parameter and the loss. Exclude the parameters upstream "
-            f"of it (exclude=[...] patterns) or replace the op") from exc
+            f"of it (exclude=[...] patterns) or replace the op.{remedy}") from exc
     if loss_output is None:
         return derived
     seed = GRAD_PREFIX + loss_output

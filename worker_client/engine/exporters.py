@@ -33,7 +33,7 @@ from worker_client.engine.support import node_label, nodes_listed
 
 __all__ = ["DYNAMO_REMEDY", "folded_bias_layers", "folded_variables_warning", "from_torch_dynamo",
            "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning", "restore_torch_training_batch_norms",
-           "torch_padding_rows", "torch_parameters_renamed_or_dropped"]
+           "torch_origin", "torch_padding_rows", "torch_parameters_renamed_or_dropped"]
 
 #: Node metadata the dynamo exporter writes besides the torch.fx node a node came from (TORCH_FX_NODE): its module
 #: scopes, and the onnxscript rewrite rule that produced it (when one did).
@@ -114,11 +114,48 @@ def _without_running_statistics(node: onnx.NodeProto) -> bool:
                      node_metadata(node).get(TORCH_FX_NODE, "")) is not None
 
 
-def _module_of(node: onnx.NodeProto) -> str:
-    """The torch module a dynamo-exported node came from, as its attribute path ("layer1.0.bn1"), or its label."""
+def _module_path(node: onnx.NodeProto) -> str:
+    """The torch module a dynamo-exported node came from, as its attribute path ("layer1.0.bn1"); "" for none."""
     scopes = re.findall(r"'([^']*)'", node_metadata(node).get(_SCOPES, ""))
     # cumulative paths, outermost first ('', 'net', 'net.1'), then the op itself
-    return next((scope for scope in reversed(scopes[:-1]) if scope), "") or node_label(node)
+    return next((scope for scope in reversed(scopes[:-1]) if scope), "")
+
+
+def _module_of(node: onnx.NodeProto) -> str:
+    """The torch module a dynamo-exported node came from (`_module_path`), or the node's label."""
+    return _module_path(node) or node_label(node)
+
+
+#: What to do about a torch op whose ONNX form cannot be differentiated, by the op's aten name.
+_TORCH_OP_REMEDIES = {
+    "embedding_bag": "nn.EmbeddingBag exports as a Loop over its bags (with either exporter), through which no "
+                     "gradient can be built: write it as nn.Embedding followed by a sum or mean over the bag axis "
+                     "(masking the padded ids), which trains by rows too",
+}
+
+
+def torch_origin(model: onnx.ModelProto, name: str) -> tuple[str, str]:
+    """For a message about node `name` (or a node inside its subgraphs) of a dynamo export: (", from torch's
+    aten.OP in module 'M'", " What to do." when the op is known to be untrainable, else ""); ("", "") for a
+    node without the exporter's record."""
+    node = next((n for n in model.graph.node if n.name == name or _holds_node(n, name)), None)
+    record = node_metadata(node).get(TORCH_FX_NODE, "") if node is not None else ""
+    target = re.search(r"target=torch\.ops\.aten\.(\w+)((?:\.\w+)?)\]", record)
+    if target is None:
+        return "", ""
+    module = _module_path(node)
+    remedy = _TORCH_OP_REMEDIES.get(target.group(1))
+    return (f", from torch's aten.{target.group(1)}{target.group(2)}" + (f" in module {module!r}" if module else ""),
+            f" {remedy}." if remedy else "")
+
+
+def _holds_node(node: onnx.NodeProto, name: str) -> bool:
+    """Whether a node of `node`'s subgraphs (a Loop's body, an If's branches, nested) is called `name`."""
+    for attribute in node.attribute:
+        graphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+        if any(inner.name == name or _holds_node(inner, name) for graph in graphs for inner in graph.node):
+            return True
+    return False
 
 
 def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> int:

@@ -16,8 +16,9 @@ positions in the batch's list of unique ids. The engine then differentiates with
 At run time (`SparsePlan`): `unique_ids(inputs)` gives each table's unique ids of a batch
 (what the worker pulls), `feeds(inputs, ids)` the positions inputs, `rows_parameter` pads the
 pulled rows to P, and `row_gradients` cuts the rows' gradient back to the unique ids (what
-the worker pushes), the padding row of a torch Embedding with padding_idx at zero. Scattering the row gradient into a zero table gives the original model's
-dense gradient (tests/unit/test_sparse_engine.py).
+the worker pushes), the padding row of a torch Embedding with padding_idx at zero. Scattering
+the row gradient into a zero table gives the original model's dense gradient
+(tests/unit/test_sparse_engine.py).
 
 A *dynamic* table (`rewrite_sparse(..., dynamic=...)`) is held by the shards as a dynamic table
 (docs/protocol.md, "Dynamic tables"): its ids are keys (any int64), not row indices, so they

@@ -207,3 +207,39 @@ def test_async_drops_a_gradient_older_than_max_staleness_and_applies_the_rest(st
     for c in (lagging, busy):
         c.deregister()
         c.close()
+
+
+def test_a_sync_wait_for_a_step_past_the_jobs_last_ends_once_every_shard_reached_the_last(start_cluster) -> None:
+    """The hang ps-launch hit: a worker whose push for the last step's successor waits on a shard for a second
+    gradient, while the other worker, done, stays registered (worker 0 waits for the others to leave before its
+    final evaluation). Given the job's last step, the wait ends and the shards are read as they are."""
+    cluster = start_cluster(2, mode="sync", flags=[*FLAGS, "--replicas-to-aggregate", "2", "--total-replicas", "2"])
+    late, done = clients(cluster, ["late", "done"])
+    try:
+        for worker in (late, done):
+            worker.pull(timeout=WAIT)
+        assert late.push(GRADS).accepted and done.push(GRADS).accepted   # both shards complete step 0 -> 1
+        late.pull(min_steps=[1, 1], timeout=WAIT)
+        report = late.push(GRADS)                 # read at step 1, the job's last: waits for step 2, which needs
+        assert report.accepted and report.wait_steps == [2, 2]   # "done"'s gradient too; "done" sends none
+        # without the job's last step: waits its whole timeout for step 2
+        started = time.monotonic()
+        try:
+            late.pull_after(report, sync=True, timeout=1.0, recheck=0.2)
+            raise AssertionError("the sync wait for step 2 returned without it")
+        except Exception as exc:   # noqa: BLE001 - the wait's own error, checked below
+            assert "waited 1.0 s" in str(exc) and time.monotonic() - started >= 1.0, exc
+        # with it: ends at the first recheck, every shard read at step 1
+        started = time.monotonic()
+        values = late.pull_after(report, sync=True, timeout=WAIT, recheck=0.2, last_step=1)
+        assert time.monotonic() - started < 5.0
+        assert values is not None and set(values) == set(MODEL) and late.steps == [1, 1]
+        # a last step not yet reached changes nothing: the wait runs out as before
+        try:
+            late.pull_after(report, sync=True, timeout=1.0, recheck=0.2, last_step=2)
+            raise AssertionError("the sync wait for step 2 returned without it")
+        except Exception as exc:   # noqa: BLE001
+            assert "waited 1.0 s" in str(exc), exc
+    finally:
+        for worker in (late, done):
+            worker.close()

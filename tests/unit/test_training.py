@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from ps_proto.v1 import parameter_server_pb2 as pb
 from worker_client.client import PushReport
 from worker_client.training import TrainingPlan, format_event
+from worker_client.training.loop import Trainer
 
 
 def _report(*responses: tuple[int, int, int], read_steps: list[int] | None = None) -> PushReport:
@@ -70,3 +73,20 @@ def test_a_dropped_push_is_logged_with_its_clock_shards_and_reasons_as_fields(ca
     record = next(r for r in caplog.records if "dropped" in r.getMessage())
     entry = json.loads(JsonFormatter({"worker": 1}).format(record))
     assert (entry["clock"], entry["dropped_by"], entry["reason"], entry["worker"]) == (7, [1], ["STALE"], 1)
+
+
+@pytest.mark.parametrize("mode, steps, last, declared", [
+    ("sync", [300, 299], 300, [299, 299]),   # the shard at the last step gets a gradient it drops as stale
+    ("sync", [301, 300], 300, [300, 299]),
+    ("sync", [299, 299], 300, None),         # no shard there yet: the client's own read steps
+    ("sync", [300, 299], None, None),        # a job of epochs has no last step
+    ("async", [300, 299], 300, None),        # only sync steps wait for a quorum
+    ("ssp", [300, 299], 300, None),
+])
+def test_a_sync_push_never_begins_a_step_past_the_jobs_last(mode, steps, last, declared) -> None:
+    trainer = SimpleNamespace(mode=mode, client=SimpleNamespace(steps=steps), plan=SimpleNamespace(steps=last))
+    assert Trainer._declared_read_steps(trainer) == declared
+    if declared is not None:   # what the shard then decides: the step the report waits for is the one it has
+        report = _report(*((pb.PUSH_DROPPED, pb.DROP_STALE, s) if d < s else (pb.PUSH_ACCEPTED, 0, s)
+                           for s, d in zip(steps, declared)), read_steps=declared)
+        assert report.wait_steps[0] == 0 and report.stale

@@ -1290,8 +1290,8 @@ class PSClient:
                                          f"the parameter is {spec.dtype}{list(spec.shape)}")
 
     def pull_after(self, report: PushReport | None, names: Sequence[str] | None = None, *, sync: bool = False,
-                   ssp: bool = False, timeout: float | None = None,
-                   recheck: float = RECHECK_SECONDS) -> dict[str, np.ndarray] | None:
+                   ssp: bool = False, timeout: float | None = None, recheck: float = RECHECK_SECONDS,
+                   last_step: int | None = None) -> dict[str, np.ndarray] | None:
         """The parameters a worker computes its next step on after the push `report` tells of (None: its first).
 
         sync waits for the step each shard's push belongs to (PushReport.wait_steps), ssp for
@@ -1299,8 +1299,12 @@ class PSClient:
         The wait is cut into waits of at most `recheck` s; between them it returns None when
         `stop` is set, and pulls a shard that lost progress this worker saw (restarted from an
         older checkpoint: `lost_progress`) as it is, without the wait, since the step or
-        clocks it waits for would never come. At most `timeout` s in all (default
-        wait_timeout), then WaitTimeoutError saying what it awaited.
+        clocks it waits for would never come. A sync wait also ends, every shard pulled as it
+        is, once every shard has reached `last_step` (the job's --steps): the job is over, and
+        the other workers, done, may never send the gradients a step past it needs (a shard
+        that took this worker's push for its last step while another was still one behind
+        waits for a second gradient that no finished worker sends). At most `timeout` s in all
+        (default wait_timeout), then WaitTimeoutError saying what it awaited.
         """
         wait = self.wait_timeout if timeout is None else timeout
         mins = report.wait_steps if sync and report is not None else None
@@ -1320,7 +1324,13 @@ class PSClient:
                                            f"(wait_timeout) for {what}; the last wait ended with: {exc}") from exc
             if self.stop.is_set():
                 return None
-            lost = self.lost_progress()
+            infos = self._cluster_infos()
+            if mins is not None and last_step is not None and min(info.step for info in infos) >= last_step:
+                log.info("%s: every shard reached step %d, the job's last (steps %s): pulling them as they are "
+                         "instead of waiting for steps %s", self.worker_id, last_step, [i.step for i in infos],
+                         mins, extra={"worker_id": self.worker_id})
+                return self.pull(names, timeout=max(0.01, deadline - time.monotonic()))
+            lost = self.lost_progress(infos)
             if lost:
                 log.warning("%s: %s; pulling %s as it is now", self.worker_id,
                             "; ".join(f"shard {i} lost progress: {why}" for i, why in sorted(lost.items())),
@@ -1342,7 +1352,12 @@ class PSClient:
         """The lowest step of the shards at this worker's last pull."""
         return min(self.steps)
 
-    def lost_progress(self) -> dict[int, str]:
+    def _cluster_infos(self) -> list:
+        """Every shard's GetClusterInfo answer, in shard order."""
+        return self._on_all("GetClusterInfo", lambda i, s: s.GetClusterInfo(
+            pb.ClusterInfoRequest(), timeout=self._deadline(i), metadata=self.metadata))
+
+    def lost_progress(self, infos: Sequence | None = None) -> dict[int, str]:
         """The shards that lost steps or pushes this worker saw or made, each with why; {} when none did.
 
         A shard restarted from a checkpoint older than what this worker saw lost progress:
@@ -1350,10 +1365,10 @@ class PSClient:
         worker, or its clock for this worker is below this client's (the pushes it took
         after the checkpoint are gone). A worker waiting for such a shard's next step or for
         its SSP bound would wait for gradients nobody sends again: it should pull what the
-        shard holds now (min_step 0) and push from there. One GetClusterInfo per shard.
+        shard holds now (min_step 0) and push from there. One GetClusterInfo per shard, unless
+        `infos` holds their answers already.
         """
-        infos = self._on_all("GetClusterInfo", lambda i, s: s.GetClusterInfo(
-            pb.ClusterInfoRequest(), timeout=self._deadline(i), metadata=self.metadata))
+        infos = self._cluster_infos() if infos is None else infos
         lost: dict[int, str] = {}
         for i, info in enumerate(infos):
             record = next((w for w in info.workers if w.worker_id == self.worker_id), None)

@@ -332,7 +332,8 @@ class Trainer:
         set while it waited; TrainingError when it waited wait_timeout in all."""
         try:
             return self.client.pull_after(after, self.dense_names, sync=self.mode == "sync", ssp=self.mode == "ssp",
-                                          timeout=self.plan.wait_timeout, recheck=RECHECK_SECONDS)
+                                          timeout=self.plan.wait_timeout, recheck=RECHECK_SECONDS,
+                                          last_step=self.plan.steps)
         except WaitTimeoutError as exc:
             raise TrainingError(str(exc)) from exc
 
@@ -596,8 +597,9 @@ class Trainer:
         self._prefetched = None
         if ids is None and self._overlapping():
             return self._overlapped(client, {**gradients, **result.state}, result.loss, parameters, wait)
+        read_steps = self._declared_read_steps()
         if ids is None:
-            outcome, parameters = client.push_pull({**gradients, **result.state}, **wait)
+            outcome, parameters = client.push_pull({**gradients, **result.state}, read_steps=read_steps, **wait)
         else:
             row_gradients = self.sparse.row_gradients(gradients, ids)
             rows_names = {t.rows_name for t in self.sparse.tables.values()}
@@ -605,14 +607,27 @@ class Trainer:
             next_ids = None if self._last_iteration(tally) else \
                 self.sparse.unique_ids(self._upcoming[1])
             if next_ids is None:
-                outcome, parameters = client.push_pull({**gradients, **result.state}, **wait,
+                outcome, parameters = client.push_pull({**gradients, **result.state}, read_steps=read_steps, **wait,
                                                        row_gradients=row_gradients, names=self.dense_names)
             else:
                 outcome, parameters, next_rows = client.push_pull_rows(
-                    {**gradients, **result.state}, row_gradients, names=self.dense_names, rows=next_ids, **wait)
+                    {**gradients, **result.state}, row_gradients, names=self.dense_names, rows=next_ids,
+                    read_steps=read_steps, **wait)
                 self._prefetched = (next_ids, next_rows)
         self._wait_steps = outcome.wait_steps if self.mode == "sync" else None
         return _Step(outcome, parameters, result.loss)
+
+    def _declared_read_steps(self) -> list[int] | None:
+        """The read steps a push declares: the client's (None), except in sync mode with --steps for a shard that
+        already reached the last step while another lags. Sync shards move independently, so a worker can read
+        one at the last step and another a step behind; the gradient the lagging shard needs then reaches the
+        other too, and there it would begin a step past the job's end, which either waits for a second gradient
+        no finished worker sends (the job hung) or is applied when the workers leave (the shard ends a step
+        past --steps). Declared read one step before that shard's, it is dropped there as stale."""
+        steps, last = self.client.steps, self.plan.steps
+        if self.mode != "sync" or last is None or not any(step >= last for step in steps):
+            return None
+        return [step - 1 if step >= last else step for step in steps]
 
     def _report_progress(self, tally: _Tally, window: _Window, elapsed: float) -> None:
         """A "progress" event: the loss and rate since the last one (`window`), the counts so far."""

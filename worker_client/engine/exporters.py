@@ -91,18 +91,27 @@ def folded_variables_warning(layers: list[onnx.NodeProto]) -> str:
             f"pass --expect-parameters N to make a mismatch an error")
 
 
+#: The aten op in the dynamo exporter's record of a node, and its overload ("default", "no_stats", ...).
+_ATEN_TARGET = re.compile(r"target=torch\.ops\.aten\.(\w+)(?:\.(\w+))?")
+
+
+def _aten_target(node: onnx.NodeProto) -> tuple[str, str] | None:
+    """(aten op, overload or "") of the torch op a dynamo-exported node came from; None without the record."""
+    target = _ATEN_TARGET.search(node_metadata(node).get(TORCH_FX_NODE, ""))
+    return None if target is None else (target.group(1), target.group(2) or "")
+
+
 def _torch_batch_norm_training(node: onnx.NodeProto) -> bool | None:
     """From the dynamo exporter's record of the aten op a node came from: True for a batch norm in training mode,
     False for one in eval mode, None when it came from no batch norm (or carries no record)."""
-    record = node_metadata(node).get(TORCH_FX_NODE, "")
-    target = re.search(r"target=torch\.ops\.aten\.(\w+)", record)
-    if target is None or "batch_norm" not in target.group(1):
+    target = _aten_target(node)
+    if target is None or "batch_norm" not in target[0]:
         return None
-    op = target.group(1)   # the name before the overload: _native_batch_norm_legit for its .no_stats too
+    op = target[0]   # the name before the overload: _native_batch_norm_legit for its .no_stats too
     if "no_training" in op or "no_update" in op:   # _native_batch_norm_legit_no_training, _batch_norm_no_update
         return False
     if op in _FLAGGED_BATCH_NORMS:
-        args = re.search(r"args = \((.*)\), kwargs", record)
+        args = re.search(r"args = \((.*)\), kwargs", node_metadata(node)[TORCH_FX_NODE])
         flags = re.findall(r"(?:^|, )(True|False)(?=,|$)", args.group(1)) if args else []
         return bool(flags) and flags[0] == "True"   # the first bare flag is `training`
     return True   # _native_batch_norm_legit(_functional), _batch_norm_with_update: the training forms
@@ -110,8 +119,8 @@ def _torch_batch_norm_training(node: onnx.NodeProto) -> bool | None:
 
 def _without_running_statistics(node: onnx.NodeProto) -> bool:
     """Whether the node came from a BatchNorm with track_running_stats=False (aten's ``.no_stats`` overload)."""
-    return re.search(r"target=torch\.ops\.aten\.\w*batch_norm\w*\.no_stats\b",
-                     node_metadata(node).get(TORCH_FX_NODE, "")) is not None
+    target = _aten_target(node)
+    return target is not None and "batch_norm" in target[0] and target[1] == "no_stats"
 
 
 def _module_path(node: onnx.NodeProto) -> str:
@@ -139,14 +148,14 @@ def torch_origin(model: onnx.ModelProto, name: str) -> tuple[str, str]:
     aten.OP in module 'M'", " What to do." when the op is known to be untrainable, else ""); ("", "") for a
     node without the exporter's record."""
     node = next((n for n in model.graph.node if n.name == name or _holds_node(n, name)), None)
-    record = node_metadata(node).get(TORCH_FX_NODE, "") if node is not None else ""
-    target = re.search(r"target=torch\.ops\.aten\.(\w+)((?:\.\w+)?)\]", record)
+    target = _aten_target(node) if node is not None else None
     if target is None:
         return "", ""
+    op, overload = target
     module = _module_path(node)
-    remedy = _TORCH_OP_REMEDIES.get(target.group(1))
-    return (f", from torch's aten.{target.group(1)}{target.group(2)}" + (f" in module {module!r}" if module else ""),
-            f" {remedy}." if remedy else "")
+    remedy = _TORCH_OP_REMEDIES.get(op)
+    return (f", from torch's aten.{op}" + (f".{overload}" if overload else "") +
+            (f" in module {module!r}" if module else ""), f" {remedy}." if remedy else "")
 
 
 def _holds_node(node: onnx.NodeProto, name: str) -> bool:

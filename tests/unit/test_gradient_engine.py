@@ -603,20 +603,25 @@ def _rewritten_agrees(model: onnx.ModelProto, rewrite: Callable[[onnx.ModelProto
     return count
 
 
-@pytest.mark.parametrize("strides, dilations", [([1, 1], [1, 1]), ([2, 1], [1, 2])])
+@pytest.mark.parametrize("x_shape, w_shape, strides, dilations", [
+    ([3, 5, 10, 10], [4, 5, 7, 5], [1, 1], [1, 1]),
+    ([3, 5, 10, 10], [4, 5, 7, 5], [2, 1], [1, 2]),
+    ([3, 5, 40], [4, 5, 17], [2], [2]),                       # 1-D (audio): strided and dilated
+    ([2, 3, 6, 7, 6], [4, 3, 5, 6, 4], [1, 1, 1], [1, 1, 1]),   # 3-D
+])
 def test_a_large_kernel_conv_rewritten_as_a_gemm_per_output_position_computes_the_same(
-        strides: list[int], dilations: list[int]) -> None:
+        x_shape: list[int], w_shape: list[int], strides: list[int], dilations: list[int]) -> None:
     """The shape of onnx-ad's Conv weight adjoint: a kernel spanning most of the feature
-    map; the strided, dilated case also leaves a remainder row."""
+    map, in one, two or three spatial dimensions; the strided, dilated cases also leave a remainder."""
     rng = np.random.default_rng(6)
     model = _model(
         [helper.make_node("Conv", ["x", "w"], ["y"], name="correlate", strides=strides,
                           dilations=dilations)],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5, 10, 10]),
-         helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 5, 7, 5])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
-    feeds = {"x": rng.standard_normal((3, 5, 10, 10)).astype(np.float32),
-             "w": rng.standard_normal((4, 5, 7, 5)).astype(np.float32)}
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32),
+             "w": rng.standard_normal(w_shape).astype(np.float32)}
     assert _rewritten_agrees(model, gemm_large_kernel_convs, feeds) == 1
 
 

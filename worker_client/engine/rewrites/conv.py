@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -48,12 +49,15 @@ def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
     with the output adjoint as a filter bank, so the kernel spans the whole feature map and
     the output is only the original kernel's size (3 x 3). onnxruntime runs that as one
     im2col + skinny GEMM per input channel. Here the input window under each of the few
-    output positions (i, j) is sliced out and one well-shaped GEMM per window with the
+    output positions (i, j; a 1-D or 3-D Conv's as well) is sliced out and one well-shaped GEMM per window with the
     flattened filters computes that position's outputs -- the same multiply-adds. The small
     results are stacked, not the windows: stacking the windows first (one GEMM for all) copied
     the activations nine more times, and on a ResNet-18 layer at 32 x 32 took 38 ms where the
-    GEMMs per window take 24 (16 x 16: 25 and 18.5; 4 x 4: 20.7 and 19.1). Matches ungrouped,
-    unpadded, bias-free Convs with static shapes. Returns the number rewritten.
+    GEMMs per window take 24 (16 x 16: 25 and 18.5; 4 x 4: 20.7 and 19.1). 1-D Convs too: a
+    three-layer Conv1d network over 2,000 samples (kernels 9, 5 dilated, 3) took 125 ms a
+    step at one thread with its two weight adjoints left to onnxruntime's Conv (34 ms), 81
+    ms with them as GEMMs. Matches ungrouped, unpadded, bias-free Convs with static shapes, of any spatial rank.
+    Returns the number rewritten.
     """
     shapes = static_shapes(model)
     emit = Emitter(model, "conv_gemm")
@@ -64,15 +68,15 @@ def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
         x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1],
                                                   node.output[0]))
         attributes = _attributes(node)
-        if x is None or w is None or y is None or len(x) != 4 or \
+        if x is None or w is None or y is None or len(x) < 3 or len(w) != len(x) or len(y) != len(x) or \
                 attributes.get("group", 1) != 1 or any(attributes.get("pads", [0])) or \
                 attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
             continue
-        kernel = w[2] * w[3]
-        if kernel <= y[2] * y[3]:
+        if math.prod(w[2:]) <= math.prod(y[2:]):
             continue  # an ordinary convolution: onnxruntime's own kernel is the right one
-        strides = list(attributes.get("strides", [1, 1]))
-        dilations = list(attributes.get("dilations", [1, 1]))
+        spatial = len(x) - 2
+        strides = list(attributes.get("strides", [1] * spatial))
+        dilations = list(attributes.get("dilations", [1] * spatial))
         replacements[index] = _conv_as_gemm(node, x, w, y, strides, dilations, emit)
     if replacements:
         _replace(model, replacements, emit)
@@ -83,27 +87,28 @@ def _conv_as_gemm(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...],
                   y: tuple[int, ...], strides: list[int], dilations: list[int],
                   emit: Emitter) -> list[onnx.NodeProto]:
     batch, filters = x[0], w[0]
-    window = w[1] * w[2] * w[3]
+    window = math.prod(w[1:])
+    spatial = len(x) - 2
+    axes = emit.ints(list(range(2, 2 + spatial)))
+    steps = emit.ints(dilations)
     flat_filters, filters_2d = emit.reshape(node.input[1], [filters, window])
     nodes = [flat_filters]
     products = []
-    for i in range(y[2]):
-        for j in range(y[3]):
-            start = [i * strides[0], j * strides[1]]
-            end = [start[0] + (w[2] - 1) * dilations[0] + 1,
-                   start[1] + (w[3] - 1) * dilations[1] + 1]
-            patch, product = emit.name(), emit.name()
-            to_rows, rows = emit.reshape(patch, [batch, window])
-            nodes += [helper.make_node("Slice", [node.input[0], emit.ints(start), emit.ints(end), emit.ints([2, 3]),
-                                                 emit.ints(dilations)], [patch], name=patch),
-                      to_rows,
-                      helper.make_node("Gemm", [rows, filters_2d], [product], name=product, transB=1)]
-            products.append(product)
+    for position in itertools.product(*(range(size) for size in y[2:])):
+        start = [p * s for p, s in zip(position, strides)]
+        end = [b + (k - 1) * d + 1 for b, k, d in zip(start, w[2:], dilations)]
+        patch, product = emit.name(), emit.name()
+        to_rows, rows = emit.reshape(patch, [batch, window])
+        nodes += [helper.make_node("Slice", [node.input[0], emit.ints(start), emit.ints(end), axes, steps],
+                                   [patch], name=patch),
+                  to_rows,
+                  helper.make_node("Gemm", [rows, filters_2d], [product], name=product, transB=1)]
+        products.append(product)
     stacked, grid = emit.name(), emit.name()
     nodes += [helper.make_node("Concat", products, [stacked], name=stacked, axis=0),
-              emit.reshape(stacked, [y[2], y[3], batch, filters], out=grid)[0],
-              helper.make_node("Transpose", [grid], [node.output[0]],
-                               name=node.name or node.output[0], perm=[2, 3, 0, 1])]
+              emit.reshape(stacked, [*y[2:], batch, filters], out=grid)[0],
+              helper.make_node("Transpose", [grid], [node.output[0]], name=node.name or node.output[0],
+                               perm=[spatial, spatial + 1, *range(spatial)])]
     return nodes
 
 

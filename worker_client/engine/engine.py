@@ -270,15 +270,25 @@ class GradientEngine:
             graph.gradient_outputs[name] for name in self.trainable_names] + [
             graph.input_gradient_outputs[name] for name in self.input_gradient_names] + [
             graph.state_outputs[name] for name in self.state_names]
-        # onnx-ad's gradients carry a trailing seed axis of length 1
+        # a gradient output has the shape its computing node gives it (onnx-ad's seed axis of 1 is
+        # dropped where that saves a copy: rewrites/outputs.py); step() reshapes each to its parameter's
+        declared = {v.name: declared_dims(v) for v in graph.model.graph.output}
+
+        def bound_shape(output: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+            dims = declared.get(output)
+            static = dims is not None and all(isinstance(d, int) for d in dims)
+            return tuple(dims) if static else shape + (1,)
+
         specs = []
         if self._has_loss:
             loss_type = next(v for v in graph.model.graph.output if v.name == graph.loss_output)
             specs.append((graph.loss_output, element_dtype(loss_type), ()))
         specs += [(graph.gradient_outputs[name], self._initial[name].dtype,
-                   self._initial[name].shape + (1,)) for name in self.trainable_names]
+                   bound_shape(graph.gradient_outputs[name], self._initial[name].shape))
+                  for name in self.trainable_names]
         specs += [(graph.input_gradient_outputs[name], self._feeds[name][0],
-                   tuple(self._feeds[name][1]) + (1,)) for name in self.input_gradient_names]
+                   bound_shape(graph.input_gradient_outputs[name], tuple(self._feeds[name][1])))
+                  for name in self.input_gradient_names]
         specs += [(graph.state_outputs[name], value.dtype, value.shape)
                   for name, value in self._state_initial.items()]
         self._output_specs = specs
@@ -374,8 +384,7 @@ class GradientEngine:
                      for name in self.trainable_names}
         for name, row in self._padding_rows.items():
             gradients[name][row] = 0
-        wrt_inputs = {name: (value := next(rest)).reshape(value.shape[:-1])
-                      for name in self.input_gradient_names}
+        wrt_inputs = {name: next(rest).reshape(feed[name].shape) for name in self.input_gradient_names}
         state = {name: next(rest) for name in self.state_names}
         return StepResult(loss, gradients, state, wrt_inputs)
 

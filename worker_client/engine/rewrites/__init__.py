@@ -31,6 +31,10 @@ avoids and why the replacement is exact.
   its intra-op pool (its Sum runs on one thread);
 - `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
   those axes;
+- `matmul` (on the adjoints): a Transpose of a matrix product as the product of the transposed
+  operands, so a Linear layer's weight gradient is not transposed whole after its GEMM;
+- `outputs`: each gradient output written by the node that computes it, not copied there by
+  onnx-ad's seed-axis Reshape;
 - `prune`: nodes and initializers nothing reads, dropped;
 - `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
@@ -55,7 +59,8 @@ from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.grouped import expand_grouped_convs
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops
-from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
+from worker_client.engine.rewrites.matmul import flatten_weight_matmuls, untranspose_products
+from worker_client.engine.rewrites.outputs import compute_outputs_in_place
 from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
 from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
@@ -108,6 +113,7 @@ def _bounds_matter(model: onnx.ModelProto) -> bool:
 
 def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     """The differentiated model, rewritten in place and returned; the passes run in order."""
+    from worker_client.engine.differentiate import GRAD_PREFIX   # here: differentiate imports this package
     fold_shape_queries(model)           # everything static, so the passes below apply
     explicit_transposed_conv_pads(model, adjoints=True)   # before anything reads a ConvTranspose's inferred shape
     gemm_large_kernel_convs(model)
@@ -119,5 +125,8 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     concat_piecewise_scatters(model)
     sums_as_adds(model)
     canonicalize_layout_ops(model)
+    prune(model)                        # untranspose_products counts readers: dead ones first
+    untranspose_products(model)
+    compute_outputs_in_place(model, GRAD_PREFIX)
     prune(model)
     return model

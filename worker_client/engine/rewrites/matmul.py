@@ -1,6 +1,8 @@
-"""Rewrite of the forward graph, before differentiation: batched weight MatMuls as one GEMM."""
+"""MatMul rewrites: batched weight MatMuls as one GEMM (forward graph), transposed products at their operands (adjoints)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -8,7 +10,7 @@ from onnx import helper
 
 from worker_client.engine.rewrites.toolkit import Emitter, rebuild, static_shapes
 
-__all__ = ["flatten_weight_matmuls"]
+__all__ = ["flatten_weight_matmuls", "untranspose_products"]
 
 
 def flatten_weight_matmuls(model: onnx.ModelProto) -> int:
@@ -35,3 +37,83 @@ def flatten_weight_matmuls(model: onnx.ModelProto) -> int:
                 emit.reshape(product, list(left[:-1]) + [right[1]], out=node.output[0])[0]]
 
     return rebuild(model, emit, replace)
+
+
+def untranspose_products(model: onnx.ModelProto) -> int:
+    """Rewrite `Transpose(MatMul(P, Q))` of matrices as `MatMul(Transpose(Q), Transpose(P))`, in place.
+
+    onnx-ad's weight adjoint of a Gemm with transB=1 -- every torch Linear the legacy exporter
+    writes -- is `(X^T @ dY)^T`: a GEMM into the input-major layout, then a Transpose of the whole
+    weight gradient into the weight's. onnxruntime runs that Transpose as a strided copy: 8.6 ms of
+    a 2048 x 2048 layer's 29 ms gradient step at one thread, more than the GEMM. Swapping the
+    operands puts the Transposes on the operands instead, where a Transpose of onnx-ad's own
+    Transpose (X^T) cancels and the other (dY^T) folds into onnxruntime's FusedMatMul as transA:
+    the gradient comes out of the GEMM in the weight's layout. Reshapes that only add or drop
+    size-1 axes (the seed axis, a broadcast batch axis of 1) are looked through. Only chains
+    nothing else reads are rewritten. Returns the number rewritten.
+    """
+    shapes = static_shapes(model)
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    readers = Counter(name for node in graph.node for name in node.input)
+    readers.update(value.name for value in graph.output)
+    emit = Emitter(model, "untransposed")
+
+    def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(size for size in shape if size != 1)
+
+    def source(name: str, *, private: bool) -> str:
+        """`name` with unit-axis Reshapes looked through (each read by nothing else when `private`)."""
+        while True:
+            node = producers.get(name)
+            if node is None or node.op_type != "Reshape" or node.input[0] not in shapes or name not in shapes:
+                return name
+            if squeezed(shapes[node.input[0]]) != squeezed(shapes[name]) or (private and readers[name] != 1):
+                return name
+            name = node.input[0]
+
+    def matrix(name: str) -> tuple[int, int] | None:
+        shape = shapes.get(name)
+        if shape is None or len(shape) < 2 or any(size != 1 for size in shape[:-2]):
+            return None
+        return shape[-2], shape[-1]
+
+    def transposed(name: str, rows: int, cols: int, out: list[onnx.NodeProto]) -> str:
+        """`name`, a [rows, cols] matrix maybe with leading unit axes, transposed: onnx-ad's own
+        Transpose undone where `name` is one, else Reshape and Transpose nodes appended to `out`."""
+        origin = producers.get(source(name, private=False))
+        if (origin is not None and origin.op_type == "Transpose" and _perm(origin) == [1, 0]
+                and shapes.get(origin.input[0]) == (cols, rows)):
+            return origin.input[0]
+        if shapes[name] != (rows, cols):
+            reshape, name = emit.reshape(name, [rows, cols])
+            out.append(reshape)
+        flipped = emit.name()
+        out.append(helper.make_node("Transpose", [name], [flipped], name=flipped, perm=[1, 0]))
+        return flipped
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if node.op_type != "Transpose" or _perm(node) != [1, 0] or len(shapes.get(node.input[0], ())) != 2:
+            return None
+        if readers[node.input[0]] != 1:
+            return None
+        product = producers.get(source(node.input[0], private=True))
+        if product is None or product.op_type != "MatMul" or readers[product.output[0]] != 1:
+            return None
+        left, right = matrix(product.input[0]), matrix(product.input[1])
+        if left is None or right is None or left[1] != right[0]:
+            return None
+        (rows, inner), (_, cols) = left, right
+        if shapes[node.input[0]] != (rows, cols):
+            return None
+        nodes: list[onnx.NodeProto] = []
+        right_t = transposed(product.input[1], inner, cols, nodes)
+        left_t = transposed(product.input[0], rows, inner, nodes)
+        nodes.append(helper.make_node("MatMul", [right_t, left_t], [node.output[0]], name=emit.name()))
+        return nodes
+
+    return rebuild(model, emit, replace)
+
+
+def _perm(node: onnx.NodeProto) -> list[int] | None:
+    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -403,10 +403,24 @@ class PSClient:
 
     def _on_all(self, what: str, fn: Callable[[int, pb_grpc.ParameterServerStub], T]) -> list[T]:
         """fn(shard, stub) on every shard concurrently, each with retries; results in shard order."""
-        if self.num_shards == 1:  # no thread hop for the common single-shard case
-            return [self._call(0, what, lambda stub: fn(0, stub))]
-        futures = [self._pool.submit(self._call, i, what, lambda stub, i=i: fn(i, stub)) for i in range(self.num_shards)]
-        return [f.result() for f in futures]
+        return self._fan_out(lambda i: self._call(i, what, lambda stub: fn(i, stub)), range(self.num_shards))
+
+    def _fan_out(self, fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
+        """fn over `items` at once, results in their order: the first in the calling thread, the others on the pool.
+
+        Handing every item to the pool cost the caller a wake-up of a pool thread more per call, and a
+        wait for it: with two shards, the training step's PushPull is one exchange here and one there."""
+        items = list(items)
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        futures = [self._pool.submit(fn, item) for item in items[1:]]
+        try:
+            first = fn(items[0])
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return [first, *(future.result() for future in futures)]
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Blocks until every shard's channel connects, at most timeout s (then TimeoutError naming the shard).
@@ -659,7 +673,7 @@ class PSClient:
 
             return self._call(shard, "Pull", call)
 
-        results = [fetch(targets[0])] if len(targets) == 1 else list(self._pool.map(fetch, targets))
+        results = self._fan_out(fetch, targets)
         for shard, (step, parts) in zip(targets, results):
             self.steps[shard] = step
             self._place(shard_map, out, parts)
@@ -809,7 +823,7 @@ class PSClient:
             return self._call(shard, "PullRows", lambda stub: stub.PullRows(
                 request, timeout=wait + self._deadline(shard), metadata=self.metadata))
 
-        answers = [fetch(reads[0])] if len(reads) == 1 else list(self._pool.map(fetch, reads))
+        answers = self._fan_out(fetch, reads)
         steps: dict[int, int] = {}
         for (shard, _), answer in zip(reads, answers):
             steps[shard] = min(steps.get(shard, answer.step), answer.step)
@@ -914,7 +928,7 @@ class PSClient:
                                                link, wait_for_step, ssp, wait, grads, names, asked, destination)
             return reply, values
 
-        results = [one(0)] if self.num_shards == 1 else list(self._pool.map(one, range(self.num_shards)))
+        results = self._fan_out(one, range(self.num_shards))
         responses = [reply.push for reply, _ in results]
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         report = PushReport(responses, clock, steps)

@@ -30,19 +30,27 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.n
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
 
 
-def _weight_adjoint(extra_reader: bool = False) -> onnx.ModelProto:
-    """onnx-ad's form of a Linear's weight gradient: (X^T @ dY)^T, dY with a broadcast batch axis of 1."""
+def _weight_adjoint(extra_reader: bool = False, expand: bool = False) -> onnx.ModelProto:
+    """onnx-ad's form of a Linear's weight gradient: (X^T @ dY)^T, dY with a broadcast batch axis of 1; with
+    `expand`, the product also goes through a Reshape adding the seed axis and an Expand to its own shape (its
+    form for a Linear on 3-D inputs)."""
     nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
-             helper.make_node("MatMul", ["xt", "dy"], ["product"]),
-             helper.make_node("Reshape", ["product", "flat"], ["matrix"]),
-             helper.make_node("Transpose", ["matrix"], ["grad"], perm=[1, 0])]
+             helper.make_node("MatMul", ["xt", "dy"], ["product"])]
+    if expand:
+        nodes += [helper.make_node("Reshape", ["product", "seeded"], ["with_seed"]),
+                  helper.make_node("Expand", ["with_seed", "seeded"], ["full"]),
+                  helper.make_node("Reshape", ["full", "flat"], ["matrix"])]
+    else:
+        nodes.append(helper.make_node("Reshape", ["product", "flat"], ["matrix"]))
+    nodes.append(helper.make_node("Transpose", ["matrix"], ["grad"], perm=[1, 0]))
     outputs = [helper.make_tensor_value_info("grad", _F, None)]
     if extra_reader:
         nodes.append(helper.make_node("Relu", ["product"], ["other"]))
         outputs.append(helper.make_tensor_value_info("other", _F, None))
     return _model(nodes, [helper.make_tensor_value_info("x", _F, [8, 6]),
                           helper.make_tensor_value_info("dy", _F, [1, 8, 5])],
-                  outputs, [numpy_helper.from_array(np.array([6, 5], np.int64), "flat")])
+                  outputs, [numpy_helper.from_array(np.array([6, 5], np.int64), "flat"),
+                            numpy_helper.from_array(np.array([6, 5, 1], np.int64), "seeded")])
 
 
 def _feeds() -> dict[str, np.ndarray]:
@@ -51,8 +59,10 @@ def _feeds() -> dict[str, np.ndarray]:
             "dy": rng.standard_normal((1, 8, 5)).astype(np.float32)}
 
 
-def test_a_transposed_product_is_computed_in_the_transposed_layout_with_the_inner_transpose_cancelled() -> None:
-    model = _weight_adjoint()
+@pytest.mark.parametrize("expand", [False, True])
+def test_a_transposed_product_is_computed_in_the_transposed_layout_with_the_inner_transpose_cancelled(
+        expand: bool) -> None:
+    model = _weight_adjoint(expand=expand)
     before = _run(model, _feeds())
     assert untranspose_products(model) == 1
     after = _run(model, _feeds())

@@ -49,8 +49,9 @@ def untranspose_products(model: onnx.ModelProto) -> int:
     operands puts the Transposes on the operands instead, where a Transpose of onnx-ad's own
     Transpose (X^T) cancels and the other (dY^T) folds into onnxruntime's FusedMatMul as transA:
     the gradient comes out of the GEMM in the weight's layout. Reshapes that only add or drop
-    size-1 axes (the seed axis, a broadcast batch axis of 1) are looked through. Only chains
-    nothing else reads are rewritten. Returns the number rewritten.
+    size-1 axes (the seed axis, a broadcast batch axis of 1), and onnx-ad's Expands of a tensor to
+    its own shape (a transformer's Linear on 3-D inputs), are looked through. Only chains nothing
+    else reads are rewritten. Returns the number rewritten.
     """
     shapes = static_shapes(model)
     graph = model.graph
@@ -63,10 +64,11 @@ def untranspose_products(model: onnx.ModelProto) -> int:
         return tuple(size for size in shape if size != 1)
 
     def source(name: str, *, private: bool) -> str:
-        """`name` with unit-axis Reshapes looked through (each read by nothing else when `private`)."""
+        """`name` with unit-axis Reshapes, Squeezes and Unsqueezes, Identities and Expands to the same data looked
+        through (each read by nothing else when `private`)."""
         while True:
             node = producers.get(name)
-            if node is None or node.op_type != "Reshape" or node.input[0] not in shapes or name not in shapes:
+            if node is None or node.op_type not in _SAME_DATA or node.input[0] not in shapes or name not in shapes:
                 return name
             if squeezed(shapes[node.input[0]]) != squeezed(shapes[name]) or (private and readers[name] != 1):
                 return name
@@ -113,6 +115,10 @@ def untranspose_products(model: onnx.ModelProto) -> int:
         return nodes
 
     return rebuild(model, emit, replace)
+
+
+#: Ops that hand the same elements on when their input and output differ by size-1 axes at most.
+_SAME_DATA = frozenset({"Reshape", "Expand", "Identity", "Squeeze", "Unsqueeze"})
 
 
 def _perm(node: onnx.NodeProto) -> list[int] | None:

@@ -17,6 +17,7 @@ from worker_client import GradientEngine
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
 from worker_client.engine.rewrites.nchwc import NCHWC_DOMAIN, block_convs, nchwc_block_size
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
+from worker_client.engine.training_mode import training_form
 
 OPSET = 18
 
@@ -196,7 +197,7 @@ def _dropout_engine(tmp_path: Path, ratio: float, *, seed: int = 0) -> GradientE
     return GradientEngine(path, batch_size=8, loss="mse", seed=seed, cache_dir=tmp_path)
 
 
-@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.0])
+@pytest.mark.parametrize("ratio", [0.1, 0.5])
 def test_drawn_dropout_masks_keep_one_minus_the_ratio_and_the_step_scales_them(
         tmp_path: Path, ratio: float) -> None:
     engine = _dropout_engine(tmp_path, ratio)
@@ -215,6 +216,35 @@ def test_drawn_dropout_masks_keep_one_minus_the_ratio_and_the_step_scales_them(
     # the forward pass (a pipeline stage's) takes the same 0/1 mask
     outputs, _ = engine.forward(engine.parameters(), {"x": x, name: mask})
     np.testing.assert_allclose(outputs["y"], y, rtol=1e-5, atol=1e-4)
+
+
+def test_a_dropout_of_ratio_zero_is_the_identity_with_no_mask_to_draw(tmp_path: Path) -> None:
+    """dropout=0.0 (common in transformer configurations): nothing to draw or feed, no Mul in the graph, the
+    step and the forward pass those of the model without it."""
+    engine = _dropout_engine(tmp_path, 0.0)
+    assert engine.mask_names == [] and engine.draw_masks() == {}
+    x = np.random.default_rng(18).standard_normal((8, 4096)).astype(np.float32)
+    y = (x * 0.5).sum(1, keepdims=True)
+    result = engine.step(engine.parameters(), {"x": x, "labels": np.zeros((8, 1), np.float32)})
+    assert result.loss == pytest.approx(float((y ** 2).mean()), rel=1e-5)
+    np.testing.assert_allclose(result.gradients["w"], (2 * y / 8 * x).sum(0), rtol=1e-4, atol=1e-4)
+    outputs, _ = engine.forward(engine.parameters(), {"x": x})
+    np.testing.assert_allclose(outputs["y"], y, rtol=1e-5, atol=1e-4)
+
+
+def test_the_mask_output_of_a_dropout_of_ratio_zero_keeps_every_element() -> None:
+    nodes = [helper.make_node("Constant", [], ["ratio"], value=numpy_helper.from_array(np.array(0.0, np.float32))),
+             helper.make_node("Constant", [], ["training"], value=numpy_helper.from_array(np.array(True))),
+             helper.make_node("Dropout", ["x", "ratio", "training"], ["y", "kept"], name="drop")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5]),
+                               helper.make_tensor_value_info("kept", TensorProto.BOOL, [3, 5])])
+    model, forms = training_form(helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)]), [])
+    assert forms.dropout_rates == {}
+    x = np.random.default_rng(19).standard_normal((3, 5)).astype(np.float32)
+    y, kept = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(y, x)
+    assert kept.dtype == np.bool_ and kept.shape == (3, 5) and kept.all()
 
 
 def test_masks_the_step_draws_follow_the_seed(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ function of the graph's inputs as it stands; both are, given the batch and the m
   input, which the worker draws from a seeded generator and feeds. With ``scaled_masks``
   (the engine's own sessions) the input is the mask already divided by the keep rate and
   the Dropout is one ``X * mask``: one pass over the tensor fewer forward and backward,
-  the engine scaling the mask as it draws it.
+  the engine scaling the mask as it draws it. A Dropout of ratio 0 (``dropout=0.0``, common
+  in transformer configurations) is the identity, with no mask.
 - `inference_form` is the same model for evaluation: BatchNormalization with its running
   statistics (training_mode=0), Dropout the identity.
 
@@ -275,6 +276,14 @@ def _dropout(node: onnx.NodeProto, values: dict[str, np.ndarray], model: onnx.Mo
     if not 0 <= ratio < 1:
         raise UnsupportedModelError(f"node {node_label(node)!r} (Dropout): ratio {ratio} is "
                                     f"not in [0, 1)")
+    if ratio == 0:   # drops nothing: no mask to draw and feed, no Mul forward and backward
+        nodes = [helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name or emit.name())]
+        if len(node.output) > 1 and node.output[1]:   # its mask output: every element kept
+            shape = emit.name()
+            nodes += [helper.make_node("Shape", [node.input[0]], [shape], name=shape),
+                      helper.make_node("ConstantOfShape", [shape], [node.output[1]], name=emit.name(),
+                                       value=helper.make_tensor("kept", TensorProto.BOOL, [1], [True]))]
+        return nodes
     mask = MASK_PREFIX + node_label(node)
     declared = next((v for v in list(model.graph.value_info) + list(model.graph.input)
                      if v.name == node.input[0]), None)

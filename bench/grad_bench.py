@@ -1,11 +1,13 @@
 """One gradient step of GradientEngine against torch autograd, on the same batch and threads.
 
-Two kinds of model: the small torch fixtures of the engine's tests (``mlp``, ``cnn``,
-``embedding_bag``, ``transformer``: tests/fixtures/torch), and the models users train from
+Three kinds of model: the small torch fixtures of the engine's tests (``mlp``, ``cnn``,
+``embedding_bag``, ``transformer``: tests/fixtures/torch), the models users train from
 `ps_bench.torch_models` (``resnet18``: ResNet-18 for 32x32 images with training-mode BatchNorm;
 ``transformer_cls``: its ``transformer``, a 4-layer text classifier with Dropout), exported with the
-documented recipe into ``--export-dir``. A step is forward, cross-entropy (mse for
-``embedding_bag``) and backward, the gradients handed out as numpy arrays; torch runs the module in
+documented recipe into ``--export-dir``; and the small models of other architectures in
+`ps_bench.zoo_models` (``vgg``, ``mobilenet``, ``lstm``, ``gru``, ``conv1d``, ``prenorm``, ``vit``,
+``unet``, ``wide_mlp``), exported the same way. A step is forward, cross-entropy (mse for
+``embedding_bag`` and ``unet``) and backward, the gradients handed out as numpy arrays; torch runs the module in
 training mode (BatchNorm on batch statistics, Dropout on), the engine draws its Dropout masks itself
 as a worker's step does. Both sides start from the same weights.
 
@@ -41,7 +43,7 @@ except ImportError as exc:  # torch is a benchmark-only dependency
                      "`python -m venv .venv-bench && .venv-bench/bin/pip install -e . torch && "
                      ".venv-bench/bin/python -m ps_bench.grad_bench`") from exc
 
-from ps_bench import harness, torch_models
+from ps_bench import harness, torch_models, zoo_models
 from worker_client import GradientEngine
 
 #: Timed steps per block of one system's steps (see bench_model).
@@ -56,12 +58,12 @@ FIXTURE_MODELS: dict[str, tuple[str, str]] = {
 }
 #: this benchmark's name -> the ps_bench.torch_models name
 USER_MODELS: dict[str, str] = {"resnet18": "resnet18", "transformer_cls": "transformer"}
-MODELS = [*FIXTURE_MODELS, *USER_MODELS]
+MODELS = [*FIXTURE_MODELS, *USER_MODELS, *zoo_models.MODELS]
 #: what runs when --models is not given
 DEFAULT_MODELS = ["mlp", "resnet18", "transformer_cls"]
 #: timed steps per system and untimed warm-up steps when not given: a user model's step takes a
 #: good part of a second on one thread, a fixture's a millisecond or less
-DEFAULT_STEPS = {"fixture": (300, 20), "user": (30, 3)}
+DEFAULT_STEPS = {"fixture": (300, 20), "user": (30, 3), "zoo": (40, 3)}
 
 
 @dataclass
@@ -120,6 +122,12 @@ def user_case(name: str, batch: int, export_dir: Path) -> Case:
     data, labels = torch_models.example_batch(model, batch, seed=1)
     return Case(path, torch_models.build(model), {**data, "labels": labels},
                 torch_models.torch_inputs(model, data), torch.from_numpy(labels), "cross_entropy")
+
+
+def zoo_case(name: str, batch: int, export_dir: Path) -> Case:
+    """A ps_bench.zoo_models model: exported once into `export_dir`, built with the same weights."""
+    path, module, example, labels, loss = zoo_models.case(name, batch, export_dir)
+    return Case(path, module, {"x": example.numpy(), "labels": labels.numpy()}, example, labels, loss)
 
 
 def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, warmup: int,
@@ -189,24 +197,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="onnxruntime intra-op threads = torch.set_num_threads [1]")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps per system [300 for a fixture, 30 for resnet18 and "
-                             "transformer_cls]")
+                             "transformer_cls, 40 for the others]")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps first [20 for a fixture, 3 for the others]")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="gradient-model cache [$ONNX_PS_CACHE or ~/.cache/onnx-ps]")
     parser.add_argument("--export-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "onnx-ps-bench-models",
-                        help="where resnet18 and transformer_cls are exported once [%(default)s]")
+                        help="where the models past the fixtures are exported once [%(default)s]")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     warnings.simplefilter("ignore", UserWarning)
     harness.log(f"grad_bench: batch {args.batch}, {args.threads} thread(s), {harness.machine()}")
     for name in args.models:
-        kind = "fixture" if name in FIXTURE_MODELS else "user"
+        kind = "fixture" if name in FIXTURE_MODELS else "user" if name in USER_MODELS else "zoo"
         steps, warmup = DEFAULT_STEPS[kind]
         case = (fixture_case(name, args.batch) if kind == "fixture"
-                else user_case(name, args.batch, args.export_dir))
+                else user_case(name, args.batch, args.export_dir) if kind == "user"
+                else zoo_case(name, args.batch, args.export_dir))
         bench_model(name, case, batch=args.batch, threads=args.threads,
                     steps=args.steps if args.steps is not None else steps,
                     warmup=args.warmup if args.warmup is not None else warmup,

@@ -1,0 +1,198 @@
+"""Small torch models of the architectures users train beside the benchmark's two, for ps_bench.grad_bench.
+
+Benchmark-only: it needs torch, which the project never does. ``ps_bench.torch_models`` holds the
+two models the training benchmarks run (ResNet-18, the transformer classifier); these are the
+others a user brings -- a model the engine was not tuned on is where a slow adjoint shows first:
+
+``vgg``        3 x 3 Convs with BatchNorm, ReLU and max-pooling, 32 x 32 images, 10 classes
+``mobilenet``  inverted residual blocks: 1 x 1 Convs around a depthwise 3 x 3, ReLU6, Hardswish, SiLU
+``lstm``       token embedding, a 2-layer LSTM (hidden 128) over 40 tokens, the last state classified
+``gru``        the same with a GRU
+``conv1d``     audio: Conv1d layers over 4,000 samples (strided, dilated with padding="same"), GELU
+``prenorm``    a 3-layer pre-norm transformer encoder with GELU and dropout 0.0 (d 256, 48 tokens)
+``vit``        a vision transformer: 4 x 4 patches of 32 x 32 images, a class token, 4 pre-norm layers
+``unet``       an encoder-decoder with a ConvTranspose and a skip connection; mean squared error
+``wide_mlp``   Linear 512-2048-2048-100 with LayerNorm, SiLU and GELU
+
+``case(name, batch, folder) -> (onnx path, module, input, labels, loss)`` builds the model with
+fixed weights, exports it with the documented recipe (docs/models.md, "Exporter recipes") into
+`folder` once, and draws a batch.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # torch is a benchmark-only dependency
+    raise SystemExit("ps_bench.zoo_models needs torch, which is not installed here; use an environment of its "
+                     "own with torch and the project (docs/benchmarks.md, \"The torch environment\")") from exc
+
+__all__ = ["MODELS", "case"]
+
+#: Part of every exported file's name: bumped whenever a model's definition or its export changes.
+VERSION = 1
+
+
+class _Flat(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+
+def _vgg() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 24, 3, padding=1), nn.BatchNorm2d(24), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(24, 48, 3, padding=1), nn.BatchNorm2d(48), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(48, 96, 3, padding=1, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), _Flat(),
+                         nn.Linear(96, 10))
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, channels: int, expand: int = 4) -> None:
+        super().__init__()
+        hidden = channels * expand
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.Hardswish(),
+            nn.Conv2d(hidden, channels, 1, bias=False), nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+def _mobilenet() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.SiLU(),
+                         _InvertedResidual(32), _InvertedResidual(32), nn.Conv2d(32, 64, 3, stride=2, padding=1),
+                         _InvertedResidual(64), nn.AdaptiveAvgPool2d(1), _Flat(), nn.Linear(64, 10))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, cell: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, 64)
+        self.rnn = cell(64, 128, batch_first=True, num_layers=2)
+        self.out = nn.Linear(128, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        states, _ = self.rnn(self.embed(ids))
+        return self.out(states[:, -1])
+
+
+def _conv1d() -> nn.Module:
+    return nn.Sequential(nn.Conv1d(1, 16, 9, stride=2, padding=4), nn.BatchNorm1d(16), nn.GELU(),
+                         nn.Conv1d(16, 32, 5, dilation=2, padding="same"), nn.GELU(), nn.MaxPool1d(4),
+                         nn.Conv1d(32, 64, 3), nn.ReLU(), nn.AdaptiveAvgPool1d(1), _Flat(), nn.Linear(64, 6))
+
+
+def _encoder(d_model: int, heads: int, feed_forward: int, layers: int) -> nn.TransformerEncoder:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch's note that norm_first disables its fast path
+        layer = nn.TransformerEncoderLayer(d_model, heads, feed_forward, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+class _PreNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5000, 256)
+        self.position = nn.Parameter(torch.randn(1, 48, 256) * 0.02)
+        self.encoder = _encoder(256, 4, 1024, 3)
+        self.norm = nn.LayerNorm(256)
+        self.out = nn.Linear(256, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.encoder(self.embed(ids) + self.position)).mean(1))
+
+
+class _ViT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 192, 4, stride=4)
+        self.cls = nn.Parameter(torch.zeros(1, 1, 192))
+        self.position = nn.Parameter(torch.randn(1, 65, 192) * 0.02)
+        self.encoder = _encoder(192, 3, 768, 4)
+        self.out = nn.Linear(192, 10)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        patches = self.patch(image).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(image.shape[0], -1, -1), patches], 1) + self.position
+        return self.out(self.encoder(tokens)[:, 0])
+
+
+class _UNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down1 = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU())
+        self.down2 = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU())
+        self.up = nn.ConvTranspose2d(32, 16, 2, stride=2)
+        self.head = nn.Conv2d(32, 3, 1)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        skip = self.down1(image)
+        return self.head(torch.cat([self.up(self.down2(skip)), skip], 1))
+
+
+def _wide_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(512, 2048), nn.LayerNorm(2048), nn.SiLU(), nn.Linear(2048, 2048), nn.GELU(),
+                         nn.Linear(2048, 100))
+
+
+def _images(batch: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(batch, 3, 32, 32, generator=generator)
+
+
+def _tokens(vocabulary: int, length: int) -> Callable[[int, torch.Generator], torch.Tensor]:
+    return lambda batch, generator: torch.randint(0, vocabulary, (batch, length), generator=generator)
+
+
+#: name -> (builder, input of a batch, loss)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], torch.Tensor], str]] = {
+    "vgg": (_vgg, _images, "cross_entropy"),
+    "mobilenet": (_mobilenet, _images, "cross_entropy"),
+    "lstm": (lambda: _Recurrent(nn.LSTM), _tokens(1000, 40), "cross_entropy"),
+    "gru": (lambda: _Recurrent(nn.GRU), _tokens(1000, 40), "cross_entropy"),
+    "conv1d": (_conv1d, lambda batch, generator: torch.randn(batch, 1, 4000, generator=generator), "cross_entropy"),
+    "prenorm": (_PreNorm, _tokens(5000, 48), "cross_entropy"),
+    "vit": (_ViT, _images, "cross_entropy"),
+    "unet": (_UNet, _images, "mse"),
+    "wide_mlp": (_wide_mlp, lambda batch, generator: torch.randn(batch, 512, generator=generator), "cross_entropy"),
+}
+
+
+def case(name: str, batch: int, folder: str | os.PathLike[str], seed: int = 0
+         ) -> tuple[Path, nn.Module, torch.Tensor, torch.Tensor, str]:
+    """(the exported ONNX file, the module in training mode with the same weights, a batch's input, its labels, the
+    loss) of model `name`; the file is written once under `folder` (atomically), then reused."""
+    build, draw, loss = MODELS[name]
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        module = build().train()
+    finally:
+        torch.random.set_rng_state(state)
+    generator = torch.Generator().manual_seed(seed + 1)
+    example = draw(batch, generator)
+    with torch.no_grad():
+        out = module(example)
+    labels = (torch.randn(out.shape, generator=generator) if loss == "mse"
+              else torch.randint(0, out.shape[1], (batch,), generator=generator))
+    target = Path(folder) / f"zoo_{name}.v{VERSION}.onnx"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(module, (example,), str(temporary), dynamo=False, opset_version=18,
+                                  training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                                  input_names=["x"], output_names=["y"],
+                                  dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
+    return target, module, example, labels, loss

@@ -13,7 +13,10 @@ as a worker's step does. Both sides start from the same weights.
 
 JSON lines (ps_bench.harness.emit): per model ``grad_step_ms_NAME`` of each system (the median
 step) and ``grad_step_speedup_NAME`` of ``torch/onnx-ps``: torch's time over the engine's, above 1
-when the engine is faster, with the batch, the threads and the load average when the model was done.
+when the engine is faster, with the batch, the threads and the load average when the model was done;
+and, for a model without Dropout (whose masks differ between the sides), ``grad_check_max_error_NAME``:
+the largest difference between the engine's gradients and torch's, in millionths of the largest
+gradient (a warning on stderr above 100: the timing would compare different computations).
 """
 
 from __future__ import annotations
@@ -152,6 +155,7 @@ def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, 
         # hand the gradients out as numpy arrays, as the engine does
         {k: p.grad.numpy() for k, p in module.named_parameters()}  # noqa: B018
 
+    agreement = _agreement(engine, parameters, inputs, torch_step, module) if not engine.mask_names else None
     for _ in range(warmup):
         engine_step()
         torch_step()
@@ -183,7 +187,34 @@ def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, 
                for system, samples in timings.items()]
     records.append(harness.emit("torch/onnx-ps", f"grad_step_speedup_{name}", size_mb,
                                 statistics.median(ratios), "x", **context))
+    if agreement is None:
+        harness.log(f"grad_bench: {name}: its Dropouts draw different masks on the two sides; gradients not compared")
+    else:
+        error, compared = agreement
+        records.append(harness.emit("onnx-ps", f"grad_check_max_error_{name}", size_mb, error * 1e6,
+                                    "ppm of the largest gradient", parameters_compared=compared, **context))
+        if error > AGREEMENT:
+            harness.log(f"grad_bench: {name}: the engine's gradients differ from torch's by {error:.2e} of the "
+                        f"largest gradient (more than {AGREEMENT:g}): the timing compares different computations")
     return records
+
+
+#: The largest difference between the two sides' gradients, relative to the largest gradient, that passes.
+AGREEMENT = 1e-4
+
+
+def _agreement(engine: GradientEngine, parameters: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
+               torch_step: Callable[[], None], module: torch.nn.Module) -> tuple[float, int]:
+    """(the largest |engine - torch| over every parameter both sides name alike, over the largest |torch|
+    gradient; how many parameters were compared), from one step of each on the same weights and batch."""
+    gradients = engine.step(parameters, inputs).gradients
+    torch_step()
+    pairs = [(gradients[name], p.grad.numpy()) for name, p in module.named_parameters()
+             if name in gradients and p.grad is not None and gradients[name].shape == tuple(p.grad.shape)]
+    if not pairs:
+        return float("nan"), 0
+    scale = max(float(np.abs(expected).max()) for _, expected in pairs) or 1.0
+    return max(float(np.abs(got - expected).max()) for got, expected in pairs) / scale, len(pairs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -125,7 +125,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     concat_piecewise_scatters(model)
     sums_as_adds(model)
     canonicalize_layout_ops(model)
-    prune(model)                        # untranspose_products counts readers: dead ones first
+    prune(model)                        # the two passes below count readers: dead ones first
     untranspose_products(model)
     compute_outputs_in_place(model, GRAD_PREFIX)
     prune(model)

@@ -49,14 +49,15 @@ def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
     with the output adjoint as a filter bank, so the kernel spans the whole feature map and
     the output is only the original kernel's size (3 x 3). onnxruntime runs that as one
     im2col + skinny GEMM per input channel. Here the input window under each of the few
-    output positions (i, j; a 1-D or 3-D Conv's as well) is sliced out and one well-shaped GEMM per window with the
-    flattened filters computes that position's outputs -- the same multiply-adds. The small
-    results are stacked, not the windows: stacking the windows first (one GEMM for all) copied
-    the activations nine more times, and on a ResNet-18 layer at 32 x 32 took 38 ms where the
-    GEMMs per window take 24 (16 x 16: 25 and 18.5; 4 x 4: 20.7 and 19.1). 1-D Convs too: a
-    three-layer Conv1d network over 2,000 samples (kernels 9, 5 dilated, 3) took 125 ms a
-    step at one thread with its two weight adjoints left to onnxruntime's Conv (34 ms), 81
-    ms with them as GEMMs. Matches ungrouped, unpadded, bias-free Convs with static shapes, of any spatial rank.
+    output positions (i, j; a 1-D or 3-D Conv's as well) is sliced out and one well-shaped
+    GEMM per window with the flattened filters computes that position's outputs -- the same
+    multiply-adds. The small results are stacked, not the windows: stacking the windows first
+    (one GEMM for all) copied the activations nine more times, and on a ResNet-18 layer at
+    32 x 32 took 38 ms where the GEMMs per window take 24 (16 x 16: 25 and 18.5; 4 x 4: 20.7
+    and 19.1). 1-D Convs too: a three-layer Conv1d network over 2,000 samples (kernels 9, 5
+    dilated, 3) took 125 ms a step at one thread with its two weight adjoints left to
+    onnxruntime's Conv (34 ms), 81 ms with them as GEMMs. Matches ungrouped, unpadded,
+    bias-free Convs with static shapes, of any spatial rank.
     Returns the number rewritten.
     """
     shapes = static_shapes(model)

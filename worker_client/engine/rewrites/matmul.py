@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, rebuild, static_shapes
+from worker_client.engine.rewrites.toolkit import SAME_DATA_OPS, Emitter, reader_counts, rebuild, static_shapes
 
 __all__ = ["flatten_weight_matmuls", "untranspose_products"]
 
@@ -56,8 +54,7 @@ def untranspose_products(model: onnx.ModelProto) -> int:
     shapes = static_shapes(model)
     graph = model.graph
     producers = {out: node for node in graph.node for out in node.output}
-    readers = Counter(name for node in graph.node for name in node.input)
-    readers.update(value.name for value in graph.output)
+    readers = reader_counts(graph)
     emit = Emitter(model, "untransposed")
 
     def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -68,7 +65,7 @@ def untranspose_products(model: onnx.ModelProto) -> int:
         through (each read by nothing else when `private`)."""
         while True:
             node = producers.get(name)
-            if node is None or node.op_type not in _SAME_DATA or node.input[0] not in shapes or name not in shapes:
+            if node is None or node.op_type not in SAME_DATA_OPS or node.input[0] not in shapes or name not in shapes:
                 return name
             if squeezed(shapes[node.input[0]]) != squeezed(shapes[name]) or (private and readers[name] != 1):
                 return name
@@ -115,10 +112,6 @@ def untranspose_products(model: onnx.ModelProto) -> int:
         return nodes
 
     return rebuild(model, emit, replace)
-
-
-#: Ops that hand the same elements on when their input and output differ by size-1 axes at most.
-_SAME_DATA = frozenset({"Reshape", "Expand", "Identity", "Squeeze", "Unsqueeze"})
 
 
 def _perm(node: onnx.NodeProto) -> list[int] | None:

@@ -11,19 +11,13 @@ need (GradientEngine: the parameter's or the input's), so only the element count
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import static_shapes
+from worker_client.engine.rewrites.toolkit import SAME_DATA_OPS, reader_counts, static_shapes
 
 __all__ = ["compute_outputs_in_place"]
-
-#: Nodes that leave the data as it is: onnx-ad's tail behind a gradient.
-_PASS_THROUGH = frozenset({"Identity", "Reshape", "Expand", "Squeeze", "Unsqueeze"})
-
 
 def compute_outputs_in_place(model: onnx.ModelProto, prefix: str) -> int:
     """Each graph output whose name starts with `prefix` (the gradients: state outputs keep their
@@ -33,8 +27,7 @@ def compute_outputs_in_place(model: onnx.ModelProto, prefix: str) -> int:
     graph = model.graph
     shapes = static_shapes(model)
     producers = {out: node for node in graph.node for out in node.output}
-    readers = Counter(name for node in graph.node for name in node.input)
-    readers.update(value.name for value in graph.output)
+    readers = reader_counts(graph)
     fed = {value.name for value in graph.input} | {tensor.name for tensor in graph.initializer}
     tails: set[str] = set()   # the first outputs of the pass-through nodes bypassed, dropped at the end
     changed = 0
@@ -46,14 +39,14 @@ def compute_outputs_in_place(model: onnx.ModelProto, prefix: str) -> int:
         if size is None:
             continue
         source, tail = name, []
-        while (node := producers.get(source)) is not None and node.op_type in _PASS_THROUGH \
+        while (node := producers.get(source)) is not None and node.op_type in SAME_DATA_OPS \
                 and node.input[0] in shapes and int(np.prod(shapes[node.input[0]])) == int(np.prod(size)) \
                 and (source == name or readers[source] == 1):
             tail.append(node)
             source = node.input[0]
         origin = producers.get(source)
         if not tail or source in fed or origin is None or readers[source] != 1 \
-                or origin.op_type == "Constant" or origin.op_type in _PASS_THROUGH:   # (an Expand that broadcasts)
+                or origin.op_type == "Constant" or origin.op_type in SAME_DATA_OPS:   # (an Expand that broadcasts)
             continue
         tails.update(node.output[0] for node in tail)   # before the rename: the last one's is `name`
         origin.output[list(origin.output).index(source)] = name   # the computing node writes the output
@@ -66,7 +59,7 @@ def compute_outputs_in_place(model: onnx.ModelProto, prefix: str) -> int:
         infos = [info for info in graph.value_info if info.name not in stale]
         graph.ClearField("value_info")
         graph.value_info.extend(infos)
-        kept = [node for node in graph.node if node.op_type not in _PASS_THROUGH or node.output[0] not in tails]
+        kept = [node for node in graph.node if node.op_type not in SAME_DATA_OPS or node.output[0] not in tails]
         graph.ClearField("node")
         graph.node.extend(kept)
     return changed

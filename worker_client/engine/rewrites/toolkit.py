@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["Emitter", "auto_pads", "constants", "opset_of", "rebuild", "static_shapes"]
+__all__ = ["SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "opset_of", "reader_counts", "rebuild",
+           "static_shapes"]
+
+#: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
+#: seed-axis Reshapes, its Expands of a tensor to its own shape, Identities).
+SAME_DATA_OPS = frozenset({"Reshape", "Expand", "Identity", "Squeeze", "Unsqueeze"})
 
 
 def opset_of(model: onnx.ModelProto) -> int:
@@ -32,6 +38,13 @@ def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
         if all(d.HasField("dim_value") for d in dims):
             shapes[value.name] = tuple(d.dim_value for d in dims)
     return shapes
+
+
+def reader_counts(graph: onnx.GraphProto) -> Counter[str]:
+    """How many times each value is read: by the graph's nodes, and once more for being a graph output."""
+    readers = Counter(name for node in graph.node for name in node.input)
+    readers.update(value.name for value in graph.output)
+    return readers
 
 
 def constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:

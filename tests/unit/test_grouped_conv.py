@@ -1,4 +1,4 @@
-"""Grouped and depthwise convolutions: the exact rewrite, and gradients that match."""
+"""Grouped and depthwise convolutions: the written-out form, the engine's own weight adjoint, gradients that match."""
 
 from __future__ import annotations
 
@@ -12,7 +12,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 from worker_client import GradientEngine, UnsupportedModelError
 from worker_client.engine.differentiate import differentiate
-from worker_client.engine.rewrites.grouped import expand_grouped_convs
+from worker_client.engine.rewrites import rewrite_adjoints
+from worker_client.engine.rewrites.conv import explicit_auto_pads
+from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
+from worker_client.engine.rewrites.grouped import (
+    DETACHED_PREFIX,
+    PROBE_PREFIX,
+    detach_grouped_weights,
+    expand_grouped_convs,
+    probe_inputs,
+)
 
 OPSET = 18
 
@@ -134,3 +143,116 @@ def test_onnx_ads_refusals_name_the_node_they_come_from() -> None:
                        match=r"cannot differentiate node 'grouped' \(Conv\): onnx-ad .* "
                              r"grouped Conv is not differentiated"):
         differentiate(model, ["w"], "loss")
+
+
+#: Beside CASES: a depthwise Conv whose N x C planes the blocked kernels take (its weight adjoint is one
+#: depthwise correlation), a strided and dilated one, and a 1-D one (window by window).
+ADJOINT_CASES = {
+    **CASES,
+    "depthwise_blocked": ((2, 16, 9, 9), (16, 1, 3, 3), 16, {"pads": [1, 1, 1, 1]}, True),
+    "depthwise_blocked_strided_dilated": ((4, 8, 11, 10), (8, 1, 3, 2), 8,
+                                          {"strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 2, 1]}, False),
+    "grouped_wide": ((2, 8, 6, 6), (12, 4, 3, 3), 2, {"pads": [1, 1, 1, 1]}, False),
+}
+
+
+def _with_loss(model: onnx.ModelProto, y_shape: tuple[int, ...], reads_weight_too: bool) -> onnx.ModelProto:
+    """`model` with the scalar loss sum(y * R) (R fixed), so dL/dy = R; with `reads_weight_too` the loss
+    adds sum(w * w), which onnx-ad differentiates itself."""
+    graph = model.graph
+    rng = np.random.default_rng(7)
+    graph.initializer.append(numpy_helper.from_array(rng.standard_normal(y_shape).astype(np.float32), "R"))
+    graph.node.extend([helper.make_node("Mul", ["y", "R"], ["yr"]),
+                       helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)])
+    if reads_weight_too:
+        graph.node.extend([helper.make_node("Mul", ["w", "w"], ["ww"]),
+                           helper.make_node("ReduceSum", ["ww"], ["wsum"], keepdims=0),
+                           helper.make_node("Add", ["loss", "wsum"], ["total"])])
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info("total" if reads_weight_too else "loss", TensorProto.FLOAT, []))
+    return model
+
+
+def _gradients(model: onnx.ModelProto, parameters: list[str], feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    loss = model.graph.output[0].name
+    derived = rewrite_adjoints(differentiate(model, parameters, loss))   # as the engine builds it
+    session = ort.InferenceSession(derived.SerializeToString())
+    names = ["grad__" + p for p in parameters]
+    return {p: value.reshape(feed[p].shape) for p, value in zip(parameters, session.run(names, feed))}
+
+
+@pytest.mark.parametrize("reads_weight_too", [False, True])
+@pytest.mark.parametrize("case", sorted(ADJOINT_CASES))
+def test_the_engines_grouped_weight_adjoint_equals_onnx_ads_adjoint_of_the_written_out_conv(
+        case: str, reads_weight_too: bool) -> None:
+    """The grouped Conv kept, its weight adjoint written by the engine (detached from onnx-ad, attached
+    after), against onnx-ad's own gradient of the same Conv written out as MatMuls (the exact rewrite above);
+    the input's and the bias's gradients, which onnx-ad writes in both, too."""
+    x_shape, w_shape, group, attributes, bias = ADJOINT_CASES[case]
+    model = _conv_model(x_shape, w_shape, group, attributes, bias)
+    y_shape = tuple(d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim)
+    model = _with_loss(model, y_shape, reads_weight_too)
+    explicit_auto_pads(model)   # as rewrite_forward does first: onnx-ad refuses SAME
+    rng = np.random.default_rng(8)
+    feed = {"x": rng.standard_normal(x_shape).astype(np.float32),
+            "w": rng.standard_normal(w_shape).astype(np.float32)}
+    if bias:
+        feed["b"] = rng.standard_normal(w_shape[0]).astype(np.float32)
+    parameters = list(feed)
+    written_out, detached = onnx.ModelProto(), onnx.ModelProto()
+    written_out.CopyFrom(model)
+    detached.CopyFrom(model)
+    assert expand_grouped_convs(written_out) == 1
+    index_without_steps_or_copying_pads(written_out)   # as rewrite_forward does next: onnx-ad refuses stepped Slices
+    assert detach_grouped_weights(detached) == 1
+    assert probe_inputs(detached) == [PROBE_PREFIX + "y"]
+    expected = _gradients(written_out, parameters, feed)
+    got = _gradients(detached, parameters, feed)
+    for name in parameters:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-4 * np.abs(expected[name]).max(),
+                                   err_msg=f"{case}: the gradient of {name}")
+    assert np.abs(got["w"]).max() > 0
+
+
+def test_the_differentiated_graph_keeps_the_grouped_conv_and_no_trace_of_the_detachment() -> None:
+    x_shape, w_shape, group, attributes, bias = ADJOINT_CASES["depthwise_blocked"]
+    model = _with_loss(_conv_model(x_shape, w_shape, group, attributes, bias), (2, 16, 9, 9), False)
+    detach_grouped_weights(model)
+    derived = differentiate(model, ["w", "b"], "loss")
+    names = {v.name for v in [*derived.graph.input, *derived.graph.output, *derived.graph.value_info]}
+    names |= {name for node in derived.graph.node for name in [*node.input, *node.output]}
+    assert not {name for name in names if name.startswith((PROBE_PREFIX, DETACHED_PREFIX))}
+    forward = [n for n in derived.graph.node if n.op_type == "Conv" and list(n.output) == ["y"]]
+    assert len(forward) == 1 and list(forward[0].input) == ["x", "w", "b"]
+    assert [o.name for o in derived.graph.output] == ["loss", "grad__w", "grad__b"]
+
+
+def test_two_grouped_convs_sharing_a_weight_sum_their_adjoints_and_a_frozen_one_gets_none() -> None:
+    """y = conv(x, w) + conv(x2, w) with w trained: the two engine-written terms are summed (checked against
+    the written-out form); a grouped Conv whose weight input is not differentiated gets no adjoint at all."""
+    shape, weight = [2, 16, 5, 5], [16, 1, 3, 3]
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["a"], group=16, pads=[1, 1, 1, 1]),
+         helper.make_node("Conv", ["x2", "w"], ["b"], group=16, pads=[1, 1, 1, 1]),
+         helper.make_node("Conv", ["a", "frozen"], ["c"], group=16, pads=[1, 1, 1, 1]),
+         helper.make_node("Add", ["b", "c"], ["y"])],
+        "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
+              for n, s in (("x", shape), ("x2", shape), ("w", weight), ("frozen", weight))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    model = _with_loss(onnx.shape_inference.infer_shapes(model), tuple(shape), False)
+    rng = np.random.default_rng(9)
+    feed = {"x": rng.standard_normal(shape).astype(np.float32), "x2": rng.standard_normal(shape).astype(np.float32),
+            "w": rng.standard_normal(weight).astype(np.float32),
+            "frozen": rng.standard_normal(weight).astype(np.float32)}
+    written_out, detached = onnx.ModelProto(), onnx.ModelProto()
+    written_out.CopyFrom(model)
+    detached.CopyFrom(model)
+    assert expand_grouped_convs(written_out) == 3
+    assert detach_grouped_weights(detached) == 3
+    derived = differentiate(detached, ["w"], "loss")
+    assert [o.name for o in derived.graph.output] == ["loss", "grad__w"]
+    got = ort.InferenceSession(derived.SerializeToString()).run(["grad__w"], feed)[0].reshape(weight)
+    expected = _gradients(written_out, ["w"], {k: v for k, v in feed.items()})["w"]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

@@ -29,8 +29,7 @@ _DOC_END = "<!-- end of op coverage -->"
 #: What the engine itself does to an op before onnx-ad sees it (rewrites and stages).
 ENGINE_FORMS = {
     "Conv": "reverse rule; auto_pad first made explicit pads (rewrites/conv.py); with group > 1 "
-            "and a trainable weight, first rewritten as a batched MatMul over kernel windows "
-            "(rewrites/grouped.py)",
+            "and a trainable weight, the weight adjoint written by the engine (rewrites/grouped.py)",
     "BatchNormalization": "reverse rule (inference form); training mode rewritten into "
                           "batch-statistics arithmetic, running statistics kept as state "
                           "(training_mode.py)",

@@ -15,6 +15,7 @@ from onnx import helper, numpy_helper
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.exporters import torch_origin
 from worker_client.engine.load import clamp_ir_version
+from worker_client.engine.rewrites.grouped import attach_grouped_weight_adjoints, probe_inputs
 from worker_client.engine.support import infer_shapes, node_label
 from worker_client.engine.training_mode import TrainingForms
 
@@ -100,11 +101,15 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
     seed left as an input GRAD_PREFIX + output (shape: the output's, then a seed axis of 1):
     fed a cotangent, the gradients are the vector-Jacobian product. `parameters` may name
     data inputs as well as parameters: any floating-point graph input differentiates.
+
+    The weight adjoints onnx-ad does not write (grouped Convs, detached from it by
+    rewrites.grouped.detach_grouped_weights) are written here, after its pass, from the
+    gradients of their probes.
     """
     model = infer_shapes(model)
     outputs = [loss_output] if loss_output is not None else list(seeded)
     try:
-        derived = onnx_ad.reverse(model, inputs=list(parameters), outputs=outputs,
+        derived = onnx_ad.reverse(model, inputs=list(parameters) + probe_inputs(model), outputs=outputs,
                                   prefix=GRAD_PREFIX, dim=SEED_DIM, layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
         match = _RULE_MESSAGE.search(str(exc))
@@ -131,6 +136,7 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
             f"{onnx_ad.__version__} has no reverse rule for {op_type}, and the node lies "
             f"between a trainable parameter and the loss. Exclude the parameters upstream "
             f"of it (exclude=[...] patterns) or replace the op.{remedy}") from exc
+    attach_grouped_weight_adjoints(derived, GRAD_PREFIX)
     if loss_output is None:
         return derived
     seed = GRAD_PREFIX + loss_output

@@ -6,8 +6,10 @@ avoids and why the replacement is exact.
 
 - `transposed`: ConvTransposes with a trainable weight as Convs with the kernel swapped and
   reversed (on the forward graph: onnx-ad has no weight adjoint for ConvTranspose);
-- `grouped`: grouped and depthwise Convs with a trainable weight as a batched MatMul over
-  the kernel windows (on the forward graph: onnx-ad has no weight adjoint for group > 1);
+- `grouped`: grouped and depthwise Convs whose weight trains keep their kernel, their weight
+  detached from onnx-ad (on the forward graph) and its adjoint written by the engine after
+  differentiation (onnx-ad has no weight adjoint for group > 1); one whose weight is computed in
+  the graph, as a batched MatMul over the kernel windows;
 - `indexing`: Slices with a step other than 1 and Pads in mode edge, reflect or wrap as
   step-1 Slices, Reshapes and Gathers (on the forward graph, after the two above, which write
   stepped Slices themselves: onnx-ad differentiates neither form);
@@ -56,7 +58,7 @@ from worker_client.engine.rewrites.conv import (
     split_strided_transposed_convs,
 )
 from worker_client.engine.rewrites.fold import fold_shape_queries
-from worker_client.engine.rewrites.grouped import expand_grouped_convs
+from worker_client.engine.rewrites.grouped import detach_grouped_weights, expand_grouped_convs
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls, untranspose_products
@@ -83,6 +85,7 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     changed += explicit_auto_pads(model)
     changed += explicit_transposed_conv_pads(model, adjoints=False)
     changed += convolve_trained_transposed_convs(model)
+    changed += detach_grouped_weights(model)
     changed += expand_grouped_convs(model)
     changed += index_without_steps_or_copying_pads(model)
     changed += drop_idle_ceil_modes(model)

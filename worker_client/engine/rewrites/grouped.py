@@ -1,8 +1,28 @@
-"""Rewrite of the forward graph, before differentiation: grouped convolutions as a batched MatMul.
+"""Grouped and depthwise convolutions whose weight trains: onnx-ad has no weight adjoint for them.
 
-onnx-ad has no weight adjoint for a Conv with group > 1 (depthwise and grouped
-convolutions: MobileNet, ResNeXt). Such a Conv whose weight trains is written out as what
-it computes, in ops every one of which onnx-ad differentiates:
+A Conv with group > 1 (depthwise and grouped convolutions: MobileNet, ResNeXt) keeps its own
+kernel in the forward graph; the engine writes the weight adjoint itself, and onnx-ad the rest.
+
+1. `detach_grouped_weights`, on the forward graph before differentiation: the Conv reads its
+   weight from a stand-in graph input (DETACHED_PREFIX + weight) that is not differentiated, and
+   its output gains a probe: y = Conv(...) + P, P a graph input (PROBE_PREFIX + y) that is
+   differentiated. onnx-ad then writes the input's adjoint (a grouped ConvTranspose) and the
+   bias's, and the probe's gradient is the Conv output's adjoint dY.
+2. `attach_grouped_weight_adjoints`, on the differentiated graph: the stand-ins and probes
+   removed (the Conv reads its weight again, the Add is gone), and the weight's gradient written
+   from x and dY: with G groups of C/G input and M/G output channels, for each kernel offset k,
+   dW[g, m, c, k] = sum over images n and output positions p of dY[n, g, m, p] * X[n, g, c, p*s + k*d]
+   (X padded): one batched MatMul per offset over the window the offset reads, [G, M/G, N*P] times
+   [G, N*P, C/G]. These are the grouped Conv's own multiply-adds; the input is transposed once to
+   [G, C/G, N, ...] and each window is one strided Slice of it.
+
+On a MobileNet-style model (depthwise 3 x 3 over 128 channels at 16 x 16, batch 32, one thread)
+the gradient step took 275 ms when the grouped Convs were written out as batched MatMuls over
+stacked windows (`expand_grouped_convs`, below): onnx-ad's adjoints of those Slices and Concats
+are a Pad per window and a Sum of them. That rewrite remains for a grouped Conv whose weight is
+computed in the graph rather than fed (a weight-normalized one): a stand-in input cannot replace
+a computed value. Output channel m of group g = m // (M/G) sums input channels
+g*C/G ... (g+1)*C/G - 1 over the kernel window, exactly the Conv's definition:
 
 1. the input padded (Pad) and, for each of the K kernel offsets, the strided window the
    offset reads (Slice): K tensors [N, C, *out];
@@ -11,10 +31,8 @@ it computes, in ops every one of which onnx-ad differentiates:
 3. one MatMul per group, batched: weight [G, M/G, C/G * K] @ columns -> [G, M/G, N * P];
 4. back to [N, M, *out], plus the bias.
 
-Output channel m of group g = m // (M/G) sums input channels g*C/G ... (g+1)*C/G - 1 over
-the kernel window, exactly the Conv's definition; the multiply-adds are the grouped Conv's
-own, the columns cost K copies of the input. Convs with a constant weight keep their fast
-kernel: only the input's adjoint is needed there, which onnx-ad writes itself.
+Convs with a constant weight keep their kernel and are left alone: only the input's adjoint is
+needed there, which onnx-ad writes itself.
 """
 
 from __future__ import annotations
@@ -25,19 +43,258 @@ import math
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, auto_pads, constants, opset_of, rebuild, static_shapes
+from worker_client.engine.rewrites.toolkit import SAME_DATA_OPS, Emitter, auto_pads, constants, opset_of, rebuild, static_shapes
 
-__all__ = ["expand_grouped_convs"]
+__all__ = ["DETACHED_PREFIX", "PROBE_PREFIX", "attach_grouped_weight_adjoints", "detach_grouped_weights",
+           "expand_grouped_convs", "probe_inputs"]
+
+#: Name prefix of the stand-in input a detached grouped Conv reads its weight from.
+DETACHED_PREFIX = "grouped_conv_weight__"
+#: Name prefix of the zero probe added to a detached grouped Conv's output (its gradient is dY).
+PROBE_PREFIX = "grouped_conv_probe__"
 
 #: Input index of the Conv's optional bias.
 _BIAS = 2
 #: The opset from which Pad takes its pads as an input (the spelling written here).
 _PAD_AS_INPUT = 11
+#: The channel blocks of onnxruntime's blocked kernels divide this (16 with AVX-512, 8 with AVX2): a
+#: depthwise weight adjoint over N x C planes is written as a Conv only where they divide N x C.
+_BLOCKED_CHANNELS = 16
+#: The opset from which ReduceSum takes its axes as an input.
+_REDUCE_AXES_AS_INPUT = 13
+
+
+def detach_grouped_weights(model: onnx.ModelProto) -> int:
+    """Each grouped Conv with static shapes whose weight is a graph input: the weight read from a
+    stand-in input, a probe input added to the output (module docstring, step 1); in place. Returns the
+    number detached. Undone by `attach_grouped_weight_adjoints` once the graph is differentiated."""
+    if opset_of(model) < _PAD_AS_INPUT:
+        return 0
+    graph = model.graph
+    inputs = {value.name: value for value in graph.input}
+    initialized = {tensor.name for tensor in graph.initializer}
+    shapes = static_shapes(model)
+    emit = Emitter(model, "grouped_conv")
+    stand_ins: dict[str, onnx.ValueInfoProto] = {}
+    probes: list[onnx.ValueInfoProto] = []
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        if node.op_type != "Conv" or group == 1 or len(node.input) < 2:
+            return None
+        weight, result = node.input[1], node.output[0]
+        if weight not in inputs or weight in initialized or \
+                any(shapes.get(name) is None for name in (node.input[0], weight, result)):
+            return None
+        element = inputs[weight].type.tensor_type.elem_type
+        stand_in = DETACHED_PREFIX + weight
+        stand_ins.setdefault(stand_in, helper.make_tensor_value_info(stand_in, element, list(shapes[weight])))
+        probe, raw = PROBE_PREFIX + result, emit.name()
+        probes.append(helper.make_tensor_value_info(probe, element, list(shapes[result])))
+        conv = onnx.NodeProto()
+        conv.CopyFrom(node)
+        conv.input[1] = stand_in
+        conv.output[0] = raw
+        return [conv, helper.make_node("Add", [raw, probe], [result], name=emit.name())]
+
+    detached = rebuild(model, emit, replace)
+    graph.input.extend(list(stand_ins.values()) + probes)
+    return detached
+
+
+def probe_inputs(model: onnx.ModelProto) -> list[str]:
+    """The probe inputs `detach_grouped_weights` added: differentiated beside the parameters."""
+    return [value.name for value in model.graph.input if value.name.startswith(PROBE_PREFIX)]
+
+
+def attach_grouped_weight_adjoints(model: onnx.ModelProto, prefix: str) -> int:
+    """The differentiated graph of a model `detach_grouped_weights` rewrote, put back and completed, in place
+    (module docstring, step 2): every stand-in input read as its weight again, every probe and its Add
+    dropped, and the gradient output `prefix` + weight of each detached weight written from the Conv's input
+    and the probe's gradient (summed with onnx-ad's, where the weight is also read elsewhere). Returns the
+    number of Convs whose weight adjoint was written."""
+    graph = model.graph
+    probes = {value.name for value in graph.input if value.name.startswith(PROBE_PREFIX)}
+    if not probes:
+        return 0
+    shapes = static_shapes(model)
+    emit = Emitter(model, "grouped_weight_adjoint")
+    outputs = {value.name: value for value in graph.output}
+    producers = {out: node for node in graph.node for out in node.output}
+    # the probes' Adds, by probe: y = Add(raw Conv output, probe)
+    adds = {node.input[1]: node for node in graph.node if node.op_type == "Add" and node.input[1] in probes}
+    contributions: dict[str, list[str]] = {}
+    tail: list[onnx.NodeProto] = []
+    for probe, add in adds.items():
+        conv = producers[add.input[0]]
+        weight = conv.input[1][len(DETACHED_PREFIX):]
+        if prefix + weight not in outputs:
+            continue   # not trained (a frozen weight fed as an input): no adjoint asked for
+        seeded = prefix + probe
+        nodes, adjoint = _weight_adjoint(conv, shapes[conv.input[0]], shapes[conv.input[1]],
+                                         shapes[add.output[0]], seeded, opset_of(model), emit)
+        seed_axis, adjoint = emit.reshape(adjoint, [*shapes[conv.input[1]], 1])   # as onnx-ad's gradients are
+        tail += [*nodes, seed_axis]
+        contributions.setdefault(weight, []).append(adjoint)
+    # the Convs write their outputs again and read their weights; readers of a probe read the output instead
+    renamed = {add.input[0]: add.output[0] for add in adds.values()}
+    renamed.update({probe: add.output[0] for probe, add in adds.items()})
+    stand_ins = {value.name for value in graph.input if value.name.startswith(DETACHED_PREFIX)}
+    renamed.update({name: name[len(DETACHED_PREFIX):] for name in stand_ins})
+    dropped = {id(add) for add in adds.values()}
+    kept = [node for node in graph.node if id(node) not in dropped]
+    for node in kept:
+        for index, name in enumerate(node.input):
+            if name in renamed:
+                node.input[index] = renamed[name]
+        for index, name in enumerate(node.output):
+            if name in renamed and name not in probes:
+                node.output[index] = renamed[name]
+    for weight, terms in contributions.items():
+        gradient = prefix + weight
+        declared = list(shapes.get(gradient) or [*shapes[DETACHED_PREFIX + weight], 1])
+        if not _zeros(gradient, producers):   # the weight is read elsewhere too: onnx-ad's gradient is a term
+            ad_term = emit.name()
+            for node in kept:
+                node.output[:] = [ad_term if name == gradient else name for name in node.output]
+            terms = [*terms, ad_term]
+        else:                       # onnx-ad's gradient is zeros: its nodes are left to prune
+            for node in kept:
+                node.output[:] = [emit.name() if name == gradient else name for name in node.output]
+        total = terms[0]
+        for term in terms[1:]:
+            summed = emit.name()
+            tail.append(helper.make_node("Add", [total, term], [summed], name=summed))
+            total = summed
+        tail.append(emit.reshape(total, declared, out=gradient)[0])
+    graph.ClearField("node")
+    graph.node.extend(kept + tail)
+    graph.initializer.extend(emit.initializers)
+    gone = probes | stand_ins | {prefix + probe for probe in probes}
+    for field in (graph.input, graph.output):
+        values = [value for value in field if value.name not in gone]
+        del field[:]
+        field.extend(values)
+    infos = [info for info in graph.value_info if info.name not in gone and info.name not in renamed]
+    graph.ClearField("value_info")
+    graph.value_info.extend(infos)
+    return sum(len(terms) for terms in contributions.values())
+
+
+def _zeros(name: str, producers: dict[str, onnx.NodeProto]) -> bool:
+    """Whether `name` is onnx-ad's gradient of an input nothing differentiated reads: a ConstantOfShape (of
+    zeros) passed on through Identity, Reshape and the like."""
+    node = producers.get(name)
+    while node is not None and node.op_type in SAME_DATA_OPS:
+        node = producers.get(node.input[0])
+    return node is not None and node.op_type == "ConstantOfShape"
+
+
+def _reduce(value: str, out: str, axis: int, keepdims: int, opset: int, emit: Emitter) -> onnx.NodeProto:
+    """A ReduceSum of `value` over `axis`, in the spelling of `opset`."""
+    if opset < _REDUCE_AXES_AS_INPUT:
+        return helper.make_node("ReduceSum", [value], [out], name=out, axes=[axis], keepdims=keepdims)
+    return helper.make_node("ReduceSum", [value, emit.ints([axis])], [out], name=out, keepdims=keepdims)
+
+
+def _depthwise_weight_adjoint(nodes: list[onnx.NodeProto], padded: str, seeded: str, batch: int, channels: int,
+                              padded_size: list[int], kernel: list[int], out: list[int], strides: list[int],
+                              dilations: list[int], opset: int, emit: Emitter) -> tuple[list[onnx.NodeProto], str]:
+    """A depthwise Conv's weight gradient [C, 1, *kernel] as one depthwise correlation: each of the N * C
+    padded input planes correlated with its own plane of the output adjoint (the filter), strided by the
+    Conv's dilations and dilated by its strides, then summed over the images. onnxruntime's blocked
+    depthwise kernel runs it (rewrites/nchwc.py): 2.2 ms on [32, 128, 16, 16] at one thread, where the
+    window-by-window products took 10.4 and the same Conv on the plain kernel 20."""
+    planes, planes_name = emit.reshape(padded, [1, batch * channels, *padded_size])
+    filters, filters_name = emit.reshape(seeded, [batch * channels, 1, *out])
+    correlated, per_image, summed = emit.name(), emit.name(), emit.name()
+    reach = [(size - stride * (n - 1) - 1) // dilation + 1
+             for size, n, stride, dilation in zip(padded_size, out, strides, dilations)]
+    nodes = [*nodes, planes, filters,
+             helper.make_node("Conv", [planes_name, filters_name], [correlated], name=correlated,
+                              group=batch * channels, strides=dilations, dilations=strides)]
+    if reach != kernel:   # the padded input reaches past the last kernel offset: crop
+        cropped = emit.name()
+        nodes.append(helper.make_node("Slice", [correlated, emit.ints([0, 0]), emit.ints(kernel),
+                                                emit.ints([2, 3])], [cropped], name=cropped))
+        correlated = cropped
+    split, split_name = emit.reshape(correlated, [batch, channels, math.prod(kernel)])
+    shaped, result = emit.reshape(summed, [channels, 1, *kernel])
+    nodes += [split, _reduce(split_name, summed, 0, 0, opset, emit), shaped]
+    return nodes, result
+
+
+def _weight_adjoint(conv: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], y: tuple[int, ...],
+                    seeded: str, opset: int, emit: Emitter) -> tuple[list[onnx.NodeProto], str]:
+    """The nodes computing a grouped Conv's weight gradient [M, C/G, *kernel] from its input and `seeded`, the
+    output's adjoint (with onnx-ad's seed axis); and the name of the result (module docstring, step 2)."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
+    group = attributes["group"]
+    spatial = len(x) - 2
+    kernel, out = list(w[2:]), list(y[2:])
+    strides = list(attributes.get("strides", [1] * spatial))
+    dilations = list(attributes.get("dilations", [1] * spatial))
+    pads = list(attributes.get("pads", [0] * (2 * spatial)))
+    if attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
+        pads = auto_pads(attributes["auto_pad"], x[2:], kernel, strides, dilations, out)
+    batch, channels, filters = x[0], x[1], w[0]
+    per_group_in, per_group_out = channels // group, filters // group
+    positions = math.prod(out)
+    padded_size = [n + pads[i] + pads[spatial + i] for i, n in enumerate(x[2:])]
+    nodes: list[onnx.NodeProto] = []
+    source = conv.input[0]
+    if any(pads):
+        padded = emit.name()
+        nodes.append(helper.make_node(
+            "Pad", [source, emit.ints([0, 0] + pads[:spatial] + [0, 0] + pads[spatial:])], [padded], name=padded))
+        source = padded
+    if per_group_in == per_group_out == 1 and spatial == 2 and batch * channels % _BLOCKED_CHANNELS == 0:
+        return _depthwise_weight_adjoint(nodes, source, seeded, batch, channels, padded_size, kernel, out,
+                                         strides, dilations, opset, emit)
+    # the input as [G, C/G, N, *padded], once; the adjoint as [G, M/G, N * P]
+    by_group, grouped_name = emit.reshape(source, [batch, group, per_group_in, *padded_size])
+    inputs_first, adjoint_first = emit.name(), emit.name()
+    split, split_name = emit.reshape(seeded, [batch, group, per_group_out, positions])
+    flat, flat_name = emit.reshape(adjoint_first, [group, per_group_out, batch * positions])
+    nodes += [by_group,
+              helper.make_node("Transpose", [grouped_name], [inputs_first], name=inputs_first,
+                               perm=[1, 2, 0, *range(3, 3 + spatial)]),
+              split,
+              helper.make_node("Transpose", [split_name], [adjoint_first], name=adjoint_first, perm=[1, 2, 0, 3]),
+              flat]
+    axes = emit.ints(list(range(3, 3 + spatial)))
+    steps = emit.ints(strides)
+    columns = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        starts = [o * d for o, d in zip(offset, dilations)]
+        ends = [s + (n - 1) * stride + 1 for s, n, stride in zip(starts, out, strides)]
+        window, across, product = (emit.name() for _ in range(3))
+        rows, rows_name = emit.reshape(window, [group, per_group_in, batch * positions])
+        stand, column = emit.reshape(product, [group, per_group_out, per_group_in, 1])
+        nodes += [helper.make_node("Slice", [inputs_first, emit.ints(starts), emit.ints(ends), axes, steps],
+                                   [window], name=window),
+                  rows]
+        if min(per_group_in, per_group_out) == 1:
+            # a depthwise Conv's (or one with a single filter per group): the products are dot products, and
+            # a MatMul with one output column ran at a quarter of the speed of the elementwise product and
+            # its row sums (2.1 ms against 0.5 for 128 channels of 32 x 16 x 16)
+            nodes += [helper.make_node("Mul", [flat_name, rows_name], [across], name=across),
+                      _reduce(across, product, 2, 1, opset, emit)]
+        else:
+            nodes += [helper.make_node("Transpose", [rows_name], [across], name=across, perm=[0, 2, 1]),
+                      helper.make_node("MatMul", [flat_name, across], [product], name=product)]
+        nodes.append(stand)
+        columns.append(column)
+    stacked = emit.name()
+    nodes.append(helper.make_node("Concat", columns, [stacked], name=stacked, axis=3))
+    shaped, result = emit.reshape(stacked, [filters, per_group_in, *kernel])
+    nodes.append(shaped)
+    return nodes, result
 
 
 def expand_grouped_convs(model: onnx.ModelProto) -> int:
-    """Rewrite every grouped Conv with a non-constant weight and static shapes, in place
-    (module docstring). Returns the number rewritten."""
+    """Rewrite every grouped Conv with a weight that is neither constant nor a detached stand-in, and static
+    shapes, in place (module docstring). Returns the number rewritten."""
     if opset_of(model) < _PAD_AS_INPUT:
         return 0
     shapes = static_shapes(model)
@@ -46,7 +303,8 @@ def expand_grouped_convs(model: onnx.ModelProto) -> int:
 
     def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         group = next((a.i for a in node.attribute if a.name == "group"), 1)
-        if node.op_type != "Conv" or group == 1 or node.input[1] in fixed:
+        if node.op_type != "Conv" or group == 1 or node.input[1] in fixed or \
+                node.input[1].startswith(DETACHED_PREFIX):
             return None
         x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
         if x is None or w is None or y is None:

@@ -72,9 +72,28 @@ def test_a_unit_stride_transposed_conv_rewritten_as_a_flipped_conv_computes_the_
     assert "ConvTranspose" not in {n.op_type for n in changed.graph.node}
 
 
+@pytest.mark.parametrize("group, w, dilations", [
+    (5, [5, 1, 3, 3], [1, 1]),       # a depthwise Conv's input adjoint
+    (5, [5, 2, 3, 2], [2, 1]),       # one input channel per group, two outputs: the axes swap by a Reshape
+    (4, [8, 3, 3, 3], [1, 1]),       # two channels in, three out per group: swapped by a Transpose
+])
+def test_a_grouped_unit_stride_transposed_conv_is_the_grouped_flipped_conv(
+        group: int, w: list[int], dilations: list[int]) -> None:
+    rng = np.random.default_rng(15)
+    x = [2, w[0], 6, 7]
+    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="adjoint", pads=[1, 0, 1, 1], group=group,
+                            dilations=dilations)
+    model = _model([node], {"g": x, "w": w}, ["y"])
+    feeds = {"g": rng.standard_normal(x).astype(np.float32), "w": rng.standard_normal(w).astype(np.float32)}
+    count, changed = _rewritten_agrees(model, flip_unit_stride_transposed_convs, feeds)
+    assert count == 1
+    assert [next(a.i for a in n.attribute if a.name == "group") for n in changed.graph.node
+            if n.op_type == "Conv"] == [group]
+
+
 @pytest.mark.parametrize("attributes", [
     {"strides": [2, 2], "pads": [1, 1, 1, 1]},     # strided: left to ConvTranspose
-    {"group": 5, "pads": [1, 1, 1, 1]},            # grouped
+    {"strides": [2, 2], "group": 5, "pads": [1, 1, 1, 1]},            # grouped and strided
     {"pads": [1, 1, 1, 1], "output_padding": [0, 0], "output_shape": [7, 7]},   # output_shape with another split
 ])
 def test_transposed_convs_the_flip_does_not_cover_are_left_alone(attributes: dict) -> None:
@@ -300,6 +319,20 @@ def _conv_model(x: list[int], w: list[int], bias: bool = False, weight_constant:
 
 @needs_blocked_kernels
 @pytest.mark.parametrize("x, w, bias, attributes", [
+    ([2, 32, 16, 16], [32, 1, 3, 3], False, {"group": 32, "pads": [1, 1, 1, 1]}),           # MobileNet's depthwise
+    ([2, 16, 9, 8], [16, 1, 3, 3], True, {"group": 16, "strides": [2, 2], "pads": [1, 0, 1, 1]}),
+    ([1, 64, 18, 18], [64, 1, 16, 16], False, {"group": 64}),   # a depthwise weight adjoint: large kernel
+])
+def test_a_depthwise_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w, bias, attributes) -> None:
+    model, feeds = _conv_model(x, w, bias, **attributes)
+    count, changed = _rewritten_agrees(model, lambda m: block_convs(m, BLOCK), feeds)
+    assert count == 1
+    assert [n.op_type for n in changed.graph.node if n.domain == NCHWC_DOMAIN] == ["ReorderInput", "Conv",
+                                                                                    "ReorderOutput"]
+
+
+@needs_blocked_kernels
+@pytest.mark.parametrize("x, w, bias, attributes", [
     ([2, 16, 16, 16], [32, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # a ResNet block's conv
     ([2, 32, 34, 33], [16, 32, 3, 3], True, {"strides": [2, 2], "pads": [1, 0, 2, 1]}),  # strided, uneven pads
     ([1, 16, 24, 20], [16, 16, 3, 2], False, {"dilations": [2, 1]}),                     # dilated, unpadded
@@ -313,7 +346,9 @@ def test_a_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w,
 
 
 @pytest.mark.parametrize("x, w, constant, attributes", [
-    ([2, 32, 16, 16], [32, 16, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 2}),   # grouped
+    ([2, 32, 16, 16], [32, 16, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 2}),   # grouped, not depthwise
+    ([2, 24, 16, 16], [24, 1, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 24}),   # depthwise, 24 channels
+    ([2, 16, 16, 16], [32, 1, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 16}),   # two filters per channel
     ([2, 3, 32, 32], [16, 3, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # 3 input channels (a stem)
     ([2, 16, 8, 8], [16, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # 64 positions: no gain
     ([2, 16, 32, 32], [32, 16, 1, 1], False, {"strides": [2, 2]}),                  # one tap: no gain

@@ -89,9 +89,12 @@ def nchwc_block_size() -> int:
 def block_convs(model: onnx.ModelProto, block: int) -> int:
     """Rewrite in place each Conv that runs faster on the blocked kernels of `block` channels; returns the count.
 
-    Matches 2-D, ungrouped Convs with static shapes whose input and output channels are multiples of
-    `block`, whose kernel has more than one tap and whose output has at least MIN_POSITIONS positions, and
-    whose filter is not a constant (onnxruntime blocks those itself).
+    Matches 2-D Convs with static shapes whose filter is not a constant (onnxruntime blocks those itself)
+    and whose kernel has more than one tap: ungrouped ones whose input and output channels are multiples
+    of `block` and whose output has at least MIN_POSITIONS positions, and depthwise ones (one filter per
+    channel) whose channels are a multiple of `block`, at any size -- on [32, C, H, H] at one thread the
+    blocked depthwise kernel took 1.05 / 1.19 / 0.59 / 0.32 ms where the plain Conv took 3.97 / 5.76 /
+    4.96 / 5.31 (C, H = 32, 32 / 128, 16 / 256, 8 / 512, 4).
     """
     if block <= 0 or not any(n.op_type == "Conv" and n.domain in ("", "ai.onnx") for n in model.graph.node):
         return 0
@@ -122,22 +125,31 @@ def _blocked(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], fixed: se
         return None
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     out, inp, kh, kw = w
-    if attributes.get("group", 1) != 1 or attributes.get("auto_pad", b"NOTSET") != b"NOTSET" or \
-            out % block or inp % block or x[1] != inp or kh * kw < 2 or y[2] * y[3] < MIN_POSITIONS:
+    group = attributes.get("group", 1)
+    depthwise = group > 1 and inp == 1 and out == group == x[1]
+    if (group != 1 and not depthwise) or attributes.get("auto_pad", b"NOTSET") != b"NOTSET" or \
+            out % block or kh * kw < 2:
+        return None
+    if not depthwise and (inp % block or x[1] != inp or y[2] * y[3] < MIN_POSITIONS):
         return None
     six, filter_, blocked_x, blocked_y = emit.name(), emit.name(), emit.name(), emit.name()
-    to_six, _ = emit.reshape(node.input[1], [out // block, block, inp // block, block, kh, kw], out=six)
     ordered = emit.name()
+    if depthwise:   # [C/B, B, kh * kw] -> [C/B, kh * kw, B] (MLAS's OIHWBo with one input channel)
+        to_six, _ = emit.reshape(node.input[1], [out // block, block, kh * kw], out=six)
+        order = [0, 2, 1]
+    else:
+        to_six, _ = emit.reshape(node.input[1], [out // block, block, inp // block, block, kh, kw], out=six)
+        order = _FILTER_ORDER
     back, _ = emit.reshape(ordered, list(w), out=filter_)
     kept = {name: value for name, value in attributes.items() if name in ("pads", "strides", "dilations", "kernel_shape")}
     inputs = [blocked_x, filter_] + ([node.input[_BIAS]] if len(node.input) > _BIAS and node.input[_BIAS] else [])
     return [
         to_six,
-        helper.make_node("Transpose", [six], [ordered], name=ordered, perm=_FILTER_ORDER),
+        helper.make_node("Transpose", [six], [ordered], name=ordered, perm=order),
         back,
         helper.make_node("ReorderInput", [node.input[0]], [blocked_x], name=blocked_x, domain=NCHWC_DOMAIN,
                          channels_last=0),
-        helper.make_node("Conv", inputs, [blocked_y], name=blocked_y, domain=NCHWC_DOMAIN, group=1, **kept),
+        helper.make_node("Conv", inputs, [blocked_y], name=blocked_y, domain=NCHWC_DOMAIN, group=group, **kept),
         helper.make_node("ReorderOutput", [blocked_y], [node.output[0]], name=node.name or node.output[0],
                          domain=NCHWC_DOMAIN, channels=out, channels_last=0),
     ]

@@ -33,6 +33,8 @@ avoids and why the replacement is exact.
   its intra-op pool (its Sum runs on one thread);
 - `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
   those axes;
+- `masks`: masked adjoints, Where(mask, g, 0), as g times the cast mask (onnxruntime's Where is
+  neither vectorized nor parallel);
 - `matmul` (on the adjoints): a Transpose of a matrix product as the product of the transposed
   operands, so a Linear layer's weight gradient is not transposed whole after its GEMM;
 - `outputs`: each gradient output written by the node that computes it, not copied there by
@@ -61,6 +63,7 @@ from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.grouped import detach_grouped_weights, expand_grouped_convs
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops
+from worker_client.engine.rewrites.masks import masks_as_products
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls, untranspose_products
 from worker_client.engine.rewrites.outputs import compute_outputs_in_place
 from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
@@ -128,6 +131,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     concat_piecewise_scatters(model)
     sums_as_adds(model)
     canonicalize_layout_ops(model)
+    masks_as_products(model, GRAD_PREFIX)
     prune(model)                        # the two passes below count readers: dead ones first
     untranspose_products(model)
     compute_outputs_in_place(model, GRAD_PREFIX)

@@ -1,0 +1,68 @@
+"""Masked adjoints, Where(mask, g, 0), as g times the cast mask (rewrites/masks.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
+from worker_client.engine.rewrites.masks import masks_as_products
+
+SHAPE = [4, 6]
+
+
+def _model() -> onnx.ModelProto:
+    """loss = sum(Clip(x * w, 0, 6) * R) + sum(Where(x > 0, Log(x), 0) * w): a ReLU6, and a forward Where that
+    hides the non-finite branch Log(x) of x <= 0."""
+    rng = np.random.default_rng(0)
+    initializers = [numpy_helper.from_array(rng.standard_normal(SHAPE).astype(np.float32) * 3, "R"),
+                    numpy_helper.from_array(np.array(0, np.float32), "zero"),
+                    numpy_helper.from_array(np.array(6, np.float32), "six")]
+    nodes = [helper.make_node("Mul", ["x", "w"], ["xw"]),
+             helper.make_node("Clip", ["xw", "zero", "six"], ["relu6"]),
+             helper.make_node("Mul", ["relu6", "R"], ["weighted"]),
+             helper.make_node("ReduceSum", ["weighted"], ["first"], keepdims=0),
+             helper.make_node("Greater", ["x", "zero"], ["positive"]),
+             helper.make_node("Log", ["x"], ["log"]),
+             helper.make_node("Where", ["positive", "log", "zero"], ["masked"], name="forward_where"),
+             helper.make_node("Mul", ["masked", "w"], ["scaled"]),
+             helper.make_node("ReduceSum", ["scaled"], ["second"], keepdims=0),
+             helper.make_node("Add", ["first", "second"], ["loss"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, SHAPE) for n in "xw"],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def test_the_adjoints_masked_by_where_become_products_and_give_the_same_gradient() -> None:
+    derived = differentiate(_model(), ["w"], "loss")
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(derived)
+    wheres = sum(n.op_type == "Where" for n in derived.graph.node)
+    changed = masks_as_products(rewritten, GRAD_PREFIX)
+    assert changed >= 1   # the Clip's adjoints
+    assert sum(n.op_type == "Where" for n in rewritten.graph.node) == wheres - changed
+    # the forward Where, whose other branch is -inf and NaN at x <= 0, is kept: the loss stays finite
+    assert [n.name for n in rewritten.graph.node if n.op_type == "Where" and n.output[0] == "masked"] == \
+        ["forward_where"]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(SHAPE).astype(np.float32) * 4
+    x[0, :3] = 0.0   # Log(0) = -inf in the branch the forward Where drops
+    feed = {"x": x, "w": rng.standard_normal(SHAPE).astype(np.float32)}
+    outputs = ["loss", GRAD_PREFIX + "w"]
+    expected = ort.InferenceSession(derived.SerializeToString()).run(outputs, feed)
+    got = ort.InferenceSession(rewritten.SerializeToString()).run(outputs, feed)
+    assert np.isfinite(got[0]) and got[0] == expected[0]
+    clipped = (x * feed["w"] <= 0) | (x * feed["w"] >= 6)
+    assert clipped.any() and (~clipped).any()   # both sides of the ReLU6 are exercised
+    np.testing.assert_array_equal(got[1], expected[1])
+    assert np.isfinite(got[1]).all()
+
+
+def test_a_graph_without_seeded_wheres_is_left_alone() -> None:
+    model = _model()   # the forward graph alone: no input or initializer carries the gradient prefix
+    assert masks_as_products(model, GRAD_PREFIX) == 0
+    assert sum(n.op_type == "Where" for n in model.graph.node) == 1

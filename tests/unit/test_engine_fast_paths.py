@@ -56,7 +56,8 @@ def _rewritten_agrees(model: onnx.ModelProto, rewrite: Callable[[onnx.ModelProto
     ([3, 3], [1, 1, 1, 1], [1, 1], [6, 7]),        # as onnx-ad writes it, with output_shape
     ([3, 2], [0, 1, 2, 0], [1, 1], None),          # uneven pads, a non-square kernel
     ([3, 3], [2, 1, 2, 3], [2, 2], None),          # dilated
-    ([1, 1], [0, 0, 0, 0], [1, 1], None),          # a 1x1 projection
+    ([1, 1], [0, 0, 0, 0], [1, 1], None),          # a 1x1 projection: nothing to reverse
+    ([9, 8], [4, 3, 4, 4], [1, 1], None),          # 72 taps: reversed by a Slice, not a MatMul
 ])
 def test_a_unit_stride_transposed_conv_rewritten_as_a_flipped_conv_computes_the_same(
         kernel: list[int], pads: list[int], dilations: list[int], output_shape: list[int] | None) -> None:
@@ -69,7 +70,10 @@ def test_a_unit_stride_transposed_conv_rewritten_as_a_flipped_conv_computes_the_
              "w": rng.standard_normal((5, 3, *kernel)).astype(np.float32)}
     count, changed = _rewritten_agrees(model, flip_unit_stride_transposed_convs, feeds)
     assert count == 1
-    assert "ConvTranspose" not in {n.op_type for n in changed.graph.node}
+    ops = [n.op_type for n in changed.graph.node]
+    assert "ConvTranspose" not in ops
+    taps = kernel[0] * kernel[1]
+    assert ("MatMul" in ops) == (1 < taps <= 64) and ("Slice" in ops) == (taps > 64)
 
 
 @pytest.mark.parametrize("group, w, dilations", [

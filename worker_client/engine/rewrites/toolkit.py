@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "opset_of", "reader_counts", "rebuild",
-           "static_shapes"]
+__all__ = ["SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "element_types", "opset_of", "reader_counts",
+           "rebuild", "static_shapes"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
 #: seed-axis Reshapes, its Expands of a tensor to its own shape, Identities).
@@ -38,6 +38,20 @@ def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
         if all(d.HasField("dim_value") for d in dims):
             shapes[value.name] = tuple(d.dim_value for d in dims)
     return shapes
+
+
+def element_types(model: onnx.ModelProto) -> dict[str, int]:
+    """The element type (onnx.TensorProto's enum) of every value whose type onnx infers."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except onnx.shape_inference.InferenceError:
+        inferred = model
+    graph = inferred.graph
+    types = {t.name: t.data_type for t in graph.initializer}
+    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            types[value.name] = value.type.tensor_type.elem_type
+    return types
 
 
 def reader_counts(graph: onnx.GraphProto) -> Counter[str]:

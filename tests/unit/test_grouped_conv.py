@@ -153,6 +153,8 @@ ADJOINT_CASES = {
     "depthwise_blocked_strided_dilated": ((4, 8, 11, 10), (8, 1, 3, 2), 8,
                                           {"strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 2, 1]}, False),
     "grouped_wide": ((2, 8, 6, 6), (12, 4, 3, 3), 2, {"pads": [1, 1, 1, 1]}, False),
+    # MobileNet's downsampling depthwise Conv: its input adjoint becomes grouped phase Convs
+    "depthwise_blocked_strided": ((2, 16, 9, 9), (16, 1, 3, 3), 16, {"strides": [2, 2], "pads": [1, 1, 1, 1]}, False),
 }
 
 

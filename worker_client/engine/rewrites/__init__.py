@@ -35,6 +35,8 @@ avoids and why the replacement is exact.
   those axes;
 - `masks`: masked adjoints, Where(mask, g, 0), as g times the cast mask (onnxruntime's Where is
   neither vectorized nor parallel);
+- `broadcasts`: an Expand (a reduction's adjoint) and the scalar ops after it left to the
+  readers that broadcast anyway, instead of materialized at full size;
 - `matmul` (on the adjoints): a Transpose of a matrix product as the product of the transposed
   operands, so a Linear layer's weight gradient is not transposed whole after its GEMM;
 - `outputs`: each gradient output written by the node that computes it, not copied there by
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import onnx
 
+from worker_client.engine.rewrites.broadcasts import broadcast_in_readers
 from worker_client.engine.rewrites.conv import (
     assign_unique_scatters,
     explicit_auto_pads,
@@ -132,7 +135,8 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     sums_as_adds(model)
     canonicalize_layout_ops(model)
     masks_as_products(model, GRAD_PREFIX)
-    prune(model)                        # the two passes below count readers: dead ones first
+    prune(model)                        # the three passes below count readers: dead ones first
+    broadcast_in_readers(model)
     untranspose_products(model)
     compute_outputs_in_place(model, GRAD_PREFIX)
     prune(model)

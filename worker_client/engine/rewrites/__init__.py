@@ -42,6 +42,8 @@ avoids and why the replacement is exact.
 - `outputs`: each gradient output written by the node that computes it, not copied there by
   onnx-ad's seed-axis Reshape;
 - `prune`: nodes and initializers nothing reads, dropped;
+- `scans`: the pruning, broadcast and no-op passes (`layout.drop_no_op_layout_ops`) run inside each
+  Scan body, which onnxruntime runs once per time step;
 - `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
 - `toolkit`: what the passes share (static shapes, constants, fresh names).
@@ -65,12 +67,13 @@ from worker_client.engine.rewrites.conv import (
 from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.grouped import detach_grouped_weights, expand_grouped_convs
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
-from worker_client.engine.rewrites.layout import canonicalize_layout_ops
+from worker_client.engine.rewrites.layout import canonicalize_layout_ops, drop_no_op_layout_ops
 from worker_client.engine.rewrites.masks import masks_as_products
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls, untranspose_products
 from worker_client.engine.rewrites.outputs import compute_outputs_in_place
 from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
 from worker_client.engine.rewrites.prune import prune
+from worker_client.engine.rewrites.scans import rewrite_scan_bodies
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
 from worker_client.engine.rewrites.sequences import split_constant_sequences
 from worker_client.engine.rewrites.sums import sums_as_adds
@@ -140,4 +143,5 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     untranspose_products(model)
     compute_outputs_in_place(model, GRAD_PREFIX)
     prune(model)
+    rewrite_scan_bodies(model, [prune, drop_no_op_layout_ops, broadcast_in_readers, prune])
     return model

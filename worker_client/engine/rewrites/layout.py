@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -10,7 +11,7 @@ from onnx import helper
 
 from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, static_shapes
 
-__all__ = ["canonicalize_layout_ops"]
+__all__ = ["canonicalize_layout_ops", "drop_no_op_layout_ops"]
 
 #: Reductions whose result over merged axes equals the result over the axes one by one.
 _REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"})
@@ -194,3 +195,58 @@ def _reduction(node: onnx.NodeProto, shape: tuple[int, ...], out_shape: tuple[in
         op = helper.make_node(node.op_type, [merged_in], [reduced], name=reduced,
                               axes=merged_axes, keepdims=1)
     return [to_merged, op, emit.reshape(reduced, out_shape, out=node.output[0])[0]]
+
+
+def drop_no_op_layout_ops(model: onnx.ModelProto) -> int:
+    """Expands and Identities that hand on their input unchanged bypassed, and Transposes that move only
+    size-1 axes written as Reshapes; in place. Returns the number changed.
+
+    onnx-ad writes an Expand of every adjoint to the shape it already has and an Identity onto each
+    output; in the main graph onnxruntime drops most of them, but in a Scan body run once per time step
+    each costs a kernel launch per step (rewrites/scans.py). An Expand or Identity is bypassed where its
+    output is not a graph output (its readers read the input); a Transpose whose non-1 axes keep their
+    order is a Reshape, which onnxruntime runs without a copy; an Identity onto a graph output from a
+    value nothing else reads is dropped, the value's producer writing the output itself."""
+    graph = model.graph
+    shapes = static_shapes(model)
+    kept = {value.name for value in graph.output}   # and what a subgraph reads from this one
+    for node in graph.node:
+        for attribute in node.attribute:
+            for inner in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)):
+                kept |= {name for inner_node in inner.node for name in inner_node.input}
+    emit = Emitter(model, "no_op")
+    bypass: dict[str, str] = {}
+    nodes: list[onnx.NodeProto] = []
+    reshaped = 0
+    for node in graph.node:
+        node.input[:] = [bypass.get(name, name) for name in node.input]
+        source, result = (node.input[0] if node.input else ""), node.output[0]
+        before, after = shapes.get(source), shapes.get(result)
+        if node.op_type in ("Expand", "Identity") and before is not None and before == after and result not in kept:
+            bypass[result] = source
+            continue
+        if node.op_type == "Transpose" and before is not None and after is not None:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), list(range(len(before)))[::-1])
+            moved = [axis for axis in perm if before[axis] != 1]
+            if moved == sorted(moved):
+                nodes.append(helper.make_node("Reshape", [source, emit.ints(list(after))], [result],
+                                              name=node.name or result))
+                reshaped += 1
+                continue
+        nodes.append(node)
+    # an Identity onto a graph output from a value only it reads: the value's producer writes the output
+    readers = Counter(name for node in nodes for name in node.input)
+    producers = {name: node for node in nodes for name in node.output}
+    written = 0
+    for node in list(nodes):
+        if node.op_type == "Identity" and node.output[0] in kept and node.input[0] in producers and \
+                readers[node.input[0]] == 1 and node.input[0] not in kept:
+            producer = producers[node.input[0]]
+            producer.output[:] = [node.output[0] if name == node.input[0] else name for name in producer.output]
+            nodes.remove(node)
+            written += 1
+    if bypass or reshaped or written:
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+        graph.initializer.extend(emit.initializers)
+    return len(bypass) + reshaped + written

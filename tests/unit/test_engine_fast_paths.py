@@ -323,23 +323,12 @@ def _conv_model(x: list[int], w: list[int], bias: bool = False, weight_constant:
 
 @needs_blocked_kernels
 @pytest.mark.parametrize("x, w, bias, attributes", [
-    ([2, 32, 16, 16], [32, 1, 3, 3], False, {"group": 32, "pads": [1, 1, 1, 1]}),           # MobileNet's depthwise
-    ([2, 16, 9, 8], [16, 1, 3, 3], True, {"group": 16, "strides": [2, 2], "pads": [1, 0, 1, 1]}),
-    ([1, 64, 18, 18], [64, 1, 16, 16], False, {"group": 64}),   # a depthwise weight adjoint: large kernel
-])
-def test_a_depthwise_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w, bias, attributes) -> None:
-    model, feeds = _conv_model(x, w, bias, **attributes)
-    count, changed = _rewritten_agrees(model, lambda m: block_convs(m, BLOCK), feeds)
-    assert count == 1
-    assert [n.op_type for n in changed.graph.node if n.domain == NCHWC_DOMAIN] == ["ReorderInput", "Conv",
-                                                                                    "ReorderOutput"]
-
-
-@needs_blocked_kernels
-@pytest.mark.parametrize("x, w, bias, attributes", [
     ([2, 16, 16, 16], [32, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # a ResNet block's conv
     ([2, 32, 34, 33], [16, 32, 3, 3], True, {"strides": [2, 2], "pads": [1, 0, 2, 1]}),  # strided, uneven pads
     ([1, 16, 24, 20], [16, 16, 3, 2], False, {"dilations": [2, 1]}),                     # dilated, unpadded
+    ([2, 32, 16, 16], [32, 1, 3, 3], False, {"group": 32, "pads": [1, 1, 1, 1]}),      # MobileNet's depthwise
+    ([2, 16, 9, 8], [16, 1, 3, 3], True, {"group": 16, "strides": [2, 2], "pads": [1, 0, 1, 1]}),
+    ([1, 64, 18, 18], [64, 1, 16, 16], False, {"group": 64}),   # a depthwise weight adjoint: large kernel
 ])
 def test_a_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w, bias, attributes) -> None:
     model, feeds = _conv_model(x, w, bias, **attributes)

@@ -190,6 +190,20 @@ def _zeros(name: str, producers: dict[str, onnx.NodeProto]) -> bool:
     return node is not None and node.op_type == "ConstantOfShape"
 
 
+def _geometry(conv: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], y: tuple[int, ...]
+              ) -> tuple[int, list[int], list[int], list[int], list[int], list[int]]:
+    """A Conv's (spatial rank, kernel, output size, strides, dilations, explicit pads; auto_pad resolved)."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
+    spatial = len(x) - 2
+    kernel, out = list(w[2:]), list(y[2:])
+    strides = list(attributes.get("strides", [1] * spatial))
+    dilations = list(attributes.get("dilations", [1] * spatial))
+    pads = list(attributes.get("pads", [0] * (2 * spatial)))
+    if attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
+        pads = auto_pads(attributes["auto_pad"], x[2:], kernel, strides, dilations, out)
+    return spatial, kernel, out, strides, dilations, pads
+
+
 def _reduce(value: str, out: str, axis: int, keepdims: int, opset: int, emit: Emitter) -> onnx.NodeProto:
     """A ReduceSum of `value` over `axis`, in the spelling of `opset`."""
     if opset < _REDUCE_AXES_AS_INPUT:
@@ -228,15 +242,8 @@ def _weight_adjoint(conv: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...]
                     seeded: str, opset: int, emit: Emitter) -> tuple[list[onnx.NodeProto], str]:
     """The nodes computing a grouped Conv's weight gradient [M, C/G, *kernel] from its input and `seeded`, the
     output's adjoint (with onnx-ad's seed axis); and the name of the result (module docstring, step 2)."""
-    attributes = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
-    group = attributes["group"]
-    spatial = len(x) - 2
-    kernel, out = list(w[2:]), list(y[2:])
-    strides = list(attributes.get("strides", [1] * spatial))
-    dilations = list(attributes.get("dilations", [1] * spatial))
-    pads = list(attributes.get("pads", [0] * (2 * spatial)))
-    if attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
-        pads = auto_pads(attributes["auto_pad"], x[2:], kernel, strides, dilations, out)
+    group = next(a.i for a in conv.attribute if a.name == "group")
+    spatial, kernel, out, strides, dilations, pads = _geometry(conv, x, w, y)
     batch, channels, filters = x[0], x[1], w[0]
     per_group_in, per_group_out = channels // group, filters // group
     positions = math.prod(out)
@@ -316,14 +323,7 @@ def expand_grouped_convs(model: onnx.ModelProto) -> int:
 
 def _as_matmul(node: onnx.NodeProto, group: int, x: tuple[int, ...], w: tuple[int, ...],
                y: tuple[int, ...], emit: Emitter) -> list[onnx.NodeProto]:
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    spatial = len(x) - 2
-    kernel, out = list(w[2:]), list(y[2:])
-    strides = list(attributes.get("strides", [1] * spatial))
-    dilations = list(attributes.get("dilations", [1] * spatial))
-    pads = list(attributes.get("pads", [0] * (2 * spatial)))
-    if attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
-        pads = auto_pads(attributes["auto_pad"], x[2:], kernel, strides, dilations, out)
+    spatial, kernel, out, strides, dilations, pads = _geometry(node, x, w, y)
     batch, channels, filters = x[0], x[1], w[0]
     per_group_in, per_group_out = channels // group, filters // group
     offsets, positions = math.prod(kernel), math.prod(out)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import static_shapes
+from worker_client.engine.rewrites.toolkit import element_types, static_shapes
 
 __all__ = ["rewrite_scan_bodies"]
 
@@ -33,7 +33,7 @@ def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.Mode
     if not scans:
         return 0
     shapes = static_shapes(model)
-    types = _element_types(model)
+    types = element_types(model)
     outer_names = {value.name for value in [*graph.input, *graph.output]} | \
         {tensor.name for tensor in graph.initializer} | {name for node in graph.node for name in node.output}
     changed = 0
@@ -51,19 +51,6 @@ def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.Mode
         _unwrap(wrapper, body, outer_names, f"scan{index}")
         changed += 1
     return changed
-
-
-def _element_types(model: onnx.ModelProto) -> dict[str, int]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except onnx.shape_inference.InferenceError:
-        inferred = model
-    graph = inferred.graph
-    types = {t.name: t.data_type for t in graph.initializer}
-    for value in [*graph.input, *graph.value_info, *graph.output]:
-        if value.type.HasField("tensor_type"):
-            types[value.name] = value.type.tensor_type.elem_type
-    return types
 
 
 def _wrapped(model: onnx.ModelProto, scan: onnx.NodeProto, body: onnx.GraphProto,

@@ -699,6 +699,37 @@ def test_tied_max_pool_windows_route_the_gradient_to_the_first_maximum(
     np.testing.assert_allclose(grads["b"], expected_b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("shape, kernel", [([2, 3, 16], [4]), ([2, 2, 4, 6, 4], [2, 3, 2])])
+def test_a_tiling_max_pool_of_any_rank_routes_its_adjoint_without_a_scatter(shape, kernel) -> None:
+    """1-D (audio) and 3-D pools: the adjoint built from masks gives what onnx-ad's argmax scatter gives."""
+    from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
+    from worker_client.engine.rewrites.conv import route_max_pool_adjoints
+    from worker_client.engine.rewrites.fold import fold_shape_queries
+    pooled = [shape[0], shape[1], *(n // k for n, k in zip(shape[2:], kernel))]
+    rng = np.random.default_rng(12)
+    nodes = [helper.make_node("Mul", ["x", "w"], ["scaled"], name="scale"),
+             helper.make_node("MaxPool", ["scaled"], ["pooled"], name="pool", kernel_shape=kernel, strides=kernel),
+             helper.make_node("Mul", ["pooled", "R"], ["weighted"], name="weigh"),
+             helper.make_node("ReduceSum", ["weighted"], ["loss"], name="loss", keepdims=0)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [1])],
+                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                   [numpy_helper.from_array(rng.standard_normal(pooled).astype(np.float32), "R")])
+    derived = differentiate(model, ["x", "w"], "loss")
+    routed = onnx.ModelProto()
+    routed.CopyFrom(derived)
+    fold_shape_queries(routed)   # as rewrite_adjoints does first
+    assert route_max_pool_adjoints(routed) == 1
+    assert "ScatterND" not in {n.op_type for n in routed.graph.node}
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "w": np.array([1.5], np.float32)}
+    names = [GRAD_PREFIX + "x", GRAD_PREFIX + "w"]
+    expected = ort.InferenceSession(derived.SerializeToString()).run(names, feeds)
+    got = ort.InferenceSession(routed.SerializeToString()).run(names, feeds)
+    for new, old in zip(got, expected, strict=True):
+        np.testing.assert_allclose(new, old, rtol=1e-6, atol=1e-7)
+    assert np.count_nonzero(got[0]) == np.prod(pooled)   # one element per window takes the gradient
+
+
 def test_batched_weight_matmuls_are_flattened_exactly() -> None:
     model = _model(
         [helper.make_node("MatMul", ["x", "w"], ["y"], name="linear")],

@@ -329,6 +329,9 @@ def _conv_model(x: list[int], w: list[int], bias: bool = False, weight_constant:
     ([2, 32, 16, 16], [32, 1, 3, 3], False, {"group": 32, "pads": [1, 1, 1, 1]}),      # MobileNet's depthwise
     ([2, 16, 9, 8], [16, 1, 3, 3], True, {"group": 16, "strides": [2, 2], "pads": [1, 0, 1, 1]}),
     ([1, 64, 18, 18], [64, 1, 16, 16], False, {"group": 64}),   # a depthwise weight adjoint: large kernel
+    ([2, 16, 300], [32, 16, 5], True, {"pads": [2, 2]}),                                # 1-D: audio, text
+    ([2, 32, 600], [16, 32, 3], False, {"strides": [2], "dilations": [2], "pads": [1, 3]}),
+    ([2, 16, 64], [16, 1, 3], False, {"group": 16, "pads": [1, 1]}),                  # 1-D depthwise
 ])
 def test_a_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w, bias, attributes) -> None:
     model, feeds = _conv_model(x, w, bias, **attributes)
@@ -341,6 +344,7 @@ def test_a_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w,
 @pytest.mark.parametrize("x, w, constant, attributes", [
     ([2, 32, 16, 16], [32, 16, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 2}),   # grouped, not depthwise
     ([2, 24, 16, 16], [24, 1, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 24}),   # depthwise, 24 channels
+    ([2, 16, 100], [16, 16, 3], False, {"pads": [1, 1]}),                           # 1-D, 100 positions: no gain
     ([2, 16, 16, 16], [32, 1, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 16}),   # two filters per channel
     ([2, 3, 32, 32], [16, 3, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # 3 input channels (a stem)
     ([2, 16, 8, 8], [16, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # 64 positions: no gain

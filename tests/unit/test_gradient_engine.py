@@ -625,6 +625,36 @@ def test_a_large_kernel_conv_rewritten_as_a_gemm_per_output_position_computes_th
     assert _rewritten_agrees(model, gemm_large_kernel_convs, feeds) == 1
 
 
+@pytest.mark.parametrize("x_shape, w_shape, dilations, keep, products", [
+    ([6, 4, 10, 10], [5, 4, 4, 4], [2, 2], [3, 3], 9),   # a 3 x 3 stride-2 Conv's weight adjoint: 4 x 4 reached
+    ([6, 4, 10, 10], [5, 4, 5, 5], [2, 2], [1, 1], 1),   # a 1 x 1 stride-2 shortcut's: 2 x 2 reached
+    ([6, 4, 40], [5, 4, 17], [2], [4], 4),               # 1-D
+])
+def test_a_cropped_large_kernel_conv_computes_only_the_positions_kept(
+        x_shape: list[int], w_shape: list[int], dilations: list[int], keep: list[int], products: int) -> None:
+    """onnx-ad's weight adjoint of a strided Conv reaches past the kernel and crops with a Slice; the GEMMs are
+    written for the kept positions alone, and they write the Slice's output."""
+    rng = np.random.default_rng(13)
+    spatial = len(x_shape) - 2
+    model = _model(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="correlate", dilations=dilations),
+         helper.make_node("Slice", ["y", "starts", "ends", "axes"], ["kernel"], name="crop")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape)],
+        [helper.make_tensor_value_info("kernel", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.zeros(spatial, np.int64), "starts"),
+         numpy_helper.from_array(np.array(keep, np.int64), "ends"),
+         numpy_helper.from_array(np.arange(2, 2 + spatial, dtype=np.int64), "axes")])
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32),
+             "w": rng.standard_normal(w_shape).astype(np.float32)}
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    assert _rewritten_agrees(model, gemm_large_kernel_convs, feeds) == 1
+    gemm_large_kernel_convs(changed)
+    ops = [n.op_type for n in changed.graph.node]
+    assert ops.count("Gemm") == products and "Conv" not in ops and ops.count("Slice") == products
+
+
 def test_an_all_ones_window_spread_rewritten_as_a_resize_computes_the_same() -> None:
     """The shape of onnx-ad's AveragePool adjoint: a per-channel ConvTranspose of ones."""
     model = _model(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,8 +61,15 @@ def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
     Returns the number rewritten.
     """
     shapes = static_shapes(model)
+    fixed = constants(model)
     emit = Emitter(model, "conv_gemm")
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(model.graph.node):
+        for name in node.input:
+            readers.setdefault(name, []).append(index)
+    outputs = {value.name for value in model.graph.output}
     replacements: dict[int, list[onnx.NodeProto]] = {}
+    rewritten = 0
     for index, node in enumerate(model.graph.node):
         if node.op_type != "Conv" or (len(node.input) > _BIAS and node.input[_BIAS]):
             continue
@@ -73,15 +80,53 @@ def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
                 attributes.get("group", 1) != 1 or any(attributes.get("pads", [0])) or \
                 attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
             continue
+        target = node
+        crop = _leading_crop(node.output[0], y, readers, outputs, model.graph.node, fixed)
+        if crop is not None:   # onnx-ad keeps only the kernel's extent: compute just those positions
+            cropper, kept = crop
+            y = (*y[:2], *kept)
+            target = onnx.NodeProto()
+            target.CopyFrom(node)
+            target.output[0] = model.graph.node[cropper].output[0]
         if math.prod(w[2:]) <= math.prod(y[2:]):
             continue  # an ordinary convolution: onnxruntime's own kernel is the right one
         spatial = len(x) - 2
         strides = list(attributes.get("strides", [1] * spatial))
         dilations = list(attributes.get("dilations", [1] * spatial))
-        replacements[index] = _conv_as_gemm(node, x, w, y, strides, dilations, emit)
+        replacements[index] = _conv_as_gemm(target, x, w, y, strides, dilations, emit)
+        rewritten += 1
+        if crop is not None:
+            replacements[crop[0]] = []
     if replacements:
         _replace(model, replacements, emit)
-    return len(replacements)
+    return rewritten
+
+
+def _leading_crop(name: str, shape: tuple[int, ...], readers: dict[str, list[int]], outputs: set[str],
+                  nodes: Sequence[onnx.NodeProto], fixed: dict[str, np.ndarray]
+                  ) -> tuple[int, list[int]] | None:
+    """(the index of the Slice that alone reads `name` and keeps the first positions of its spatial axes, the
+    sizes kept), or None. onnx-ad crops a Conv weight adjoint's overhang that way (a strided Conv's weight
+    adjoint reaches past the kernel: a 3 x 3 kernel at stride 2 gives 4 x 4 positions, 9 of them kept)."""
+    if name in outputs or len(readers.get(name, [])) != 1:
+        return None
+    index = readers[name][0]
+    node = nodes[index]
+    if node.op_type != "Slice" or node.input[0] != name or len(node.input) < 3:
+        return None
+    values = [fixed.get(value) if value else None for value in list(node.input[1:]) + [""] * (4 - len(node.input[1:]))]
+    starts, ends, axes, steps = values
+    spatial = list(range(2, len(shape)))
+    if starts is None or ends is None or (len(node.input) > 3 and axes is None) or \
+            (len(node.input) > 4 and (steps is None or any(steps != 1))):
+        return None
+    axes = [int(a) % len(shape) for a in (axes if axes is not None else range(len(starts)))]
+    if sorted(axes) != spatial or any(int(begin) != 0 for begin in starts):
+        return None
+    kept = {axis: min(int(end), shape[axis]) for axis, end in zip(axes, ends)}
+    if any(size <= 0 for size in kept.values()):
+        return None
+    return index, [kept[axis] for axis in spatial]
 
 
 def _conv_as_gemm(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...],

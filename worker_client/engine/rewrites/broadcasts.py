@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, static_shapes, subgraph_reads
 
 __all__ = ["broadcast_in_readers"]
 
@@ -49,9 +49,7 @@ def broadcast_in_readers(model: onnx.ModelProto) -> int:
     for node in graph.node:
         for name in node.input:
             readers[name].append(node)
-        for attribute in node.attribute:
-            if attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
-                opaque |= _subgraph_reads(attribute)
+        opaque |= subgraph_reads(node)
     plans = {index: plan for index, node in enumerate(graph.node) if node.op_type == "Expand"
              and (plan := _plan(node, shapes, readers, opaque)) is not None}
     # a reader must keep a full-size operand: not one that another plan makes small too
@@ -201,14 +199,3 @@ def _follow_reshape(full: list[int], small: list[int], target: list[int]) -> lis
                 result[axis] = target[axis]
     return result if j == len(to_axes) else None
 
-
-def _subgraph_reads(attribute: onnx.AttributeProto) -> set[str]:
-    """Every name the nodes of an attribute's subgraphs read (outer values they capture among them)."""
-    names: set[str] = set()
-    for graph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
-        for node in graph.node:
-            names.update(node.input)
-            for inner in node.attribute:
-                if inner.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
-                    names |= _subgraph_reads(inner)
-    return names

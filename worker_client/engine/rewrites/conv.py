@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, auto_pads, constants, element_types, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, auto_pads, constants, shapes_and_types, static_shapes
 
 __all__ = ["assign_unique_scatters", "explicit_auto_pads", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
            "gemm_large_kernel_convs", "resize_window_spreads", "route_max_pool_adjoints",
@@ -288,8 +288,7 @@ def flip_unit_stride_transposed_convs(model: onnx.ModelProto,
     than (k - 1) * dilation, and an output whose static shape is the one those pads give;
     with `only`, those it accepts. Returns the number rewritten.
     """
-    shapes = static_shapes(model)
-    types = element_types(model)
+    shapes, types = shapes_and_types(model)
     emit = Emitter(model, "flipped_conv")
     replacements: dict[int, list[onnx.NodeProto]] = {}
     for index, node in enumerate(model.graph.node):

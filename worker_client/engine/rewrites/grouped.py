@@ -153,14 +153,11 @@ def attach_grouped_weight_adjoints(model: onnx.ModelProto, prefix: str) -> int:
     for weight, terms in contributions.items():
         gradient = prefix + weight
         declared = list(shapes.get(gradient) or [*shapes[DETACHED_PREFIX + weight], 1])
+        ad_term = emit.name()   # onnx-ad's gradient, renamed: the output is written below
+        for node in kept:
+            node.output[:] = [ad_term if name == gradient else name for name in node.output]
         if not _zeros(gradient, producers):   # the weight is read elsewhere too: onnx-ad's gradient is a term
-            ad_term = emit.name()
-            for node in kept:
-                node.output[:] = [ad_term if name == gradient else name for name in node.output]
-            terms = [*terms, ad_term]
-        else:                       # onnx-ad's gradient is zeros: its nodes are left to prune
-            for node in kept:
-                node.output[:] = [emit.name() if name == gradient else name for name in node.output]
+            terms = [*terms, ad_term]         # (where it is zeros, its nodes are left to prune)
         total = terms[0]
         for term in terms[1:]:
             summed = emit.name()
@@ -204,6 +201,17 @@ def _geometry(conv: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], y: t
     return spatial, kernel, out, strides, dilations, pads
 
 
+def _padded(source: str, pads: list[int], emit: Emitter) -> tuple[list[onnx.NodeProto], str]:
+    """`source` [N, C, *spatial] zero-padded by a Conv's `pads` (begins, then ends): the nodes (none where every
+    pad is 0) and the padded value's name."""
+    if not any(pads):
+        return [], source
+    spatial = len(pads) // 2
+    padded = emit.name()
+    return [helper.make_node("Pad", [source, emit.ints([0, 0] + pads[:spatial] + [0, 0] + pads[spatial:])], [padded],
+                             name=padded)], padded
+
+
 def _reduce(value: str, out: str, axis: int, keepdims: int, opset: int, emit: Emitter) -> onnx.NodeProto:
     """A ReduceSum of `value` over `axis`, in the spelling of `opset`."""
     if opset < _REDUCE_AXES_AS_INPUT:
@@ -221,7 +229,7 @@ def _depthwise_weight_adjoint(nodes: list[onnx.NodeProto], padded: str, seeded: 
     window-by-window products took 10.4 and the same Conv on the plain kernel 20."""
     planes, planes_name = emit.reshape(padded, [1, batch * channels, *padded_size])
     filters, filters_name = emit.reshape(seeded, [batch * channels, 1, *out])
-    correlated, per_image, summed = emit.name(), emit.name(), emit.name()
+    correlated, summed = emit.name(), emit.name()
     reach = [(size - stride * (n - 1) - 1) // dilation + 1
              for size, n, stride, dilation in zip(padded_size, out, strides, dilations)]
     nodes = [*nodes, planes, filters,
@@ -248,13 +256,7 @@ def _weight_adjoint(conv: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...]
     per_group_in, per_group_out = channels // group, filters // group
     positions = math.prod(out)
     padded_size = [n + pads[i] + pads[spatial + i] for i, n in enumerate(x[2:])]
-    nodes: list[onnx.NodeProto] = []
-    source = conv.input[0]
-    if any(pads):
-        padded = emit.name()
-        nodes.append(helper.make_node(
-            "Pad", [source, emit.ints([0, 0] + pads[:spatial] + [0, 0] + pads[spatial:])], [padded], name=padded))
-        source = padded
+    nodes, source = _padded(conv.input[0], pads, emit)
     if per_group_in == per_group_out == 1 and spatial == 2 and batch * channels % _BLOCKED_CHANNELS == 0:
         return _depthwise_weight_adjoint(nodes, source, seeded, batch, channels, padded_size, kernel, out,
                                          strides, dilations, opset, emit)
@@ -327,14 +329,7 @@ def _as_matmul(node: onnx.NodeProto, group: int, x: tuple[int, ...], w: tuple[in
     batch, channels, filters = x[0], x[1], w[0]
     per_group_in, per_group_out = channels // group, filters // group
     offsets, positions = math.prod(kernel), math.prod(out)
-    nodes: list[onnx.NodeProto] = []
-    source = node.input[0]
-    if any(pads):
-        padded = emit.name()
-        nodes.append(helper.make_node(
-            "Pad", [source, emit.ints([0, 0] + pads[:spatial] + [0, 0] + pads[spatial:])],
-            [padded], name=padded))
-        source = padded
+    nodes, source = _padded(node.input[0], pads, emit)
     axes = list(range(2, 2 + spatial))
     windows = []
     for offset in itertools.product(*(range(k) for k in kernel)):

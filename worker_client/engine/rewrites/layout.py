@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, static_shapes, subgraph_reads
 
 __all__ = ["canonicalize_layout_ops", "drop_no_op_layout_ops"]
 
@@ -211,9 +211,7 @@ def drop_no_op_layout_ops(model: onnx.ModelProto) -> int:
     shapes = static_shapes(model)
     kept = {value.name for value in graph.output}   # and what a subgraph reads from this one
     for node in graph.node:
-        for attribute in node.attribute:
-            for inner in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)):
-                kept |= {name for inner_node in inner.node for name in inner_node.input}
+        kept |= subgraph_reads(node)
     emit = Emitter(model, "no_op")
     bypass: dict[str, str] = {}
     nodes: list[onnx.NodeProto] = []

@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import onnx
 
+from worker_client.engine.rewrites.toolkit import subgraph_reads
+
 __all__ = ["prune"]
 
 
-def _reads(graph: onnx.GraphProto) -> set[str]:
-    """Every name a graph's nodes read, subgraphs (which may capture outer names) included."""
-    names = {value.name for value in graph.output}
-    for node in graph.node:
-        names |= _node_reads(node)
-    return names
-
-
 def _node_reads(node: onnx.NodeProto) -> set[str]:
-    names = {name for name in node.input if name}
-    for attribute in node.attribute:
-        for inner in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH
-                      else list(attribute.graphs)):
-            names |= _reads(inner)
-    return names
+    """Every name a node reads, its subgraphs (which may capture outer names) included."""
+    return {name for name in node.input if name} | subgraph_reads(node)
 
 
 def prune(model: onnx.ModelProto) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import element_types, static_shapes
+from worker_client.engine.rewrites.toolkit import shapes_and_types
 
 __all__ = ["rewrite_scan_bodies"]
 
@@ -32,8 +32,7 @@ def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.Mode
     scans = [node for node in graph.node if node.op_type == "Scan" and node.domain in ("", "ai.onnx")]
     if not scans:
         return 0
-    shapes = static_shapes(model)
-    types = element_types(model)
+    shapes, types = shapes_and_types(model)
     outer_names = {value.name for value in [*graph.input, *graph.output]} | \
         {tensor.name for tensor in graph.initializer} | {name for node in graph.node for name in node.output}
     changed = 0

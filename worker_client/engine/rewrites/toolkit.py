@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "element_types", "opset_of", "reader_counts",
-           "rebuild", "static_shapes"]
+__all__ = ["SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "opset_of", "reader_counts",
+           "rebuild", "shapes_and_types", "static_shapes", "subgraph_reads"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
 #: seed-axis Reshapes, its Expands of a tensor to its own shape, Identities).
@@ -24,34 +24,44 @@ def opset_of(model: onnx.ModelProto) -> int:
 
 def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     """Every value whose shape is fully static, as inferred by onnx."""
+    return shapes_and_types(model)[0]
+
+
+def shapes_and_types(model: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """(every value whose shape is fully static; the element type, onnx.TensorProto's enum, of every value
+    whose type onnx infers), from one run of onnx's shape inference."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except onnx.shape_inference.InferenceError:
         inferred = model
     graph = inferred.graph
     shapes: dict[str, tuple[int, ...]] = {t.name: tuple(t.dims) for t in graph.initializer}
+    types = {t.name: t.data_type for t in graph.initializer}
     for value in list(graph.input) + list(graph.value_info) + list(graph.output):
         tensor_type = value.type.tensor_type
+        if not value.type.HasField("tensor_type"):
+            continue
+        if tensor_type.elem_type:
+            types[value.name] = tensor_type.elem_type
         if not tensor_type.HasField("shape"):
             continue
         dims = tensor_type.shape.dim
         if all(d.HasField("dim_value") for d in dims):
             shapes[value.name] = tuple(d.dim_value for d in dims)
-    return shapes
+    return shapes, types
 
 
-def element_types(model: onnx.ModelProto) -> dict[str, int]:
-    """The element type (onnx.TensorProto's enum) of every value whose type onnx infers."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except onnx.shape_inference.InferenceError:
-        inferred = model
-    graph = inferred.graph
-    types = {t.name: t.data_type for t in graph.initializer}
-    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
-        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
-            types[value.name] = value.type.tensor_type.elem_type
-    return types
+def subgraph_reads(node: onnx.NodeProto) -> set[str]:
+    """Every name the subgraphs of `node`'s attributes read (a Scan's or If's body), nested ones included --
+    by their nodes or as their outputs: among them the outer values they capture."""
+    names: set[str] = set()
+    for attribute in node.attribute:
+        for graph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
+            names.update(value.name for value in graph.output)
+            for inner in graph.node:
+                names.update(name for name in inner.input if name)
+                names |= subgraph_reads(inner)
+    return names
 
 
 def reader_counts(graph: onnx.GraphProto) -> Counter[str]:

@@ -1,11 +1,13 @@
 """Weight gradients that come out of their GEMM in the weight's layout, written straight into the graph's outputs.
 
-rewrites/matmul.py's `untranspose_products` (a Transpose of a product moved onto its operands)
-and rewrites/outputs.py's `compute_outputs_in_place` (onnx-ad's seed-axis tail dropped from each
+rewrites/matmul.py's `sum_batched_products` (a sum over a batched product's batches as one GEMM),
+`untranspose_products` (a Transpose of a product moved onto its operands) and rewrites/outputs.py's `compute_outputs_in_place` (onnx-ad's seed-axis tail dropped from each
 gradient output): the same values, without the two copies.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,8 +16,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from worker_client import GradientEngine
-from worker_client.engine.rewrites.matmul import untranspose_products
+from worker_client.engine import rewrites
+from worker_client.engine.rewrites.matmul import sum_batched_products, untranspose_products
 from worker_client.engine.rewrites.outputs import compute_outputs_in_place
+from worker_client.engine.rewrites.prune import prune
+from worker_client.engine.rewrites.toolkit import static_shapes
 
 _F = TensorProto.FLOAT
 
@@ -156,3 +161,117 @@ def test_a_linear_layers_gradients_are_exact_and_leave_the_graph_without_either_
         while source is not None and source.op_type == "Reshape":
             source = producers.get(source.input[0])
         assert source is None or source.op_type != "MatMul", transpose
+
+
+def _batch_summed(*, reshape: bool, transposed_left: bool, batch_of_right: int = 5,
+                  extra_reader: bool = False) -> onnx.ModelProto:
+    """onnx-ad's weight adjoint of MatMul(X[T, B, I], W) written per batch: X[t]^T @ G[t] for every t, then a
+    ReduceSum over t (through a Reshape that merges each product into a row, as the layout pass writes it)."""
+    nodes = []
+    if transposed_left:
+        nodes.append(helper.make_node("Transpose", ["x"], ["left"], perm=[0, 2, 1]))
+        left_info = helper.make_tensor_value_info("x", _F, [5, 4, 3])
+    else:
+        left_info = helper.make_tensor_value_info("left", _F, [5, 3, 4])
+    nodes.append(helper.make_node("MatMul", ["left", "g"], ["product"]))
+    if reshape:
+        nodes += [helper.make_node("Reshape", ["product", "rows"], ["flat"]),
+                  helper.make_node("ReduceSum", ["flat", "axis0"], ["summed"], keepdims=1),
+                  helper.make_node("Reshape", ["summed", "matrix"], ["grad"])]
+    else:
+        nodes += [helper.make_node("ReduceSum", ["product", "axis01"], ["summed"], keepdims=0),
+                  helper.make_node("Identity", ["summed"], ["grad"])]
+    outputs = [helper.make_tensor_value_info("grad", _F, None)]
+    if extra_reader:
+        nodes.append(helper.make_node("Relu", ["product"], ["other"]))
+        outputs.append(helper.make_tensor_value_info("other", _F, None))
+    return _model(nodes, [left_info, helper.make_tensor_value_info("g", _F, [1, batch_of_right, 4, 6])], outputs,
+                  [numpy_helper.from_array(np.array([5, 18], np.int64), "rows"),
+                   numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+                   numpy_helper.from_array(np.array([0, 1], np.int64), "axis01"),
+                   numpy_helper.from_array(np.array([3, 6], np.int64), "matrix")])
+
+
+def _batch_feeds(transposed_left: bool, batch_of_right: int = 5) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(6)
+    left = rng.standard_normal((5, 4, 3) if transposed_left else (5, 3, 4)).astype(np.float32)
+    return {"x" if transposed_left else "left": left,
+            "g": rng.standard_normal((1, batch_of_right, 4, 6)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("reshape", [True, False])
+@pytest.mark.parametrize("transposed_left", [True, False])
+def test_a_sum_over_a_batched_products_batches_is_one_gemm(reshape: bool, transposed_left: bool) -> None:
+    model = _batch_summed(reshape=reshape, transposed_left=transposed_left)
+    feeds = _batch_feeds(transposed_left)
+    before = _run(model, feeds)["grad"]
+    assert sum_batched_products(model) == 1
+    assert untranspose_products(model) == 0
+    prune(model)
+    after = _run(model, feeds)["grad"]
+    left = feeds["x"].transpose(0, 2, 1) if transposed_left else feeds["left"]
+    expected = sum(left[t] @ feeds["g"][0, t] for t in range(5))
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-6)
+    ops = [n.op_type for n in model.graph.node]
+    assert "ReduceSum" not in ops and ops.count("MatMul") == 1
+    product = next(n for n in model.graph.node if n.op_type == "MatMul")
+    by_output = {n.output[0]: n for n in model.graph.node}
+    assert len(_shape_of(model, product.input[1])) == 2       # [T*B, 6]: the batches side by side
+    if transposed_left:   # X's own rows, transposed once (folded into the GEMM by onnxruntime)
+        rows = by_output[by_output[product.input[0]].input[0]]
+        assert rows.op_type == "Reshape" and rows.input[0] == "x"
+
+
+def _shape_of(model: onnx.ModelProto, name: str) -> tuple[int, ...]:
+    return static_shapes(model)[name]
+
+
+def test_sums_over_part_of_the_batch_broadcast_operands_and_shared_products_are_left() -> None:
+    model = _batch_summed(reshape=True, transposed_left=True, extra_reader=True)
+    assert sum_batched_products(model) == 0
+    model = _batch_summed(reshape=True, transposed_left=True, batch_of_right=1)   # G broadcast over t
+    assert sum_batched_products(model) == 0
+    model = _batch_summed(reshape=False, transposed_left=True)
+    axes = next(t for t in model.graph.initializer if t.name == "axis01")
+    axes.CopyFrom(numpy_helper.from_array(np.array([1], np.int64), "axis01"))   # the batch's size-1 axis only
+    assert sum_batched_products(model) == 0
+
+
+def _batch_summed_products(model: onnx.ModelProto) -> int:
+    """ReduceSums that read a batched (rank > 2) MatMul's result, directly or through one Reshape."""
+    shapes = static_shapes(model)
+    producers = {out: n for n in model.graph.node for out in n.output}
+    found = 0
+    for node in (n for n in model.graph.node if n.op_type == "ReduceSum"):
+        source = producers.get(node.input[0])
+        if source is not None and source.op_type == "Reshape":
+            source = producers.get(source.input[0])
+        if source is not None and source.op_type == "MatMul" and len(shapes.get(source.output[0], ())) > 2:
+            found += 1
+    return found
+
+
+def test_an_lstms_input_weight_gradients_are_single_gemms_and_match_torch(tmp_path, monkeypatch) -> None:
+    """The torch LSTM fixture (reference gradients from torch): onnx-ad writes its input projection's weight
+    gradient as per-step products summed; with the pass there is none such and the gradients hold."""
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
+    data = np.load(fixtures / "lstm_reader.npz")
+    inputs = {k[len("input:"):]: data[k] for k in data.files if k.startswith("input:")}
+    inputs["labels"] = data["labels"]
+
+    def build(folder: str) -> GradientEngine:
+        return GradientEngine(fixtures / "lstm_reader.onnx", batch_size=len(inputs["labels"]), loss="cross_entropy",
+                              cache_dir=tmp_path / folder)
+
+    engine = build("with")
+    with monkeypatch.context() as patched:
+        patched.setattr(rewrites, "sum_batched_products", lambda model: 0)
+        plain = build("without")
+    assert _batch_summed_products(plain._graph.model) >= 1
+    assert _batch_summed_products(engine._graph.model) == 0
+    _, gradients = engine.gradients(engine.parameters(), inputs)
+    reference = {k[len("grad:"):]: data[k] for k in data.files if k.startswith("grad:")}
+    assert reference
+    for name, expected in reference.items():
+        np.testing.assert_allclose(gradients[name], expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())

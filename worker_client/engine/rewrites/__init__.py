@@ -37,8 +37,10 @@ avoids and why the replacement is exact.
   neither vectorized nor parallel);
 - `broadcasts`: an Expand (a reduction's adjoint) and the scalar ops after it left to the
   readers that broadcast anyway, instead of materialized at full size;
-- `matmul` (on the adjoints): a Transpose of a matrix product as the product of the transposed
-  operands, so a Linear layer's weight gradient is not transposed whole after its GEMM;
+- `matmul` (on the adjoints): a sum over a batched product's batches (the input weight gradient
+  of an LSTM or GRU that onnx-ad expands) as one GEMM of the batches side by side; a Transpose of
+  a matrix product as the product of the transposed operands, so a Linear layer's weight gradient
+  is not transposed whole after its GEMM;
 - `outputs`: each gradient output written by the node that computes it, not copied there by
   onnx-ad's seed-axis Reshape;
 - `prune`: nodes and initializers nothing reads, dropped;
@@ -69,7 +71,7 @@ from worker_client.engine.rewrites.grouped import detach_grouped_weights, expand
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops, drop_no_op_layout_ops
 from worker_client.engine.rewrites.masks import masks_as_products
-from worker_client.engine.rewrites.matmul import flatten_weight_matmuls, untranspose_products
+from worker_client.engine.rewrites.matmul import flatten_weight_matmuls, sum_batched_products, untranspose_products
 from worker_client.engine.rewrites.outputs import compute_outputs_in_place
 from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
 from worker_client.engine.rewrites.prune import prune
@@ -140,6 +142,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     masks_as_products(model, GRAD_PREFIX)
     prune(model)                        # the three passes below count readers: dead ones first
     broadcast_in_readers(model)
+    sum_batched_products(model)
     untranspose_products(model)
     compute_outputs_in_place(model, GRAD_PREFIX)
     prune(model)

@@ -6,9 +6,17 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import SAME_DATA_OPS, Emitter, reader_counts, rebuild, static_shapes
+from worker_client.engine.rewrites.toolkit import (
+    SAME_DATA_OPS,
+    Emitter,
+    constants,
+    opset_of,
+    reader_counts,
+    rebuild,
+    static_shapes,
+)
 
-__all__ = ["flatten_weight_matmuls", "untranspose_products"]
+__all__ = ["flatten_weight_matmuls", "sum_batched_products", "untranspose_products"]
 
 
 def flatten_weight_matmuls(model: onnx.ModelProto) -> int:
@@ -109,6 +117,85 @@ def untranspose_products(model: onnx.ModelProto) -> int:
         right_t = transposed(product.input[1], inner, cols, nodes)
         left_t = transposed(product.input[0], rows, inner, nodes)
         nodes.append(helper.make_node("MatMul", [right_t, left_t], [node.output[0]], name=emit.name()))
+        return nodes
+
+    return rebuild(model, emit, replace)
+
+
+def sum_batched_products(model: onnx.ModelProto) -> int:
+    """Rewrite a ReduceSum over all the batch axes of a batched MatMul as one GEMM, in place.
+
+    A weight read by a MatMul of a batched operand that the forward rewrites never saw -- onnx-ad
+    writes an LSTM's or GRU's input projection as MatMul(X[T, B, I], W^T) itself, when it expands the
+    layer -- gets onnx-ad's adjoint per batch: X[t]^T @ G[t] for every t, a [T, I, 4H] stack (10 MB for
+    ps_bench.zoo_models' LSTM), then a ReduceSum over t. The sum over t of X[t]^T @ G[t] is one GEMM of
+    the batches side by side, X as [T*B, I] rows against G as [T*B, 4H]: the same products and sums, no
+    stack, and a GEMM whose inner dimension is T*B rather than B. The left operand is written as the
+    Transpose of its rows, which `untranspose_products` and onnxruntime's FusedMatMul fold away. Only a
+    ReduceSum (through at most one Reshape) of exactly the batch axes, of a MatMul whose two operands
+    both carry the whole batch and that nothing else reads, is rewritten. Returns the number rewritten.
+    """
+    shapes = static_shapes(model)
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    readers = reader_counts(graph)
+    values = constants(model)
+    opset = opset_of(model)
+    emit = Emitter(model, "batch_summed")
+
+    def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(size for size in shape if size != 1)
+
+    def reduced_axes(node: onnx.NodeProto, rank: int) -> list[int] | None:
+        if opset >= 13:
+            if len(node.input) < 2 or node.input[1] not in values:
+                return None
+            axes = [int(a) for a in values[node.input[1]].reshape(-1)]
+        else:
+            axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), [])
+        return sorted(a % rank for a in axes) if axes else None
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if node.op_type != "ReduceSum" or node.input[0] not in shapes or node.output[0] not in shapes:
+            return None
+        data = node.input[0]
+        axes = reduced_axes(node, len(shapes[data]))
+        source = data
+        reshape = producers.get(data)
+        if reshape is not None and reshape.op_type == "Reshape" and readers[data] == 1:
+            source = reshape.input[0]
+        product = producers.get(source)
+        if axes is None or product is None or product.op_type != "MatMul" or readers[source] != 1 \
+                or source not in shapes or any(name not in shapes for name in product.input):
+            return None
+        left, right, result = shapes[product.input[0]], shapes[product.input[1]], shapes[source]
+        if len(left) < 3 or len(right) < 3 or len(result) < 3:
+            return None
+        batch = squeezed(result[:-2])
+        if not batch or squeezed(left[:-2]) != batch or squeezed(right[:-2]) != batch:
+            return None
+        reduced = shapes[data]
+        count = len(axes)
+        if axes != list(range(count)) or int(np.prod(reduced[:count])) != int(np.prod(batch)) \
+                or int(np.prod(reduced[count:])) != result[-2] * result[-1]:
+            return None
+        rows, cols = result[-2], result[-1]
+        nodes: list[onnx.NodeProto] = []
+        rank = len(left)
+        swap = [*range(rank - 2), rank - 1, rank - 2]
+        origin = producers.get(product.input[0])
+        if origin is not None and origin.op_type == "Transpose" and _perm(origin) == swap:
+            left_rows = origin.input[0]              # the left operand's batches as rows already
+        else:
+            left_rows = emit.name()
+            nodes.append(helper.make_node("Transpose", [product.input[0]], [left_rows], name=left_rows, perm=swap))
+        reshape_left, left_flat = emit.reshape(left_rows, [-1, rows])
+        reshape_right, right_flat = emit.reshape(product.input[1], [-1, cols])
+        left_t, summed = emit.name(), emit.name()
+        nodes += [reshape_left, reshape_right,
+                  helper.make_node("Transpose", [left_flat], [left_t], name=left_t, perm=[1, 0]),
+                  helper.make_node("MatMul", [left_t, right_flat], [summed], name=summed),
+                  emit.reshape(summed, list(shapes[node.output[0]]), out=node.output[0])[0]]
         return nodes
 
     return rebuild(model, emit, replace)

@@ -14,9 +14,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from worker_client import GradientEngine
+from worker_client.engine import rewrites
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
+from worker_client.engine.rewrites.layout import space_to_depth_transposes
 from worker_client.engine.rewrites.nchwc import NCHWC_DOMAIN, block_convs, nchwc_block_size
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
+from worker_client.engine.rewrites.toolkit import static_shapes
 from worker_client.engine.training_mode import training_form
 
 OPSET = 18
@@ -406,3 +409,94 @@ def test_the_cpu_sessions_run_the_blocked_convs_and_give_what_the_plain_ones_giv
         np.testing.assert_allclose(got[0].gradients[name], want[0].gradients[name], rtol=1e-4, atol=1e-5, err_msg=name)
     for got_out, want_out in zip(got[1:], want[1:]):
         np.testing.assert_allclose(got_out["logits"], want_out["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_strided_transposed_convs_phases_are_interleaved_in_depth_to_space_order() -> None:
+    """Phase-major channels and DepthToSpace's DCR mode: onnx-ad's adjoint of DCR is one SpaceToDepth, of CRD a
+    6-D Transpose onnxruntime runs element by element."""
+    rng = np.random.default_rng(15)
+    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="up", strides=[2, 2])
+    model = _model([node], {"g": [2, 5, 4, 4], "w": [5, 3, 2, 2]}, ["y"])
+    feeds = {"g": rng.standard_normal((2, 5, 4, 4)).astype(np.float32),
+             "w": rng.standard_normal((5, 3, 2, 2)).astype(np.float32)}
+    count, changed = _rewritten_agrees(model, split_strided_transposed_convs, feeds)
+    assert count == 1
+    interleave, = (n for n in changed.graph.node if n.op_type == "DepthToSpace")
+    assert helper.get_attribute_value(next(a for a in interleave.attribute if a.name == "mode")) == b"DCR"
+
+
+def _crd_adjoint(blocks: tuple[int, int] = (2, 2), perm: Sequence[int] = (0, 1, 3, 5, 2, 4),
+                 batch: int = 2) -> onnx.ModelProto:
+    """onnx-ad's adjoint of DepthToSpace in CRD mode: Reshape to [N, C, H, s, W, s], Transpose, Reshape back."""
+    sh, sw = blocks
+    split = numpy_helper.from_array(np.array([batch, 3, 4, sh, 5, sw], np.int64), "split")
+    merged = numpy_helper.from_array(np.array([batch, 3 * sh * sw, 4, 5], np.int64), "merged")
+    nodes = [helper.make_node("Reshape", ["g", "split"], ["blocks"]),
+             helper.make_node("Transpose", ["blocks"], ["moved"], perm=list(perm)),
+             helper.make_node("Reshape", ["moved", "merged"], ["y"])]
+    model = _model(nodes, {"g": [batch, 3, 4 * sh, 5 * sw]}, ["y"])
+    model.graph.initializer.extend([split, merged])
+    return model
+
+
+@pytest.mark.parametrize("batch", [2, 1])
+def test_a_depth_to_space_adjoints_transpose_becomes_one_space_to_depth(batch: int) -> None:
+    rng = np.random.default_rng(16)
+    model = _crd_adjoint(batch=batch)
+    feeds = {"g": rng.standard_normal((batch, 3, 8, 10)).astype(np.float32)}
+    count, changed = _rewritten_agrees(model, space_to_depth_transposes, feeds)
+    assert count == 1
+    ops = [n.op_type for n in changed.graph.node]
+    assert "Transpose" not in ops and ops.count("SpaceToDepth") == 1
+    expected = feeds["g"].reshape(batch, 3, 4, 2, 5, 2).transpose(0, 1, 3, 5, 2, 4).reshape(batch, 12, 4, 5)
+    np.testing.assert_array_equal(_run(changed, feeds)[0], expected)
+
+
+@pytest.mark.parametrize("blocks, perm", [
+    ((2, 3), (0, 1, 3, 5, 2, 4)),     # blocks that differ per axis: no SpaceToDepth for them
+    ((2, 2), (0, 1, 5, 3, 2, 4)),     # another permutation
+])
+def test_other_transposes_are_left_to_transpose(blocks: tuple[int, int], perm: Sequence[int]) -> None:
+    rng = np.random.default_rng(17)
+    model = _crd_adjoint(blocks, perm)
+    feeds = {"g": rng.standard_normal((2, 3, 4 * blocks[0], 5 * blocks[1])).astype(np.float32)}
+    count, _ = _rewritten_agrees(model, space_to_depth_transposes, feeds)
+    assert count == 0
+
+
+def test_a_pixel_shuffles_gradients_hold_without_a_six_axis_transpose(tmp_path: Path, monkeypatch) -> None:
+    """A Conv, torch's PixelShuffle (DepthToSpace, CRD) and a Conv: the engine's gradients equal those of the
+    graph built without the rewrite, and its adjoint has no Transpose of rank 6 left."""
+    rng = np.random.default_rng(18)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["wide"], pads=[1, 1, 1, 1]),
+             helper.make_node("DepthToSpace", ["wide"], ["shuffled"], blocksize=2, mode="CRD"),
+             helper.make_node("Conv", ["shuffled", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(
+        nodes, "shuffle", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 12, 12])],
+        [numpy_helper.from_array(rng.standard_normal((16, 3, 3, 3)).astype(np.float32), "w1"),
+         numpy_helper.from_array(rng.standard_normal((2, 4, 3, 3)).astype(np.float32), "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    path = tmp_path / "shuffle.onnx"
+    onnx.save(model, path)
+    batch = {"x": rng.standard_normal((4, 3, 6, 6)).astype(np.float32),
+             "labels": rng.standard_normal((4, 2, 12, 12)).astype(np.float32)}
+    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "with")
+    with monkeypatch.context() as patched:
+        patched.setattr(rewrites, "space_to_depth_transposes", lambda model: 0)
+        plain = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "without")
+
+    def six_axis_transposes(built: GradientEngine) -> int:
+        shapes = static_shapes(built._graph.model)
+        return sum(1 for n in built._graph.model.graph.node
+                   if n.op_type == "Transpose" and len(shapes.get(n.input[0], ())) == 6)
+
+    assert six_axis_transposes(plain) >= 1 and six_axis_transposes(engine) == 0
+    assert "SpaceToDepth" in {n.op_type for n in engine._graph.model.graph.node}
+    loss, gradients = engine.gradients(engine.parameters(), batch)
+    plain_loss, plain_gradients = plain.gradients(plain.parameters(), batch)
+    assert loss == pytest.approx(plain_loss)
+    assert set(gradients) == {"w1", "w2"}
+    for name in gradients:
+        np.testing.assert_allclose(gradients[name], plain_gradients[name], rtol=1e-5, atol=1e-6)

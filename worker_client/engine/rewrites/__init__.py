@@ -32,7 +32,8 @@ avoids and why the replacement is exact.
 - `sums`: onnx-ad's gradient accumulations of two terms (Sum) as Add, which onnxruntime runs on
   its intra-op pool (its Sum runs on one thread);
 - `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
-  those axes;
+  those axes; the block-gathering Transpose of a DepthToSpace's (PixelShuffle's) adjoint as one
+  SpaceToDepth;
 - `masks`: masked adjoints, Where(mask, g, 0), as g times the cast mask (onnxruntime's Where is
   neither vectorized nor parallel);
 - `broadcasts`: an Expand (a reduction's adjoint) and the scalar ops after it left to the
@@ -69,7 +70,7 @@ from worker_client.engine.rewrites.conv import (
 from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.grouped import detach_grouped_weights, expand_grouped_convs
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
-from worker_client.engine.rewrites.layout import canonicalize_layout_ops, drop_no_op_layout_ops
+from worker_client.engine.rewrites.layout import canonicalize_layout_ops, drop_no_op_layout_ops, space_to_depth_transposes
 from worker_client.engine.rewrites.masks import masks_as_products
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls, sum_batched_products, untranspose_products
 from worker_client.engine.rewrites.outputs import compute_outputs_in_place
@@ -139,6 +140,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     concat_piecewise_scatters(model)
     sums_as_adds(model)
     canonicalize_layout_ops(model)
+    space_to_depth_transposes(model)
     masks_as_products(model, GRAD_PREFIX)
     prune(model)                        # the three passes below count readers: dead ones first
     broadcast_in_readers(model)

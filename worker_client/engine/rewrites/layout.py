@@ -9,9 +9,17 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, static_shapes, subgraph_reads
+from worker_client.engine.rewrites.toolkit import (
+    Emitter,
+    constants,
+    opset_of,
+    rebuild,
+    shapes_and_types,
+    static_shapes,
+    subgraph_reads,
+)
 
-__all__ = ["canonicalize_layout_ops", "drop_no_op_layout_ops"]
+__all__ = ["canonicalize_layout_ops", "drop_no_op_layout_ops", "space_to_depth_transposes"]
 
 #: Reductions whose result over merged axes equals the result over the axes one by one.
 _REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"})
@@ -195,6 +203,47 @@ def _reduction(node: onnx.NodeProto, shape: tuple[int, ...], out_shape: tuple[in
         op = helper.make_node(node.op_type, [merged_in], [reduced], name=reduced,
                               axes=merged_axes, keepdims=1)
     return [to_merged, op, emit.reshape(reduced, out_shape, out=node.output[0])[0]]
+
+
+#: Element types onnxruntime's CPU SpaceToDepth takes.
+_SPACE_TO_DEPTH_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
+
+
+def space_to_depth_transposes(model: onnx.ModelProto) -> int:
+    """Rewrite Transposes that gather s x s blocks of a map into channels as one SpaceToDepth, in place.
+
+    The adjoint of a DepthToSpace in CRD mode -- torch's PixelShuffle exports as one -- has no op of its
+    own, and onnx-ad writes it as a Reshape to [N, C, H, s, W, s], a Transpose to [N, C, s, s, H, W] and a
+    Reshape back: onnxruntime runs that 6-D Transpose element by element, 1.3 ms on [32, 16, 32, 32] at
+    one thread. With N and C folded together into the batch and one channel, the same permutation is
+    SpaceToDepth's (whose channel order is then just the block position): 0.15 ms on the same tensor. Any
+    Transpose whose data movement is that one (size-1 axes and axes that stay together aside, so also
+    [N*C, H, s, W, s] and the like) with the same block along both axes becomes Reshape -> SpaceToDepth ->
+    Reshape. Exact: both move the same elements. Returns the number rewritten.
+    """
+    shapes, types = shapes_and_types(model)
+    emit = Emitter(model, "space_to_depth")
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if node.op_type != "Transpose":
+            return None
+        shape, out_shape = shapes.get(node.input[0]), shapes.get(node.output[0])
+        if shape is None or out_shape is None or types.get(node.input[0]) not in _SPACE_TO_DEPTH_TYPES:
+            return None
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), list(range(len(shape)))[::-1])
+        merged, order = _canonical_transpose(shape, perm)
+        if order == [1, 3, 0, 2] and len(merged) == 4:    # no batch left once size-1 axes are dropped
+            merged, order = [1, *merged], [0, 2, 4, 1, 3]
+        if order != [0, 2, 4, 1, 3] or merged[2] != merged[4]:
+            return None
+        batch, height, block, width, _ = merged
+        blocks = emit.name()
+        to_map, source = emit.reshape(node.input[0], [batch, 1, height * block, width * block])
+        return [to_map,
+                helper.make_node("SpaceToDepth", [source], [blocks], name=blocks, blocksize=block),
+                emit.reshape(blocks, list(out_shape), out=node.output[0])[0]]
+
+    return rebuild(model, emit, replace)
 
 
 def drop_no_op_layout_ops(model: onnx.ModelProto) -> int:

@@ -17,6 +17,7 @@ from worker_client import (DeviceUnavailableError, GradientEngine, ModelLoadErro
 from worker_client.engine.rewrites.conv import gemm_large_kernel_convs, resize_window_spreads
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls
+from worker_client.engine.rewrites.toolkit import static_shapes
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
 TORCH_MODELS = ["mlp", "cnn", "embedding_bag", "transformer", "conv_bn_eval", "conv_decoder", "padded_strided"]
@@ -653,6 +654,47 @@ def test_a_cropped_large_kernel_conv_computes_only_the_positions_kept(
     gemm_large_kernel_convs(changed)
     ops = [n.op_type for n in changed.graph.node]
     assert ops.count("Gemm") == products and "Conv" not in ops and ops.count("Slice") == products
+
+
+@pytest.mark.parametrize("crop, perm", [
+    (False, [1, 0, 3, 4, 2]),    # onnx-ad's move of a weight adjoint into the weight's layout, seed axis last
+    (True, [1, 0, 3, 4, 2]),     # the same after its crop of a strided Conv's overhang
+    (False, [0, 1, 3, 4, 2]),    # a Transpose that keeps the order: left as it is
+])
+def test_a_large_kernel_conv_read_swapped_is_written_in_the_swapped_layout(crop: bool, perm: list[int]) -> None:
+    """[batch, filters, k, k] read by a Reshape adding the seed axis and a Transpose to [filters, batch, k, k, 1]:
+    the GEMMs compute [filters, batch] per position and one 2-D transpose of their stack writes the Transpose's
+    output; onnxruntime's Transposes of three axes or more go element by element."""
+    rng = np.random.default_rng(14)
+    x_shape, w_shape = [6, 4, 10, 10], [5, 4, 8 if not crop else 4, 8 if not crop else 4]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="correlate", dilations=[1, 1] if not crop else [2, 2])]
+    source = "y"
+    if crop:
+        nodes.append(helper.make_node("Slice", ["y", "starts", "ends", "axes"], ["kernel"], name="crop"))
+        source = "kernel"
+    nodes += [helper.make_node("Reshape", [source, "seeded"], ["with_seed"]),
+              helper.make_node("Transpose", ["with_seed"], ["grad"], perm=perm)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+                           helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape)],
+                   [helper.make_tensor_value_info("grad", TensorProto.FLOAT, None)],
+                   [numpy_helper.from_array(np.array([6, 5, 1, 3, 3], np.int64), "seeded"),
+                    numpy_helper.from_array(np.zeros(2, np.int64), "starts"),
+                    numpy_helper.from_array(np.array([3, 3], np.int64), "ends"),
+                    numpy_helper.from_array(np.arange(2, 4, dtype=np.int64), "axes")])
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32),
+             "w": rng.standard_normal(w_shape).astype(np.float32)}
+    assert _rewritten_agrees(model, gemm_large_kernel_convs, feeds) == 1
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    gemm_large_kernel_convs(changed)
+    producers = {n.output[0]: n for n in changed.graph.node}
+    ranks = {name: len(shape) for name, shape in static_shapes(changed).items()}
+    big_transposes = [n for n in changed.graph.node if n.op_type == "Transpose" and ranks.get(n.input[0], 0) > 2]
+    if perm[0] == 1:
+        assert producers["grad"].op_type == "Reshape" and not big_transposes
+        assert producers[producers["grad"].input[0]].op_type == "Transpose"
+    else:
+        assert big_transposes
 
 
 def test_an_all_ones_window_spread_rewritten_as_a_resize_computes_the_same() -> None:

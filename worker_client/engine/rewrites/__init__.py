@@ -47,6 +47,8 @@ avoids and why the replacement is exact.
 - `prune`: nodes and initializers nothing reads, dropped;
 - `scans`: the pruning, broadcast and no-op passes (`layout.drop_no_op_layout_ops`) run inside each
   Scan body, which onnxruntime runs once per time step;
+- `recurrences`: a recurrent layer's reverse sweep reads the gates its forward sweep computed (taped
+  per step) instead of computing them again;
 - `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
 - `toolkit`: what the passes share (static shapes, constants, fresh names).
@@ -76,6 +78,7 @@ from worker_client.engine.rewrites.matmul import flatten_weight_matmuls, sum_bat
 from worker_client.engine.rewrites.outputs import compute_outputs_in_place
 from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
 from worker_client.engine.rewrites.prune import prune
+from worker_client.engine.rewrites.recurrences import reuse_forward_values
 from worker_client.engine.rewrites.scans import rewrite_scan_bodies
 from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
 from worker_client.engine.rewrites.sequences import split_constant_sequences
@@ -149,4 +152,6 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     compute_outputs_in_place(model, GRAD_PREFIX)
     prune(model)
     rewrite_scan_bodies(model, [prune, drop_no_op_layout_ops, broadcast_in_readers, prune])
+    reuse_forward_values(model)         # after the bodies are clean: their nodes are matched one for one
+    prune(model)
     return model

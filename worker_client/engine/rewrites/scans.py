@@ -22,7 +22,7 @@ from onnx import helper
 
 from worker_client.engine.rewrites.toolkit import shapes_and_types
 
-__all__ = ["rewrite_scan_bodies"]
+__all__ = ["body_as_model", "rewrite_scan_bodies"]
 
 
 def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.ModelProto], object]]) -> int:
@@ -39,7 +39,7 @@ def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.Mode
     for index, scan in enumerate(scans):
         attributes = {a.name: a for a in scan.attribute}
         body = attributes["body"].g
-        wrapper = _wrapped(model, scan, body, shapes, types)
+        wrapper = body_as_model(model, scan, body, shapes, types)
         if wrapper is None:
             continue
         before = len(body.node)
@@ -52,7 +52,7 @@ def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.Mode
     return changed
 
 
-def _wrapped(model: onnx.ModelProto, scan: onnx.NodeProto, body: onnx.GraphProto,
+def body_as_model(model: onnx.ModelProto, scan: onnx.NodeProto, body: onnx.GraphProto,
              shapes: dict[str, tuple[int, ...]], types: dict[str, int]) -> onnx.ModelProto | None:
     """The body as a model: its inputs with the static shapes the Scan feeds, the outer values it reads as
     extra inputs; None where a shape or type is not known."""

@@ -101,6 +101,8 @@ def test_a_recomputed_value_is_read_from_the_forward_scan_in_either_direction(
     forward_body, reverse_body = _scan_bodies(model)
     assert {n.op_type for n in reverse_body.node}.isdisjoint({"MatMul", "Tanh"})
     assert len(forward_body.output) == 3                      # the state's tape and tanh(x W)'s
+    taped = forward_body.output[2].type.tensor_type           # onnxruntime's Scan wants each output's shape
+    assert [d.dim_value for d in taped.shape.dim] == [BATCH, WIDTH]
     assert reuse_forward_values(model) == 0                   # nothing left to take
 
 

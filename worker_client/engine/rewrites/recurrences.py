@@ -171,7 +171,7 @@ def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodePr
     r_wrapper = body_as_model(model, reverse, r_body, shapes, types)
     if f_wrapper is None or r_wrapper is None:
         return 0
-    _, f_types = shapes_and_types(f_wrapper)
+    f_shapes, f_types = shapes_and_types(f_wrapper)
     r_shapes, r_types = shapes_and_types(r_wrapper)
     f_constants, r_constants = constants(f_wrapper), constants(r_wrapper)
     f_defined = {v.name for v in f_body.input} | {n for node in f_body.node for n in node.output}
@@ -282,7 +282,10 @@ def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodePr
             if any(v.name == theirs for v in [*f_outputs, *f_body.input]):
                 inner = names.fresh(theirs)
                 f_copies.append(helper.make_node("Identity", [theirs], [inner]))
-            f_outputs.append(helper.make_tensor_value_info(inner, f_types.get(theirs, r_types[name]), None))
+            # onnxruntime's Scan wants each body output's shape where it cannot infer one itself
+            known = f_shapes.get(theirs, r_shapes.get(name))
+            f_outputs.append(helper.make_tensor_value_info(inner, f_types.get(theirs, r_types[name]),
+                                                           list(known) if known is not None else None))
             forward.output.append(existing)
             f_out_axes.append(0)
             f_out_dirs.append(0)

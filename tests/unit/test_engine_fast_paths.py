@@ -18,7 +18,7 @@ from worker_client.engine import rewrites
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
 from worker_client.engine.rewrites.layout import space_to_depth_transposes
 from worker_client.engine.rewrites.nchwc import NCHWC_DOMAIN, block_convs, nchwc_block_size
-from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
+from worker_client.engine.rewrites.scatter import concat_padded_pieces, concat_piecewise_scatters
 from worker_client.engine.rewrites.toolkit import static_shapes
 from worker_client.engine.training_mode import training_form
 
@@ -199,6 +199,63 @@ def test_scatter_sums_that_do_not_rebuild_the_whole_tensor_are_left_alone(
     model = _scatter_sum(indices, rows=rows)
     feeds = {f"update{p}": rng.standard_normal((4, 5)).astype(np.float32) for p in range(len(indices))}
     count, _ = _rewritten_agrees(model, concat_piecewise_scatters, feeds)
+    assert count == 0
+
+
+def _padded_sum(spans: Sequence[tuple[int, int]], *, axis: int = 0, full: int = 10, value: float = 0.0,
+                mode: str = "constant", also_pad_axis: int | None = None) -> tuple[onnx.ModelProto, dict]:
+    """Sum over `spans` (begin, size) of Pad(piece_i) to `full` along `axis` of a [*, 3] tensor: onnx-ad's
+    adjoint of a tensor taken apart by Slices."""
+    nodes, inputs = [], {}
+    initializers = []
+    for position, (begin, size) in enumerate(spans):
+        shape = [size, 3] if axis == 0 else [3, size]
+        amounts = [0, 0, 0, 0]
+        amounts[axis], amounts[axis + 2] = begin, full - begin - size
+        if also_pad_axis is not None:
+            amounts[also_pad_axis + 2] += 1
+        initializers += [numpy_helper.from_array(np.array(amounts, np.int64), f"pads{position}"),
+                         numpy_helper.from_array(np.array(value, np.float32), f"value{position}")]
+        nodes.append(helper.make_node("Pad", [f"piece{position}", f"pads{position}", f"value{position}"],
+                                      [f"padded{position}"], mode=mode))
+        inputs[f"piece{position}"] = shape
+    nodes.append(helper.make_node("Sum", [f"padded{p}" for p in range(len(spans))], ["y"]))
+    model = _model(nodes, inputs, ["y"])
+    model.graph.initializer.extend(initializers)
+    rng = np.random.default_rng(19)
+    feeds = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in inputs.items()}
+    return model, feeds
+
+
+@pytest.mark.parametrize("spans, axis", [([(0, 4), (4, 6)], 0), ([(6, 4), (0, 2), (2, 4)], 0), ([(3, 7), (0, 3)], 1)])
+def test_a_sum_of_padded_pieces_tiling_an_axis_becomes_one_concat(spans: list[tuple[int, int]], axis: int) -> None:
+    model, feeds = _padded_sum(spans, axis=axis)
+    count, changed = _rewritten_agrees(model, concat_padded_pieces, feeds)
+    assert count == 1
+    assert [n.op_type for n in changed.graph.node] == ["Concat"]
+    ordered = [feeds[f"piece{p}"] for p, _ in sorted(enumerate(spans), key=lambda item: item[1][0])]
+    np.testing.assert_array_equal(_run(changed, feeds)[0], np.concatenate(ordered, axis=axis))
+
+
+@pytest.mark.parametrize("spans, options", [
+    ([(0, 4), (5, 5)], {}),                        # a gap: zeros there
+    ([(0, 5), (4, 6)], {}),                        # an overlap: those elements add
+    ([(0, 4), (4, 6)], {"value": 1.0}),            # padded with ones
+    ([(0, 4), (4, 6)], {"mode": "edge"}),          # not zeros at all
+    ([(0, 4), (4, 6)], {"also_pad_axis": 1, "full": 10}),   # padded along two axes
+])
+def test_padded_sums_that_are_not_a_tiling_are_left_alone(spans: list[tuple[int, int]], options: dict) -> None:
+    model, feeds = _padded_sum(spans, **options)
+    if options.get("also_pad_axis") is not None:
+        model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, None))
+    count, _ = _rewritten_agrees(model, concat_padded_pieces, feeds)
+    assert count == 0
+
+
+def test_a_padded_piece_read_elsewhere_keeps_the_sum() -> None:
+    model, feeds = _padded_sum([(0, 4), (4, 6)])
+    model.graph.output.append(helper.make_tensor_value_info("padded0", TensorProto.FLOAT, None))
+    count, _ = _rewritten_agrees(model, concat_padded_pieces, feeds)
     assert count == 0
 
 
@@ -500,3 +557,32 @@ def test_a_pixel_shuffles_gradients_hold_without_a_six_axis_transpose(tmp_path: 
     assert set(gradients) == {"w1", "w2"}
     for name in gradients:
         np.testing.assert_allclose(gradients[name], plain_gradients[name], rtol=1e-5, atol=1e-6)
+
+
+def test_an_lstms_gate_slices_come_back_as_concats_and_its_gradients_hold(tmp_path: Path, monkeypatch) -> None:
+    """The torch LSTM fixture: onnx-ad's adjoints of the gates cut from the stacked weights, biases and input
+    projection are zero Pads summed; with the rewrite the graph has none, and the gradients match torch's."""
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
+    data = np.load(fixtures / "lstm_reader.npz")
+    inputs = {k[len("input:"):]: data[k] for k in data.files if k.startswith("input:")}
+    inputs["labels"] = data["labels"]
+
+    def build(folder: str) -> GradientEngine:
+        return GradientEngine(fixtures / "lstm_reader.onnx", batch_size=len(inputs["labels"]), loss="cross_entropy",
+                              cache_dir=tmp_path / folder)
+
+    engine = build("with")
+    with monkeypatch.context() as patched:
+        patched.setattr(rewrites, "concat_padded_pieces", lambda model: 0)
+        plain = build("without")
+
+    def pads(built: GradientEngine) -> int:
+        return sum(n.op_type == "Pad" for n in built._graph.model.graph.node)
+
+    assert pads(plain) >= 4 and pads(engine) == 0
+    _, gradients = engine.gradients(engine.parameters(), inputs)
+    _, plain_gradients = plain.gradients(plain.parameters(), inputs)
+    reference = {k[len("grad:"):]: data[k] for k in data.files if k.startswith("grad:")}
+    for name, expected in reference.items():
+        np.testing.assert_array_equal(gradients[name], plain_gradients[name])
+        np.testing.assert_allclose(gradients[name], expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())

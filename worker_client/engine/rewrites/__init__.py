@@ -28,7 +28,8 @@ avoids and why the replacement is exact.
   AveragePool as a zero-padded one times a constant per position (on the forward graph:
   onnx-ad refuses ceil_mode);
 - `scatter`: Gather adjoints that rebuild a whole tensor from its pieces (an attention's
-  query, key and value) as one Concat;
+  query, key and value), and Slice adjoints (zero Pads) that do the same (an LSTM's gates), as
+  one Concat;
 - `sums`: onnx-ad's gradient accumulations of two terms (Sum) as Add, which onnxruntime runs on
   its intra-op pool (its Sum runs on one thread);
 - `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
@@ -80,7 +81,7 @@ from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overha
 from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.rewrites.recurrences import reuse_forward_values
 from worker_client.engine.rewrites.scans import rewrite_scan_bodies
-from worker_client.engine.rewrites.scatter import concat_piecewise_scatters
+from worker_client.engine.rewrites.scatter import concat_padded_pieces, concat_piecewise_scatters
 from worker_client.engine.rewrites.sequences import split_constant_sequences
 from worker_client.engine.rewrites.sums import sums_as_adds
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
@@ -141,6 +142,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     route_max_pool_adjoints(model)
     assign_unique_scatters(model)
     concat_piecewise_scatters(model)
+    concat_padded_pieces(model)
     sums_as_adds(model)
     canonicalize_layout_ops(model)
     space_to_depth_transposes(model)

@@ -14,7 +14,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from worker_client import GradientEngine
+from worker_client.engine import engine as engine_module
 from worker_client.engine import rewrites
+from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
 from worker_client.engine.rewrites.layout import space_to_depth_transposes
 from worker_client.engine.rewrites.nchwc import NCHWC_DOMAIN, block_convs, nchwc_block_size
@@ -468,18 +470,58 @@ def test_the_cpu_sessions_run_the_blocked_convs_and_give_what_the_plain_ones_giv
         np.testing.assert_allclose(got_out["logits"], want_out["logits"], rtol=1e-5, atol=1e-6)
 
 
-def test_a_strided_transposed_convs_phases_are_interleaved_in_depth_to_space_order() -> None:
-    """Phase-major channels and DepthToSpace's DCR mode: onnx-ad's adjoint of DCR is one SpaceToDepth, of CRD a
-    6-D Transpose onnxruntime runs element by element."""
+@pytest.mark.parametrize("mode, block", [("CRD", 2), ("DCR", 2), ("CRD", 3), ("DCR", 3)])
+def test_a_depth_to_space_becomes_one_col2im_on_the_cpu(mode: str, block: int) -> None:
     rng = np.random.default_rng(15)
-    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="up", strides=[2, 2])
-    model = _model([node], {"g": [2, 5, 4, 4], "w": [5, 3, 2, 2]}, ["y"])
-    feeds = {"g": rng.standard_normal((2, 5, 4, 4)).astype(np.float32),
-             "w": rng.standard_normal((5, 3, 2, 2)).astype(np.float32)}
-    count, changed = _rewritten_agrees(model, split_strided_transposed_convs, feeds)
-    assert count == 1
-    interleave, = (n for n in changed.graph.node if n.op_type == "DepthToSpace")
-    assert helper.get_attribute_value(next(a for a in interleave.attribute if a.name == "mode")) == b"DCR"
+    node = helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=block, mode=mode)
+    model = _model([node], {"x": [2, 3 * block * block, 4, 5]}, ["y"])
+    feeds = {"x": rng.standard_normal((2, 3 * block * block, 4, 5)).astype(np.float32)}
+    before = _run(model, feeds)[0]
+    assert depth_to_space_as_col2im(model) == 1
+    ops = [n.op_type for n in model.graph.node]
+    assert "DepthToSpace" not in ops and ops.count("Col2Im") == 1
+    np.testing.assert_array_equal(_run(model, feeds)[0], before)
+
+
+def test_depth_to_space_stays_below_opset_18_and_for_other_element_types() -> None:
+    node = helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=2, mode="CRD")
+    older = _model([node], {"x": [2, 12, 4, 5]}, ["y"])
+    older.opset_import[0].version = 17
+    assert depth_to_space_as_col2im(older) == 0
+    doubles = _model([node], {"x": [2, 12, 4, 5]}, ["y"])
+    doubles.graph.input[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    assert depth_to_space_as_col2im(doubles) == 0
+
+
+def test_a_trainable_strided_transposed_conv_runs_col2im_on_the_cpu_and_its_gradients_hold(
+        tmp_path: Path, monkeypatch) -> None:
+    """A stride-2 ConvTranspose with a trainable weight (an upsampling decoder's): the cached gradient graph
+    keeps DepthToSpace for every execution provider; the CPU session runs Col2Im; the gradients are those of
+    the session without that rewrite."""
+    rng = np.random.default_rng(20)
+    nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2])]
+    graph = helper.make_graph(
+        nodes, "up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 5, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3, 10, 10])],
+        [numpy_helper.from_array(rng.standard_normal((4, 3, 2, 2)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    path = tmp_path / "up.onnx"
+    onnx.save(model, path)
+    batch = {"x": rng.standard_normal((4, 4, 5, 5)).astype(np.float32),
+             "labels": rng.standard_normal((4, 3, 10, 10)).astype(np.float32)}
+    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "with")
+    with monkeypatch.context() as patched:
+        patched.setattr(engine_module, "depth_to_space_as_col2im", lambda model: 0)
+        plain = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "without")
+    cached = {n.op_type for n in engine._graph.model.graph.node}
+    assert "DepthToSpace" in cached and "Col2Im" not in cached
+    running = {n.op_type for n in engine._for_placement(engine._graph.model).graph.node}
+    assert "Col2Im" in running and "DepthToSpace" not in running
+    loss, gradients = engine.gradients(engine.parameters(), batch)
+    plain_loss, plain_gradients = plain.gradients(plain.parameters(), batch)
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    np.testing.assert_allclose(gradients["w"], plain_gradients["w"], rtol=1e-5, atol=1e-6)
 
 
 def _crd_adjoint(blocks: tuple[int, int] = (2, 2), perm: Sequence[int] = (0, 1, 3, 5, 2, 4),

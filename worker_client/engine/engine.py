@@ -38,6 +38,7 @@ from worker_client.engine.load import clamp_ir_version, load_model, read_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
+from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
 from worker_client.engine.session import open_session, placement, run_bound
 from worker_client.engine.sparse import SparsePlan, declared_dynamic_tables, find_sparse_tables, rewrite_sparse
@@ -213,15 +214,20 @@ class GradientEngine:
     def _for_placement(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """A model as this placement's session runs it (the gradient, forward or evaluation model): on the CPU,
         with the Convs that gain on onnxruntime's channel-blocked kernels moved there (rewrites/nchwc.py; only
-        Convs of static shapes; a copy, so the cached gradient graph is left device-neutral)."""
+        Convs of static shapes) and DepthToSpace as Col2Im (rewrites/col2im.py); a copy, so the cached gradient
+        graph is left device-neutral."""
         if self._placement.cuda_index is not None:
             return model
         block = nchwc_block_size()
-        if not block or not any(n.op_type == "Conv" for n in model.graph.node):
+        ops = {n.op_type for n in model.graph.node}
+        if "DepthToSpace" not in ops and not (block and "Conv" in ops):
             return model
-        blocked = onnx.ModelProto()
-        blocked.CopyFrom(model)
-        return blocked if block_convs(blocked, block) else model
+        cpu = onnx.ModelProto()
+        cpu.CopyFrom(model)
+        changed = depth_to_space_as_col2im(cpu)
+        if block and "Conv" in ops:
+            changed += block_convs(cpu, block)
+        return cpu if changed else model
 
     def _gradient_graph(self, loss: LossSpec) -> GradientGraph:
         """The stages that turn the lifted model into the gradient model, in order (run

@@ -52,6 +52,8 @@ avoids and why the replacement is exact.
   per step) instead of computing them again;
 - `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
+- `col2im`: DepthToSpace as a Col2Im of non-overlapping blocks (a CPU session's copy too: onnxruntime's
+  CPU DepthToSpace moves elements one by one);
 - `toolkit`: what the passes share (static shapes, constants, fresh names).
 """
 

@@ -529,13 +529,15 @@ def _phase_convs(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], y
             plans = [_phase_axis(phase, heads[axis], w[axis + 2], x[axis + 2], y[axis + 2] // stride,
                                  stride) for axis, phase in enumerate((a, b))]
             nodes += _phase_conv(node, swapped, x, plans, [stride, stride], emit)
-            phases.append(nodes.pop().input[0])   # the Conv's own [N, C, h, w]: no stack axis here
-    # phase-major channels (phase (a, b) at channels (a * stride + b) * C ...): DepthToSpace's DCR order, whose
-    # adjoint onnx-ad writes as one SpaceToDepth (0.15 ms on [32, 16, 32, 32]) where CRD's is a 6-D Transpose (1.3)
+            phases.append(nodes[-1].output[0])
+    # channel-major (CRD): on the CPU that DepthToSpace is one Col2Im (rewrites/col2im.py), and its adjoint, where
+    # onnx-ad differentiates one (a trainable ConvTranspose), one SpaceToDepth (layout.space_to_depth_transposes)
     stacked = emit.name()
-    nodes += [helper.make_node("Concat", phases, [stacked], name=stacked, axis=1),
-              helper.make_node("DepthToSpace", [stacked], [node.output[0]],
-                               name=node.name or node.output[0], blocksize=stride, mode="DCR")]
+    to_channels, channels = emit.reshape(stacked, [y[0], y[1] * stride * stride, y[2] // stride,
+                                                   y[3] // stride])
+    nodes += [helper.make_node("Concat", phases, [stacked], name=stacked, axis=2), to_channels,
+              helper.make_node("DepthToSpace", [channels], [node.output[0]],
+                               name=node.name or node.output[0], blocksize=stride, mode="CRD")]
     return nodes
 
 

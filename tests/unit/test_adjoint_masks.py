@@ -66,3 +66,34 @@ def test_a_graph_without_seeded_wheres_is_left_alone() -> None:
     model = _model()   # the forward graph alone: no input or initializer carries the gradient prefix
     assert masks_as_products(model, GRAD_PREFIX) == 0
     assert sum(n.op_type == "Where" for n in model.graph.node) == 1
+
+
+def _select(chosen: float | int, other: float | int, dtype=np.float32) -> onnx.ModelProto:
+    initializers = [numpy_helper.from_array(np.array(chosen, dtype), "a"),
+                    numpy_helper.from_array(np.array(other, dtype), "b")]
+    nodes = [helper.make_node("Greater", ["x", "y"], ["mask"]),
+             helper.make_node("Where", ["mask", "a", "b"], ["selected"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, SHAPE) for n in "xy"],
+                              [helper.make_tensor_value_info("selected", helper.np_dtype_to_tensor_dtype(
+                                  np.dtype(dtype)), SHAPE)], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def test_a_where_between_a_constant_and_zero_is_the_cast_mask_anywhere() -> None:
+    """Clip's adjoint builds its mask as Where(in_range, 1, 0), HardSigmoid's as Where(in_range, 1/6, 0): exact as
+    a Cast (of Not, for 0 and k) times k, forward graph or not, since both branches are constants."""
+    rng = np.random.default_rng(2)
+    feed = {"x": rng.standard_normal(SHAPE).astype(np.float32), "y": rng.standard_normal(SHAPE).astype(np.float32)}
+    for chosen, other in ((1.0, 0.0), (0.0, 1.0), (1 / 6, 0.0), (0.0, -2.5)):
+        model = _select(chosen, other)
+        expected = ort.InferenceSession(model.SerializeToString()).run(None, feed)[0]
+        assert masks_as_products(model, GRAD_PREFIX) == 1
+        assert "Where" not in {n.op_type for n in model.graph.node}
+        got = ort.InferenceSession(model.SerializeToString()).run(None, feed)[0]
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, expected)
+    for chosen, other, dtype in ((2.0, 3.0, np.float32), (1, 0, np.int64), (0.0, 0.0, np.float32),
+                                 (np.inf, 0.0, np.float32)):
+        assert masks_as_products(_select(chosen, other, dtype), GRAD_PREFIX) == 0

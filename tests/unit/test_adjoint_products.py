@@ -7,16 +7,14 @@ gradient output): the same values, without the two copies.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.helpers.lstm_fixture import lstm_batch, lstm_engines
 from worker_client import GradientEngine
-from worker_client.engine import rewrites
 from worker_client.engine.rewrites.matmul import sum_batched_products, untranspose_products
 from worker_client.engine.rewrites.outputs import compute_outputs_in_place
 from worker_client.engine.rewrites.prune import prune
@@ -255,23 +253,11 @@ def _batch_summed_products(model: onnx.ModelProto) -> int:
 def test_an_lstms_input_weight_gradients_are_single_gemms_and_match_torch(tmp_path, monkeypatch) -> None:
     """The torch LSTM fixture (reference gradients from torch): onnx-ad writes its input projection's weight
     gradient as per-step products summed; with the pass there is none such and the gradients hold."""
-    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
-    data = np.load(fixtures / "lstm_reader.npz")
-    inputs = {k[len("input:"):]: data[k] for k in data.files if k.startswith("input:")}
-    inputs["labels"] = data["labels"]
-
-    def build(folder: str) -> GradientEngine:
-        return GradientEngine(fixtures / "lstm_reader.onnx", batch_size=len(inputs["labels"]), loss="cross_entropy",
-                              cache_dir=tmp_path / folder)
-
-    engine = build("with")
-    with monkeypatch.context() as patched:
-        patched.setattr(rewrites, "sum_batched_products", lambda model: 0)
-        plain = build("without")
+    engine, plain = lstm_engines(tmp_path, monkeypatch, "sum_batched_products")
     assert _batch_summed_products(plain._graph.model) >= 1
     assert _batch_summed_products(engine._graph.model) == 0
+    inputs, reference = lstm_batch()
     _, gradients = engine.gradients(engine.parameters(), inputs)
-    reference = {k[len("grad:"):]: data[k] for k in data.files if k.startswith("grad:")}
     assert reference
     for name, expected in reference.items():
         np.testing.assert_allclose(gradients[name], expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())

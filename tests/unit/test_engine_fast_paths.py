@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
 from worker_client import GradientEngine
 from worker_client.engine import engine as engine_module
 from worker_client.engine import rewrites
@@ -470,6 +471,20 @@ def test_the_cpu_sessions_run_the_blocked_convs_and_give_what_the_plain_ones_giv
         np.testing.assert_allclose(got_out["logits"], want_out["logits"], rtol=1e-5, atol=1e-6)
 
 
+def _with_and_without(graph: onnx.GraphProto, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module,
+                      rewrite: str) -> tuple[GradientEngine, GradientEngine]:
+    """The engine (batch 4, mse) of `graph` as built, and built with `module.<rewrite>` doing nothing."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "with")
+    with monkeypatch.context() as patched:
+        patched.setattr(module, rewrite, lambda *args, **kwargs: 0)
+        plain = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "without")
+    return engine, plain
+
+
 @pytest.mark.parametrize("mode, block", [("CRD", 2), ("DCR", 2), ("CRD", 3), ("DCR", 3)])
 def test_a_depth_to_space_becomes_one_col2im_on_the_cpu(mode: str, block: int) -> None:
     rng = np.random.default_rng(15)
@@ -504,16 +519,9 @@ def test_a_trainable_strided_transposed_conv_runs_col2im_on_the_cpu_and_its_grad
         nodes, "up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 5, 5])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3, 10, 10])],
         [numpy_helper.from_array(rng.standard_normal((4, 3, 2, 2)).astype(np.float32), "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    path = tmp_path / "up.onnx"
-    onnx.save(model, path)
     batch = {"x": rng.standard_normal((4, 4, 5, 5)).astype(np.float32),
              "labels": rng.standard_normal((4, 3, 10, 10)).astype(np.float32)}
-    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "with")
-    with monkeypatch.context() as patched:
-        patched.setattr(engine_module, "depth_to_space_as_col2im", lambda model: 0)
-        plain = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "without")
+    engine, plain = _with_and_without(graph, tmp_path, monkeypatch, engine_module, "depth_to_space_as_col2im")
     cached = {n.op_type for n in engine._graph.model.graph.node}
     assert "DepthToSpace" in cached and "Col2Im" not in cached
     running = {n.op_type for n in engine._for_placement(engine._graph.model).graph.node}
@@ -575,16 +583,9 @@ def test_a_pixel_shuffles_gradients_hold_without_a_six_axis_transpose(tmp_path: 
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 12, 12])],
         [numpy_helper.from_array(rng.standard_normal((16, 3, 3, 3)).astype(np.float32), "w1"),
          numpy_helper.from_array(rng.standard_normal((2, 4, 3, 3)).astype(np.float32), "w2")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    path = tmp_path / "shuffle.onnx"
-    onnx.save(model, path)
     batch = {"x": rng.standard_normal((4, 3, 6, 6)).astype(np.float32),
              "labels": rng.standard_normal((4, 2, 12, 12)).astype(np.float32)}
-    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "with")
-    with monkeypatch.context() as patched:
-        patched.setattr(rewrites, "space_to_depth_transposes", lambda model: 0)
-        plain = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "without")
+    engine, plain = _with_and_without(graph, tmp_path, monkeypatch, rewrites, "space_to_depth_transposes")
 
     def six_axis_transposes(built: GradientEngine) -> int:
         shapes = static_shapes(built._graph.model)
@@ -604,27 +605,10 @@ def test_a_pixel_shuffles_gradients_hold_without_a_six_axis_transpose(tmp_path: 
 def test_an_lstms_gate_slices_come_back_as_concats_and_its_gradients_hold(tmp_path: Path, monkeypatch) -> None:
     """The torch LSTM fixture: onnx-ad's adjoints of the gates cut from the stacked weights, biases and input
     projection are zero Pads summed; with the rewrite the graph has none, and the gradients match torch's."""
-    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
-    data = np.load(fixtures / "lstm_reader.npz")
-    inputs = {k[len("input:"):]: data[k] for k in data.files if k.startswith("input:")}
-    inputs["labels"] = data["labels"]
-
-    def build(folder: str) -> GradientEngine:
-        return GradientEngine(fixtures / "lstm_reader.onnx", batch_size=len(inputs["labels"]), loss="cross_entropy",
-                              cache_dir=tmp_path / folder)
-
-    engine = build("with")
-    with monkeypatch.context() as patched:
-        patched.setattr(rewrites, "concat_padded_pieces", lambda model: 0)
-        plain = build("without")
+    engine, plain = lstm_engines(tmp_path, monkeypatch, "concat_padded_pieces")
 
     def pads(built: GradientEngine) -> int:
         return sum(n.op_type == "Pad" for n in built._graph.model.graph.node)
 
     assert pads(plain) >= 4 and pads(engine) == 0
-    _, gradients = engine.gradients(engine.parameters(), inputs)
-    _, plain_gradients = plain.gradients(plain.parameters(), inputs)
-    reference = {k[len("grad:"):]: data[k] for k in data.files if k.startswith("grad:")}
-    for name, expected in reference.items():
-        np.testing.assert_array_equal(gradients[name], plain_gradients[name])
-        np.testing.assert_allclose(gradients[name], expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())
+    assert_lstm_gradients_hold(engine, plain)

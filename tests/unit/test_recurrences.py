@@ -11,11 +11,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
 from worker_client import GradientEngine
-from worker_client.engine import rewrites
 from worker_client.engine.rewrites.recurrences import reuse_forward_values
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "torch"
 _F = TensorProto.FLOAT
 STEPS, BATCH, WIDTH = 5, 3, 4
 
@@ -145,29 +143,11 @@ def test_an_lstms_reverse_sweep_no_longer_recomputes_its_gates_and_its_gradients
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch LSTM fixture (reference gradients from torch): bit for bit the gradients of the graph built
     without the pass, and no product by the recurrent weight left in a reverse body but the adjoint's."""
-    data = np.load(FIXTURES / "lstm_reader.npz")
-    inputs = {k[len("input:"):]: data[k] for k in data.files if k.startswith("input:")}
-    inputs["labels"] = data["labels"]
-
-    def build(folder: str) -> GradientEngine:
-        return GradientEngine(FIXTURES / "lstm_reader.onnx", batch_size=len(inputs["labels"]), loss="cross_entropy",
-                              cache_dir=tmp_path / folder)
-
-    engine = build("with")
-    with monkeypatch.context() as patched:
-        patched.setattr(rewrites, "reuse_forward_values", lambda model: 0)
-        plain = build("without")
+    engine, plain = lstm_engines(tmp_path, monkeypatch, "reuse_forward_values")
 
     def reverse_matmuls(built: GradientEngine) -> int:
         return sum(sum(n.op_type == "MatMul" for n in body.node)
                    for body in _scan_bodies(built._graph.model) if "adjoint" in body.name)
 
     assert reverse_matmuls(engine) < reverse_matmuls(plain)
-    loss, gradients = engine.gradients(engine.parameters(), inputs)
-    plain_loss, plain_gradients = plain.gradients(plain.parameters(), inputs)
-    assert loss == plain_loss
-    reference = {k[len("grad:"):]: data[k] for k in data.files if k.startswith("grad:")}
-    assert reference
-    for name, expected in reference.items():
-        np.testing.assert_array_equal(gradients[name], plain_gradients[name])
-        np.testing.assert_allclose(gradients[name], expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())
+    assert_lstm_gradients_hold(engine, plain)

@@ -215,19 +215,26 @@ def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodePr
         return ("outer", name)
 
     canonical_outer: list[str] = []
+
+    def input_keys(node: onnx.NodeProto, known: dict[str, tuple], constant_values: dict[str, np.ndarray],
+                   defined: set[str]) -> list[tuple | None]:
+        """Each input as a key: a known body value, a constant or outside value, or ("missing", name)."""
+        keys: list[tuple | None] = []
+        for name in node.input:
+            if not name:
+                keys.append(None)
+            elif name in known:
+                keys.append(known[name])
+            elif name in constant_values or name not in defined:
+                keys.append(outside_key(name, constant_values, canonical_outer))
+            else:
+                keys.append(("missing", name))
+        return keys
+
     f_key = {v.name: ("f", v.name) for v in f_body.input}
     index: dict[tuple, onnx.NodeProto] = {}
     for node in f_body.node:
-        inputs = []
-        for name in node.input:
-            if not name:
-                inputs.append(None)
-            elif name in f_key:
-                inputs.append(f_key[name])
-            elif name in f_constants or name not in f_defined:
-                inputs.append(outside_key(name, f_constants, canonical_outer))
-            else:
-                inputs.append(("unknown", name))
+        inputs = input_keys(node, f_key, f_constants, f_defined)
         for name in node.output:
             f_key[name] = ("f", name)
         if _deterministic(node):
@@ -237,17 +244,8 @@ def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodePr
     for node in r_body.node:
         if node.op_type == "Constant":     # read by value (its readers key it as a constant): nothing to take
             continue
-        inputs = []
-        for name in node.input:
-            if not name:
-                inputs.append(None)
-            elif name in key:
-                inputs.append(key[name])
-            elif name in r_constants or name not in r_defined:
-                inputs.append(outside_key(name, r_constants, canonical_outer))
-            else:
-                inputs.append(("unmatched", name))
-        if any(item is not None and item[0] in ("unmatched", "unknown") for item in inputs):
+        inputs = input_keys(node, key, r_constants, r_defined)
+        if any(item is not None and item[0] == "missing" for item in inputs):
             continue
         twin = index.get((_signature(node), tuple(inputs)))
         if twin is None or not _deterministic(node):

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
 from worker_client import GradientEngine
+from worker_client.engine import rewrites
 from worker_client.engine.rewrites.recurrences import reuse_forward_values
 _F = TensorProto.FLOAT
 STEPS, BATCH, WIDTH = 5, 3, 4
@@ -151,3 +152,61 @@ def test_an_lstms_reverse_sweep_no_longer_recomputes_its_gates_and_its_gradients
 
     assert reverse_matmuls(engine) < reverse_matmuls(plain)
     assert_lstm_gradients_hold(engine, plain)
+
+
+def _recurrent_model(op: str, direction: str, extra: dict) -> tuple[onnx.ModelProto, int]:
+    """One ONNX LSTM, GRU or RNN node (batch-first), its outputs averaged over time: [batch, directions * 4]."""
+    rng = np.random.default_rng(3)
+    directions = 2 if direction == "bidirectional" else 1
+    gates, hidden, features = {"LSTM": 4, "GRU": 3, "RNN": 1}[op], 4, 5
+    weights = [rng.standard_normal((directions, gates * hidden, features)).astype(np.float32) * 0.3,
+               rng.standard_normal((directions, gates * hidden, hidden)).astype(np.float32) * 0.3,
+               rng.standard_normal((directions, 2 * gates * hidden)).astype(np.float32) * 0.1]
+    nodes = [helper.make_node(op, ["x", "W", "R", "B"], ["Y"], hidden_size=hidden, direction=direction, layout=1,
+                              **extra),
+             helper.make_node("ReduceMean", ["Y", "time"], ["mean"], keepdims=0),
+             helper.make_node("Reshape", ["mean", "flat"], ["out"])]
+    graph = helper.make_graph(
+        nodes, "recurrent", [helper.make_tensor_value_info("x", _F, ["batch", STEPS, features])],
+        [helper.make_tensor_value_info("out", _F, ["batch", directions * hidden])],
+        [*(numpy_helper.from_array(w, name) for w, name in zip(weights, "WRB")),
+         numpy_helper.from_array(np.array([1], np.int64), "time"),
+         numpy_helper.from_array(np.array([-1, directions * hidden], np.int64), "flat")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model, directions * hidden
+
+
+@pytest.mark.parametrize("op, direction, extra", [
+    ("LSTM", "reverse", {}),
+    ("LSTM", "bidirectional", {}),
+    ("GRU", "bidirectional", {"linear_before_reset": 1}),
+    ("RNN", "bidirectional", {}),
+])
+def test_every_direction_of_every_recurrent_op_reuses_its_forward_and_keeps_its_gradients(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, op: str, direction: str, extra: dict) -> None:
+    """ONNX's own recurrent nodes, each direction a forward and a reverse Scan in onnx-ad's expansion: every
+    reverse body shrinks, and the gradients are those of the graph built without the pass."""
+    model, width = _recurrent_model(op, direction, extra)
+    path = tmp_path / "recurrent.onnx"
+    onnx.save(model, path)
+    engine = GradientEngine(path, batch_size=3, loss="mse", cache_dir=tmp_path / "with")
+    with monkeypatch.context() as patched:
+        patched.setattr(rewrites, "reuse_forward_values", lambda model: 0)
+        plain = GradientEngine(path, batch_size=3, loss="mse", cache_dir=tmp_path / "without")
+
+    def reverse_bodies(built: GradientEngine) -> list[int]:
+        return [len(body.node) for body in _scan_bodies(built._graph.model) if "adjoint" in body.name]
+
+    sizes, plain_sizes = reverse_bodies(engine), reverse_bodies(plain)
+    assert len(sizes) == len(plain_sizes) == (2 if direction == "bidirectional" else 1)
+    assert all(a < b for a, b in zip(sizes, plain_sizes))
+    rng = np.random.default_rng(4)
+    batch = {"x": rng.standard_normal((3, STEPS, 5)).astype(np.float32),
+             "labels": rng.standard_normal((3, width)).astype(np.float32)}
+    loss, gradients = engine.gradients(engine.parameters(), batch)
+    plain_loss, plain_gradients = plain.gradients(plain.parameters(), batch)
+    assert loss == plain_loss
+    assert set(gradients) == {"W", "R", "B"}
+    for name in gradients:
+        np.testing.assert_array_equal(gradients[name], plain_gradients[name])

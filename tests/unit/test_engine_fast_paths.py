@@ -395,6 +395,9 @@ def _conv_model(x: list[int], w: list[int], bias: bool = False, weight_constant:
     ([2, 16, 300], [32, 16, 5], True, {"pads": [2, 2]}),                                # 1-D: audio, text
     ([2, 32, 600], [16, 32, 3], False, {"strides": [2], "dilations": [2], "pads": [1, 3]}),
     ([2, 16, 64], [16, 1, 3], False, {"group": 16, "pads": [1, 1]}),                  # 1-D depthwise
+    ([2, 32, 16, 16], [12, 32, 3, 3], True, {"pads": [1, 1, 1, 1]}),   # 12 outputs (a PixelShuffle's 3 x 2 x 2)
+    ([2, 12, 16, 16], [32, 12, 3, 3], False, {"pads": [1, 1, 1, 1]}),  # 12 inputs, padded by ReorderInput
+    ([2, 24, 16, 16], [32, 24, 3, 3], True, {"pads": [1, 1, 1, 1]}),   # 24 inputs (an EfficientNet's width)
 ])
 def test_a_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w, bias, attributes) -> None:
     model, feeds = _conv_model(x, w, bias, **attributes)
@@ -414,6 +417,8 @@ def test_a_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w,
     ([2, 16, 32, 32], [32, 16, 1, 1], False, {"strides": [2, 2]}),                  # one tap: no gain
     ([2, 16, 16, 16], [16, 16, 3, 3], True, {"pads": [1, 1, 1, 1]}),                # onnxruntime blocks it itself
     ([2, 16, 16, 16], [16, 16, 3, 3], False, {"auto_pad": "SAME_UPPER"}),
+    ([2, 32, 16, 16], [17, 32, 3, 3], False, {"pads": [1, 1, 1, 1]}),   # 17 outputs: 32 computed, too many
+    ([2, 6, 16, 16], [32, 6, 3, 3], False, {"pads": [1, 1, 1, 1]}),     # 6 inputs: ReorderInput takes fours
 ])
 def test_convs_the_blocked_kernels_would_not_speed_up_are_left_alone(x, w, constant, attributes) -> None:
     model, _ = _conv_model(x, w, weight_constant=constant, **attributes)

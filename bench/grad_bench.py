@@ -6,8 +6,8 @@ Three kinds of model: the small torch fixtures of the engine's tests (``mlp``, `
 ``transformer_cls``: its ``transformer``, a 4-layer text classifier with Dropout), exported with the
 documented recipe into ``--export-dir``; and the small models of other architectures in
 `ps_bench.zoo_models` (``vgg``, ``mobilenet``, ``lstm``, ``gru``, ``conv1d``, ``prenorm``, ``vit``,
-``unet``, ``wide_mlp``), exported the same way. A step is forward, cross-entropy (mse for
-``embedding_bag`` and ``unet``) and backward, the gradients handed out as numpy arrays; torch runs the module in
+``unet``, ``wide_mlp``, ``effnet``, ``bilstm``, ``pixelshuffle``), exported the same way. A step is
+forward, cross-entropy (mse for ``embedding_bag``, ``unet`` and ``pixelshuffle``) and backward, the gradients handed out as numpy arrays; torch runs the module in
 training mode (BatchNorm on batch statistics, Dropout on), the engine draws its Dropout masks itself
 as a worker's step does. Both sides start from the same weights.
 
@@ -193,7 +193,11 @@ def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, 
         error, compared = agreement
         records.append(harness.emit("onnx-ps", f"grad_check_max_error_{name}", size_mb, error * 1e6,
                                     "ppm of the largest gradient", parameters_compared=compared, **context))
-        if error > AGREEMENT:
+        if not compared:   # the module's parameter names are not the file's: an export of another definition
+            harness.log(f"grad_bench: {name}: no parameter of the torch module has its name and shape in "
+                        f"{case.onnx_path}; the file may be a stale export of another definition -- delete it "
+                        f"and run again")
+        elif error > AGREEMENT:
             harness.log(f"grad_bench: {name}: the engine's gradients differ from torch's by {error:.2e} of the "
                         f"largest gradient (more than {AGREEMENT:g}): the timing compares different computations")
     return records

@@ -13,6 +13,10 @@ others a user brings -- a model the engine was not tuned on is where a slow adjo
 ``vit``        a vision transformer: 4 x 4 patches of 32 x 32 images, a class token, 4 pre-norm layers
 ``unet``       an encoder-decoder with a ConvTranspose and a skip connection; mean squared error
 ``wide_mlp``   Linear 512-2048-2048-100 with LayerNorm, SiLU and GELU
+``effnet``     EfficientNet-style MBConv blocks: 1 x 1 expansion, strided depthwise 3 x 3, squeeze-and-excitation,
+               SiLU, BatchNorm, widths 16-24-40
+``bilstm``     token embedding, one bidirectional LSTM (hidden 96) over 40 tokens, its states averaged
+``pixelshuffle`` super-resolution style: 3 x 3 Convs to 3 x 2 x 2 channels and a PixelShuffle by 2; mean squared error
 
 ``case(name, batch, folder) -> (onnx path, module, input, labels, loss)`` builds the model with
 fixed weights, exports it with the documented recipe (docs/models.md, "Exporter recipes") into
@@ -142,6 +146,54 @@ def _wide_mlp() -> nn.Module:
                          nn.Linear(2048, 100))
 
 
+class _SqueezeExcite(nn.Module):
+    def __init__(self, channels: int, reduce: int = 4) -> None:
+        super().__init__()
+        self.gate = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(channels, channels // reduce, 1), nn.SiLU(),
+                                  nn.Conv2d(channels // reduce, channels, 1), nn.Sigmoid())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gate(x)
+
+
+class _MBConv(nn.Module):
+    def __init__(self, inputs: int, outputs: int, stride: int, expand: int = 4) -> None:
+        super().__init__()
+        hidden = inputs * expand
+        self.body = nn.Sequential(
+            nn.Conv2d(inputs, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.SiLU(),
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.SiLU(),
+            _SqueezeExcite(hidden), nn.Conv2d(hidden, outputs, 1, bias=False), nn.BatchNorm2d(outputs))
+        self.residual = stride == 1 and inputs == outputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return x + y if self.residual else y
+
+
+def _effnet() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.SiLU(),
+                         _MBConv(16, 24, 2), _MBConv(24, 24, 1), _MBConv(24, 40, 2), _MBConv(40, 40, 1),
+                         nn.AdaptiveAvgPool2d(1), _Flat(), nn.Linear(40, 10))
+
+
+class _BiLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, 64)
+        self.rnn = nn.LSTM(64, 96, batch_first=True, bidirectional=True)
+        self.out = nn.Linear(192, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        states, _ = self.rnn(self.embed(ids))
+        return self.out(states.mean(1))
+
+
+def _pixelshuffle() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 12, 3, padding=1),
+                         nn.PixelShuffle(2))
+
+
 def _images(batch: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(batch, 3, 32, 32, generator=generator)
 
@@ -161,6 +213,9 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "vit": (_ViT, _images, "cross_entropy"),
     "unet": (_UNet, _images, "mse"),
     "wide_mlp": (_wide_mlp, lambda batch, generator: torch.randn(batch, 512, generator=generator), "cross_entropy"),
+    "effnet": (_effnet, _images, "cross_entropy"),
+    "bilstm": (_BiLSTM, _tokens(1000, 40), "cross_entropy"),
+    "pixelshuffle": (_pixelshuffle, _images, "mse"),
 }
 
 

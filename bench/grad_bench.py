@@ -7,9 +7,10 @@ Three kinds of model: the small torch fixtures of the engine's tests (``mlp``, `
 documented recipe into ``--export-dir``; and the small models of other architectures in
 `ps_bench.zoo_models` (``vgg``, ``mobilenet``, ``lstm``, ``gru``, ``conv1d``, ``prenorm``, ``vit``,
 ``unet``, ``wide_mlp``, ``effnet``, ``bilstm``, ``pixelshuffle``), exported the same way. A step is
-forward, cross-entropy (mse for ``embedding_bag``, ``unet`` and ``pixelshuffle``) and backward, the gradients handed out as numpy arrays; torch runs the module in
-training mode (BatchNorm on batch statistics, Dropout on), the engine draws its Dropout masks itself
-as a worker's step does. Both sides start from the same weights.
+forward, cross-entropy (mse for ``embedding_bag``, ``unet`` and ``pixelshuffle``) and backward, the
+gradients handed out as numpy arrays; torch runs the module in training mode (BatchNorm on batch
+statistics, Dropout on), the engine draws its Dropout masks itself as a worker's step does. Both sides
+start from the same weights.
 
 JSON lines (ps_bench.harness.emit): per model ``grad_step_ms_NAME`` of each system (the median
 step) and ``grad_step_speedup_NAME`` of ``torch/onnx-ps``: torch's time over the engine's, above 1

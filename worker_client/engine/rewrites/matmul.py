@@ -125,15 +125,16 @@ def untranspose_products(model: onnx.ModelProto) -> int:
 def sum_batched_products(model: onnx.ModelProto) -> int:
     """Rewrite a ReduceSum over all the batch axes of a batched MatMul as one GEMM, in place.
 
-    A weight read by a MatMul of a batched operand that the forward rewrites never saw -- onnx-ad
-    writes an LSTM's or GRU's input projection as MatMul(X[T, B, I], W^T) itself, when it expands the
-    layer -- gets onnx-ad's adjoint per batch: X[t]^T @ G[t] for every t, a [T, I, 4H] stack (10 MB for
+    A weight read by a MatMul of a batched operand that the forward rewrites never saw -- onnx-ad writes
+    an LSTM's or GRU's input projection as MatMul(X[T, B, I], W^T) itself, when it expands the layer --
+    gets onnx-ad's adjoint per batch: X[t]^T @ G[t] for every t, a [T, I, 4H] stack (10 MB for
     ps_bench.zoo_models' LSTM), then a ReduceSum over t. The sum over t of X[t]^T @ G[t] is one GEMM of
-    the batches side by side, X as [T*B, I] rows against G as [T*B, 4H]: the same products and sums, no
-    stack, and a GEMM whose inner dimension is T*B rather than B. The left operand is written as the
-    Transpose of its rows, which `untranspose_products` and onnxruntime's FusedMatMul fold away. Only a
-    ReduceSum (through at most one Reshape) of exactly the batch axes, of a MatMul whose two operands
-    both carry the whole batch and that nothing else reads, is rewritten. Returns the number rewritten.
+    the batches side by side, X as [T*B, I] rows against G as [T*B, 4H]: the same products, summed in
+    another order (float rounding), no stack, and a GEMM whose inner dimension is T*B rather than B. The
+    left operand is written as the Transpose of its rows, which `untranspose_products` and onnxruntime's
+    FusedMatMul fold away. Only a ReduceSum (through at most one Reshape) of exactly the batch axes, of
+    a MatMul whose two operands both carry the whole batch and that nothing else reads, is rewritten.
+    Returns the number rewritten.
     """
     shapes = static_shapes(model)
     graph = model.graph

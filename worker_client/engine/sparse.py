@@ -40,6 +40,7 @@ from onnx import helper, numpy_helper
 from worker_client.engine.external_data import map_external
 from worker_client.engine.feeds import declared_dims
 from worker_client.engine.load import max_ir_version
+from worker_client.engine.rewrites.toolkit import RANDOM_OPS
 
 __all__ = ["DYNAMIC_TABLES_KEY", "ROWS_SUFFIX", "SparsePlan", "SparseTable", "declared_dynamic_tables",
            "find_sparse_tables", "rewrite_sparse"]
@@ -161,8 +162,7 @@ def _input_only(graph: onnx.GraphProto) -> set[str]:
     for node in graph.node:   # topological order
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             continue
-        if node.op_type in ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-                            "Bernoulli", "Dropout"):
+        if node.op_type in RANDOM_OPS:
             continue
         if all(i == "" or i in known for i in node.input):
             known.update(o for o in node.output if o)

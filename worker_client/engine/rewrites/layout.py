@@ -14,6 +14,7 @@ from worker_client.engine.rewrites.toolkit import (
     constants,
     opset_of,
     rebuild,
+    reduction_axes,
     shapes_and_types,
     static_shapes,
     subgraph_reads,
@@ -179,12 +180,9 @@ def _reduction(node: onnx.NodeProto, shape: tuple[int, ...], out_shape: tuple[in
                known: dict[str, np.ndarray], opset: int,
                emit: Emitter) -> list[onnx.NodeProto] | None:
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if len(node.input) > 1 and node.input[1]:
-        if node.input[1] not in known:
-            return None  # axes computed at run time
-        axes = [int(a) for a in known[node.input[1]].reshape(-1)]
-    else:
-        axes = list(attributes.get("axes", []))
+    axes = reduction_axes(node, known)
+    if axes is None:
+        return None  # axes computed at run time
     if not axes:
         if attributes.get("noop_with_empty_axes", 0):
             return None

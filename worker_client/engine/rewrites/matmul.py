@@ -10,9 +10,9 @@ from worker_client.engine.rewrites.toolkit import (
     SAME_DATA_OPS,
     Emitter,
     constants,
-    opset_of,
     reader_counts,
     rebuild,
+    reduction_axes,
     static_shapes,
 )
 
@@ -141,26 +141,17 @@ def sum_batched_products(model: onnx.ModelProto) -> int:
     producers = {out: node for node in graph.node for out in node.output}
     readers = reader_counts(graph)
     values = constants(model)
-    opset = opset_of(model)
     emit = Emitter(model, "batch_summed")
 
     def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(size for size in shape if size != 1)
 
-    def reduced_axes(node: onnx.NodeProto, rank: int) -> list[int] | None:
-        if opset >= 13:
-            if len(node.input) < 2 or node.input[1] not in values:
-                return None
-            axes = [int(a) for a in values[node.input[1]].reshape(-1)]
-        else:
-            axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), [])
-        return sorted(a % rank for a in axes) if axes else None
-
     def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         if node.op_type != "ReduceSum" or node.input[0] not in shapes or node.output[0] not in shapes:
             return None
         data = node.input[0]
-        axes = reduced_axes(node, len(shapes[data]))
+        named = reduction_axes(node, values)
+        axes = sorted(a % len(shapes[data]) for a in named) if named else None
         source = data
         reshape = producers.get(data)
         if reshape is not None and reshape.op_type == "Reshape" and readers[data] == 1:

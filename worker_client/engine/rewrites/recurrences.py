@@ -22,73 +22,18 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.scans import body_as_model
-from worker_client.engine.rewrites.toolkit import constants, opset_of, shapes_and_types, subgraph_reads
+from worker_client.engine.rewrites.scans import body_as_model, body_names, body_of, scan_layout, write_layout
+from worker_client.engine.rewrites.toolkit import (
+    RANDOM_OPS,
+    Emitter,
+    constants,
+    opset_of,
+    shapes_and_types,
+    subgraph_reads,
+    subgraphs,
+)
 
 __all__ = ["reuse_forward_values"]
-
-
-class Names:
-    """Fresh names that collide with no name anywhere in the model, subgraphs included: a new outer value
-    must not shadow, or be shadowed by, a name some subgraph defines."""
-
-    def __init__(self, model: onnx.ModelProto) -> None:
-        self.taken: set[str] = set()
-        self._collect(model.graph)
-        self.counter = 0
-
-    def _collect(self, graph: onnx.GraphProto) -> None:
-        self.taken.update(v.name for v in [*graph.input, *graph.output, *graph.value_info])
-        self.taken.update(t.name for t in graph.initializer)
-        for node in graph.node:
-            self.taken.update(node.output)
-            for attribute in node.attribute:
-                for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
-                    self._collect(sub)
-
-    def fresh(self, stem: str) -> str:
-        while True:
-            self.counter += 1
-            name = f"{stem}__reused{self.counter}"
-            if name not in self.taken:
-                self.taken.add(name)
-                return name
-
-
-def body_of(scan: onnx.NodeProto) -> onnx.GraphProto:
-    return next(a.g for a in scan.attribute if a.name == "body")
-
-
-def scan_layout(scan: onnx.NodeProto) -> tuple[int, list[int], list[int], list[int], list[int]]:
-    """(number of states, scan input axes, input directions, scan output axes, output directions), the defaults
-    written out."""
-    attributes = {a.name: helper.get_attribute_value(a) for a in scan.attribute}
-    scanned = attributes["num_scan_inputs"]
-    states = len(scan.input) - scanned
-    outputs = len(scan.output) - states
-    return (states, list(attributes.get("scan_input_axes", [0] * scanned)),
-            list(attributes.get("scan_input_directions", [0] * scanned)),
-            list(attributes.get("scan_output_axes", [0] * outputs)),
-            list(attributes.get("scan_output_directions", [0] * outputs)))
-
-
-def write_layout(scan: onnx.NodeProto, in_axes: list[int], in_dirs: list[int], out_axes: list[int],
-                 out_dirs: list[int]) -> None:
-    """The Scan's layout attributes set in place (clearing its attribute field would detach the body the
-    caller holds)."""
-    for name, value in (("num_scan_inputs", len(in_axes)), ("scan_input_axes", in_axes),
-                        ("scan_input_directions", in_dirs), ("scan_output_axes", out_axes),
-                        ("scan_output_directions", out_dirs)):
-        existing = next((a for a in scan.attribute if a.name == name), None)
-        if isinstance(value, list) and not value:
-            if existing is not None:
-                scan.attribute.remove(existing)
-            continue
-        fresh = helper.make_attribute(name, value)
-        if existing is not None:
-            existing.CopyFrom(fresh)
-        else:
-            scan.attribute.append(fresh)
 
 
 def reuse_forward_values(model: onnx.ModelProto) -> int:
@@ -102,7 +47,7 @@ def reuse_forward_values(model: onnx.ModelProto) -> int:
         return 0
     shapes, types = shapes_and_types(model)
     outer = _OuterValues(model)
-    names = Names(model)
+    names = Emitter(model, "reused")
     dropped = 0
     for position, reverse in enumerate(scans):
         for forward in reversed(scans[:position]):     # the closest Scan before it first
@@ -143,13 +88,13 @@ class _OuterValues:
 
 
 def _signature(node: onnx.NodeProto) -> tuple:
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+    if subgraphs(node):
         return (node.domain, node.op_type, id(node))      # a subgraph: never the same as another node
     return (node.domain, node.op_type, tuple(sorted(a.SerializeToString() for a in node.attribute)))
 
 
 def _deterministic(node: onnx.NodeProto) -> bool:
-    return not (node.op_type.startswith("Random") or node.op_type in ("Bernoulli", "Dropout", "Multinomial"))
+    return node.op_type not in RANDOM_OPS
 
 
 def _steps(scan: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> int | None:
@@ -160,7 +105,7 @@ def _steps(scan: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> int | No
 
 
 def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodeProto,
-           shapes: dict[str, tuple[int, ...]], types: dict[str, int], outer: _OuterValues, names: Names) -> int:
+           shapes: dict[str, tuple[int, ...]], types: dict[str, int], outer: _OuterValues, names: Emitter) -> int:
     steps = _steps(forward, shapes)
     if steps is None or steps != _steps(reverse, shapes):
         return 0
@@ -174,8 +119,7 @@ def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodePr
     f_shapes, f_types = shapes_and_types(f_wrapper)
     r_shapes, r_types = shapes_and_types(r_wrapper)
     f_constants, r_constants = constants(f_wrapper), constants(r_wrapper)
-    f_defined = {v.name for v in f_body.input} | {n for node in f_body.node for n in node.output}
-    r_defined = {v.name for v in r_body.input} | {n for node in r_body.node for n in node.output}
+    f_defined, r_defined = body_names(f_body), body_names(r_body)
 
     # what each reverse-body input is on the forward side, and the step relation (reversed or not)
     key: dict[str, tuple] = {}
@@ -275,10 +219,10 @@ def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodePr
         existing = next((outer_name for outer_name, (value, direction) in f_taped.items()
                          if value == theirs and direction == 0), None)
         if existing is None:
-            existing = names.fresh(f"tape_{theirs}")
+            existing = names.name(f"tape_{theirs}")
             inner = theirs
             if any(v.name == theirs for v in [*f_outputs, *f_body.input]):
-                inner = names.fresh(theirs)
+                inner = names.name(theirs)
                 f_copies.append(helper.make_node("Identity", [theirs], [inner]))
             # onnxruntime's Scan wants each body output's shape where it cannot infer one itself
             known = f_shapes.get(theirs, r_shapes.get(name))
@@ -291,7 +235,7 @@ def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodePr
         shape = r_shapes.get(name)
         inner = name
         if name in r_outputs:      # handed on as the reverse body's own output: read under another name
-            inner = names.fresh(name)
+            inner = names.name(name)
             r_copies.append(helper.make_node("Identity", [inner], [name]))
         new_r_inputs.append((existing, helper.make_tensor_value_info(
             inner, r_types[name], list(shape) if shape is not None else None)))

@@ -22,7 +22,7 @@ from onnx import helper
 
 from worker_client.engine.rewrites.toolkit import shapes_and_types
 
-__all__ = ["body_as_model", "rewrite_scan_bodies"]
+__all__ = ["body_as_model", "body_names", "body_of", "rewrite_scan_bodies", "scan_layout", "write_layout"]
 
 
 def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.ModelProto], object]]) -> int:
@@ -37,8 +37,7 @@ def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.Mode
         {tensor.name for tensor in graph.initializer} | {name for node in graph.node for name in node.output}
     changed = 0
     for index, scan in enumerate(scans):
-        attributes = {a.name: a for a in scan.attribute}
-        body = attributes["body"].g
+        body = body_of(scan)
         wrapper = body_as_model(model, scan, body, shapes, types)
         if wrapper is None:
             continue
@@ -56,10 +55,7 @@ def body_as_model(model: onnx.ModelProto, scan: onnx.NodeProto, body: onnx.Graph
              shapes: dict[str, tuple[int, ...]], types: dict[str, int]) -> onnx.ModelProto | None:
     """The body as a model: its inputs with the static shapes the Scan feeds, the outer values it reads as
     extra inputs; None where a shape or type is not known."""
-    attributes = {a.name: helper.get_attribute_value(a) for a in scan.attribute}
-    scanned = attributes.get("num_scan_inputs", 0)
-    states = len(scan.input) - scanned
-    axes = list(attributes.get("scan_input_axes", [0] * scanned))
+    states, axes, _, _, _ = scan_layout(scan)
     declared = []
     for position, (outer, inner) in enumerate(zip(scan.input, body.input)):
         shape = shapes.get(outer)
@@ -69,8 +65,7 @@ def body_as_model(model: onnx.ModelProto, scan: onnx.NodeProto, body: onnx.Graph
             axis = axes[position - states] % len(shape)
             shape = shape[:axis] + shape[axis + 1:]
         declared.append(helper.make_tensor_value_info(inner.name, types[outer], list(shape)))
-    defined = {value.name for value in body.input} | {t.name for t in body.initializer} | \
-        {name for node in body.node for name in node.output}
+    defined = body_names(body)
     captured = sorted({name for node in body.node for name in node.input if name and name not in defined})
     for name in captured:
         if name not in shapes or name not in types:
@@ -80,6 +75,50 @@ def body_as_model(model: onnx.ModelProto, scan: onnx.NodeProto, body: onnx.Graph
     wrapper = helper.make_model(graph, opset_imports=list(model.opset_import))
     wrapper.ir_version = model.ir_version
     return wrapper
+
+
+def body_of(scan: onnx.NodeProto) -> onnx.GraphProto:
+    """The Scan's body graph."""
+    return next(a.g for a in scan.attribute if a.name == "body")
+
+
+def scan_layout(scan: onnx.NodeProto) -> tuple[int, list[int], list[int], list[int], list[int]]:
+    """(number of states, scan input axes, input directions, scan output axes, output directions), the defaults
+    written out."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in scan.attribute}
+    scanned = attributes["num_scan_inputs"]
+    states = len(scan.input) - scanned
+    outputs = len(scan.output) - states
+    return (states, list(attributes.get("scan_input_axes", [0] * scanned)),
+            list(attributes.get("scan_input_directions", [0] * scanned)),
+            list(attributes.get("scan_output_axes", [0] * outputs)),
+            list(attributes.get("scan_output_directions", [0] * outputs)))
+
+
+def write_layout(scan: onnx.NodeProto, in_axes: list[int], in_dirs: list[int], out_axes: list[int],
+                 out_dirs: list[int]) -> None:
+    """The Scan's layout attributes set in place (clearing its attribute field would detach the body the
+    caller holds)."""
+    for name, value in (("num_scan_inputs", len(in_axes)), ("scan_input_axes", in_axes),
+                        ("scan_input_directions", in_dirs), ("scan_output_axes", out_axes),
+                        ("scan_output_directions", out_dirs)):
+        existing = next((a for a in scan.attribute if a.name == name), None)
+        if isinstance(value, list) and not value:
+            if existing is not None:
+                scan.attribute.remove(existing)
+            continue
+        fresh = helper.make_attribute(name, value)
+        if existing is not None:
+            existing.CopyFrom(fresh)
+        else:
+            scan.attribute.append(fresh)
+
+
+def body_names(body: onnx.GraphProto) -> set[str]:
+    """The names a body defines: its inputs, initializers and node outputs (any other name it reads is
+    captured from outside)."""
+    return {value.name for value in body.input} | {t.name for t in body.initializer} | \
+        {name for node in body.node for name in node.output}
 
 
 def _unwrap(wrapper: onnx.ModelProto, body: onnx.GraphProto, outer_names: set[str], suffix: str) -> None:

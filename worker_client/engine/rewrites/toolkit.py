@@ -9,12 +9,17 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "opset_of", "reader_counts",
-           "rebuild", "shapes_and_types", "static_shapes", "subgraph_reads"]
+__all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "opset_of", "reader_counts",
+           "rebuild", "reduction_axes", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
 #: seed-axis Reshapes, its Expands of a tensor to its own shape, Identities).
 SAME_DATA_OPS = frozenset({"Reshape", "Expand", "Identity", "Squeeze", "Unsqueeze"})
+
+
+#: Ops that draw random numbers when they run (Dropout in training mode): never computed once for many uses.
+RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+                        "Bernoulli", "Dropout"})
 
 
 def opset_of(model: onnx.ModelProto) -> int:
@@ -51,17 +56,32 @@ def shapes_and_types(model: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]]
     return shapes, types
 
 
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs `node`'s attributes hold (a Scan's or If's body)."""
+    return [graph for attribute in node.attribute
+            for graph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs)]
+
+
 def subgraph_reads(node: onnx.NodeProto) -> set[str]:
     """Every name the subgraphs of `node`'s attributes read (a Scan's or If's body), nested ones included --
     by their nodes or as their outputs: among them the outer values they capture."""
     names: set[str] = set()
-    for attribute in node.attribute:
-        for graph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
-            names.update(value.name for value in graph.output)
-            for inner in graph.node:
-                names.update(name for name in inner.input if name)
-                names |= subgraph_reads(inner)
+    for graph in subgraphs(node):
+        names.update(value.name for value in graph.output)
+        for inner in graph.node:
+            names.update(name for name in inner.input if name)
+            names |= subgraph_reads(inner)
     return names
+
+
+def reduction_axes(node: onnx.NodeProto, known: dict[str, np.ndarray]) -> list[int] | None:
+    """The axes a reduction names -- its second input (ReduceSum from opset 13, the others from 18) or its
+    `axes` attribute --, [] where it names none, None where they are computed at run time."""
+    if len(node.input) > 1 and node.input[1]:
+        if node.input[1] not in known:
+            return None
+        return [int(a) for a in known[node.input[1]].reshape(-1)]
+    return next((list(a.ints) for a in node.attribute if a.name == "axes"), [])
 
 
 def reader_counts(graph: onnx.GraphProto) -> Counter[str]:
@@ -83,22 +103,29 @@ def constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 class Emitter:
-    """New nodes and int64 shape constants with names that collide with nothing."""
+    """New nodes and int64 shape constants with names that collide with nothing: no name of the main graph
+    nor of any subgraph (a main-graph value must not shadow, or be shadowed by, a name a body defines)."""
 
     def __init__(self, model: onnx.ModelProto, stem: str) -> None:
-        graph = model.graph
-        self.taken = {v.name for v in list(graph.input) + list(graph.output)}
-        self.taken.update(t.name for t in graph.initializer)
-        self.taken.update(out for node in graph.node for out in node.output)
+        self.taken: set[str] = set()
+        self._collect(model.graph)
         self.stem = stem
         self.counter = 0
         self.initializers: list[onnx.TensorProto] = []
 
-    def name(self) -> str:
-        """A fresh tensor (and node) name."""
+    def _collect(self, graph: onnx.GraphProto) -> None:
+        self.taken.update(v.name for v in list(graph.input) + list(graph.output))
+        self.taken.update(t.name for t in graph.initializer)
+        for node in graph.node:
+            self.taken.update(node.output)
+            for inner in subgraphs(node):
+                self._collect(inner)
+
+    def name(self, stem: str | None = None) -> str:
+        """A fresh tensor (and node) name, from the Emitter's stem or `stem`."""
         while True:
             self.counter += 1
-            candidate = f"{self.stem}_{self.counter}"
+            candidate = f"{stem or self.stem}_{self.counter}"
             if candidate not in self.taken:
                 self.taken.add(candidate)
                 return candidate

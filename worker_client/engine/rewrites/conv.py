@@ -80,28 +80,29 @@ def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
                 attributes.get("group", 1) != 1 or any(attributes.get("pads", [0])) or \
                 attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
             continue
-        target = node
-        crop = _leading_crop(node.output[0], y, readers, outputs, model.graph.node, fixed)
+        written = node.output[0]   # the value the GEMMs write: the Conv's, or that of the readers they replace
+        crop = _leading_crop(written, y, readers, outputs, model.graph.node, fixed)
         if crop is not None:   # onnx-ad keeps only the kernel's extent: compute just those positions
             cropper, kept = crop
             y = (*y[:2], *kept)
-            target = onnx.NodeProto()
-            target.CopyFrom(node)
-            target.output[0] = model.graph.node[cropper].output[0]
+            written = model.graph.node[cropper].output[0]
         if math.prod(w[2:]) <= math.prod(y[2:]):
             continue  # an ordinary convolution: onnxruntime's own kernel is the right one
         spatial = len(x) - 2
         strides = list(attributes.get("strides", [1] * spatial))
         dilations = list(attributes.get("dilations", [1] * spatial))
-        swap = _swapping_reader(target.output[0], y, readers, outputs, model.graph.node, shapes)
+        swap = _swapping_reader(written, y, readers, outputs, model.graph.node, shapes)
         if swap is not None:   # written straight in the layout onnx-ad moves it to: [filters, batch, ...]
             reshape, transpose = swap
+            written = model.graph.node[transpose].output[0]
+            replacements[reshape] = replacements[transpose] = []
+        target = node
+        if written != node.output[0]:
             target = onnx.NodeProto()
             target.CopyFrom(node)
-            target.output[0] = model.graph.node[transpose].output[0]
-            replacements[reshape] = replacements[transpose] = []
+            target.output[0] = written
         replacements[index] = _conv_as_gemm(target, x, w, y, strides, dilations, emit,
-                                            swapped=None if swap is None else shapes[target.output[0]])
+                                            swapped=None if swap is None else shapes[written])
         rewritten += 1
         if crop is not None:
             replacements[crop[0]] = []
@@ -110,15 +111,20 @@ def gemm_large_kernel_convs(model: onnx.ModelProto) -> int:
     return rewritten
 
 
+def _sole_reader(name: str, readers: dict[str, list[int]], outputs: set[str]) -> int | None:
+    """The index of the one node that reads `name`, where nothing else does (a graph output neither)."""
+    return readers[name][0] if name not in outputs and len(readers.get(name, [])) == 1 else None
+
+
 def _leading_crop(name: str, shape: tuple[int, ...], readers: dict[str, list[int]], outputs: set[str],
                   nodes: Sequence[onnx.NodeProto], fixed: dict[str, np.ndarray]
                   ) -> tuple[int, list[int]] | None:
     """(the index of the Slice that alone reads `name` and keeps the first positions of its spatial axes, the
     sizes kept), or None. onnx-ad crops a Conv weight adjoint's overhang that way (a strided Conv's weight
     adjoint reaches past the kernel: a 3 x 3 kernel at stride 2 gives 4 x 4 positions, 9 of them kept)."""
-    if name in outputs or len(readers.get(name, [])) != 1:
+    index = _sole_reader(name, readers, outputs)
+    if index is None:
         return None
-    index = readers[name][0]
     node = nodes[index]
     if node.op_type != "Slice" or node.input[0] != name or len(node.input) < 3:
         return None
@@ -142,15 +148,15 @@ def _swapping_reader(name: str, shape: tuple[int, ...], readers: dict[str, list[
     """(index of the Reshape, of the Transpose) where `name` ([batch, filters, k...]) is read only by a Reshape
     adding size-1 axes (onnx-ad's seed axis) read only by a Transpose that swaps the first two axes and keeps
     the rest in order -- onnx-ad's move of a Conv weight adjoint into the weight's layout -- else None."""
-    if name in outputs or len(readers.get(name, [])) != 1 or 1 in shape:
+    reshape = _sole_reader(name, readers, outputs)
+    if reshape is None or 1 in shape:
         return None
-    reshape = readers[name][0]
     node = nodes[reshape]
     reshaped = shapes.get(node.output[0])
-    if node.op_type != "Reshape" or node.input[0] != name or reshaped is None or node.output[0] in outputs \
-            or [d for d in reshaped if d != 1] != list(shape) or len(readers.get(node.output[0], [])) != 1:
+    transpose = _sole_reader(node.output[0], readers, outputs)
+    if node.op_type != "Reshape" or node.input[0] != name or reshaped is None or transpose is None \
+            or [d for d in reshaped if d != 1] != list(shape):
         return None
-    transpose = readers[node.output[0]][0]
     moved = nodes[transpose]
     if moved.op_type != "Transpose" or moved.output[0] not in shapes:
         return None

@@ -48,40 +48,36 @@ def masks_as_products(model: onnx.ModelProto, prefix: str) -> int:
         select = _constant_select(fixed.get(chosen), fixed.get(other))
         if select is not None:     # Where(mask, k, 0): the cast mask, times k (Clip's and HardSigmoid's adjoints)
             keep, value = select
-            if not keep:
-                flipped = emit.name()
-                nodes.append(helper.make_node("Not", [mask], [flipped], name=flipped))
-                mask = flipped
-            element = helper.np_dtype_to_tensor_dtype(value.dtype)
-            if value == 1:
-                nodes.append(helper.make_node("Cast", [mask], [node.output[0]], name=node.name or emit.name(),
-                                              to=element))
-            else:
-                factor = emit.name()
-                nodes += [helper.make_node("Cast", [mask], [factor], name=factor, to=element),
-                          helper.make_node("Mul", [factor, chosen if keep else other], [node.output[0]],
-                                           name=node.name or emit.name())]
-            changed += 1
-            continue
-        branch, keep = next(((b, k) for b, z, k in ((chosen, other, True), (other, chosen, False))
-                             if b in seeded and _zero(fixed.get(z))), (None, True))
-        if branch is None:
-            nodes.append(node)
-            continue
-        zero = fixed[other if keep else chosen]
-        element = helper.np_dtype_to_tensor_dtype(zero.dtype)
-        if not keep:
-            flipped = emit.name()
-            nodes.append(helper.make_node("Not", [mask], [flipped], name=flipped))
-            mask = flipped
-        factor = emit.name()
-        nodes += [helper.make_node("Cast", [mask], [factor], name=factor, to=element),
-                  helper.make_node("Mul", [branch, factor], [node.output[0]], name=node.name or emit.name())]
+            factor = None if value == 1 else (chosen if keep else other)
+        else:                      # Where(mask, g, 0) of an adjoint g: g times the cast mask
+            factor, keep = next(((b, k) for b, z, k in ((chosen, other, True), (other, chosen, False))
+                                 if b in seeded and _zero(fixed.get(z))), (None, True))
+            if factor is None:
+                nodes.append(node)
+                continue
+            value = fixed[other if keep else chosen]
+        nodes += _times_mask(node, mask, keep, factor, helper.np_dtype_to_tensor_dtype(value.dtype), emit)
         changed += 1
     if changed:
         graph.ClearField("node")
         graph.node.extend(nodes)
     return changed
+
+
+def _times_mask(node: onnx.NodeProto, mask: str, keep: bool, factor: str | None, element: int,
+                emit: Emitter) -> list[onnx.NodeProto]:
+    """The Where's output as Cast(mask) (of Not(mask) where the value is chosen where the mask is false) of
+    type `element`, times `factor` unless it is None."""
+    nodes = []
+    if not keep:
+        flipped = emit.name()
+        nodes.append(helper.make_node("Not", [mask], [flipped], name=flipped))
+        mask = flipped
+    if factor is None:
+        return [*nodes, helper.make_node("Cast", [mask], [node.output[0]], name=node.name or emit.name(), to=element)]
+    cast = emit.name()
+    return [*nodes, helper.make_node("Cast", [mask], [cast], name=cast, to=element),
+            helper.make_node("Mul", [factor, cast], [node.output[0]], name=node.name or emit.name())]
 
 
 def _constant_select(chosen: np.ndarray | None, other: np.ndarray | None) -> tuple[bool, np.ndarray] | None:

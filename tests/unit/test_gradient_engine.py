@@ -632,6 +632,34 @@ def test_a_large_kernel_conv_rewritten_as_a_gemm_per_output_position_computes_th
     assert [n.op_type for n in model.graph.node].count("Gemm") == gemms
 
 
+@pytest.mark.parametrize("x_shape, w_shape, dilations, phased", [
+    ([12, 4, 18, 18], [5, 4, 8, 8], [2, 2], True),      # a stride-2 Conv's weight adjoint over 18 x 18 (padded 16 x 16)
+    ([6, 4, 18, 18], [5, 4, 8, 8], [2, 2], True),       # the same, its windows stacked into one GEMM
+    ([12, 4, 18, 18], [5, 4, 6, 6], [3, 3], True),      # stride 3
+    ([12, 4, 17, 17], [5, 4, 8, 8], [2, 2], False),     # maps that do not divide by the step: stepped Slices
+    ([12, 4, 18, 18], [5, 4, 8, 6], [2, 3], False),     # steps that differ between the axes
+    ([12, 4, 10, 10], [5, 4, 5, 5], [2, 2], False),     # small maps: stepped Slices are as fast
+])
+def test_strided_windows_are_cut_from_phase_planes(x_shape: list[int], w_shape: list[int], dilations: list[int],
+                                                   phased: bool) -> None:
+    """Windows read at step s (a strided Conv's weight adjoint) over maps of 16 x 16 or more that divide by s come
+    from the s x s phase planes of one SpaceToDepth, cut with unit steps."""
+    rng = np.random.default_rng(15)
+    model = _model(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="correlate", dilations=dilations)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32),
+             "w": rng.standard_normal(w_shape).astype(np.float32)}
+    assert _rewritten_agrees(model, gemm_large_kernel_convs, feeds) == 1
+    gemm_large_kernel_convs(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert ("SpaceToDepth" in ops) == phased
+    stepped = [n for n in model.graph.node if n.op_type == "Slice" and len(n.input) > 4]
+    assert (not stepped) == phased
+
+
 @pytest.mark.parametrize("x_shape, w_shape, dilations, keep, products", [
     ([12, 4, 10, 10], [5, 4, 4, 4], [2, 2], [3, 3], 9),  # a 3 x 3 stride-2 Conv's weight adjoint: 4 x 4 reached
     ([6, 4, 10, 10], [5, 4, 4, 4], [2, 2], [3, 3], 9),   # the same over 6 channels: windows stacked

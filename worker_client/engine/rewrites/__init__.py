@@ -74,7 +74,7 @@ from worker_client.engine.rewrites.conv import (
     split_strided_transposed_convs,
 )
 from worker_client.engine.rewrites.fold import fold_shape_queries
-from worker_client.engine.rewrites.gates import silu_adjoints
+from worker_client.engine.rewrites.gates import gelu_adjoints, silu_adjoints
 from worker_client.engine.rewrites.grouped import detach_grouped_weights, expand_grouped_convs
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops, drop_no_op_layout_ops, space_to_depth_transposes
@@ -153,7 +153,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     space_to_depth_transposes(model)
     masks_as_products(model, GRAD_PREFIX)
     prune(model)                        # the passes below count readers: dead ones first
-    if silu_adjoints(model):
+    if silu_adjoints(model) + gelu_adjoints(model):
         prune(model)
     broadcast_in_readers(model)
     sum_batched_products(model)

@@ -1,0 +1,162 @@
+"""SiLU's and GELU's adjoints in fewer passes (rewrites/gates.py): the same gradients as onnx-ad's term-by-term
+form and as the closed form; gates that are not a SiLU, and near-GELUs, left alone."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import worker_client.engine.rewrites as rewrites
+from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
+from worker_client.engine.rewrites import gates
+from worker_client.engine.rewrites.toolkit import static_shapes
+
+SHAPE = (4, 6, 5, 5)
+
+
+def _model(gate_input: str, *, skip: bool) -> onnx.ModelProto:
+    """loss = sum(x * Sigmoid(gate_input) * r), plus sum(x * q) with `skip` (x read elsewhere too)."""
+    nodes = [helper.make_node("Sigmoid", [gate_input], ["s"]),
+             helper.make_node("Mul", ["x", "s"], ["y"]),
+             helper.make_node("Mul", ["y", "r"], ["weighted"]),
+             helper.make_node("ReduceSum", ["weighted"], ["gated_loss"], keepdims=0)]
+    if skip:
+        nodes += [helper.make_node("Mul", ["x", "q"], ["skipped"]),
+                  helper.make_node("ReduceSum", ["skipped"], ["skip_loss"], keepdims=0),
+                  helper.make_node("Add", ["gated_loss", "skip_loss"], ["loss"])]
+    else:
+        nodes.append(helper.make_node("Identity", ["gated_loss"], ["loss"]))
+    graph = helper.make_graph(
+        nodes, "silu",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, SHAPE) for name in ("x", "g", "r", "q")],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {name: (3 * rng.standard_normal(SHAPE)).astype(np.float32) for name in ("x", "g", "r", "q")}
+
+
+def _built(model: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch, *, rewrite: bool,
+           kind: str = "silu_adjoints") -> tuple[onnx.ModelProto, int]:
+    """The gradient graph as the engine builds it, with or without the rewrite `kind`; and how many it rewrote."""
+    counted = []
+
+    def counting(graph: onnx.ModelProto) -> int:
+        counted.append(getattr(gates, kind)(graph) if rewrite else 0)
+        return counted[-1]
+
+    monkeypatch.setattr(rewrites, kind, counting)
+    derived = rewrites.rewrite_adjoints(differentiate(model, ["x", "g"], "loss"))
+    return derived, sum(counted)
+
+
+def _gradients(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    values = session.run([GRAD_PREFIX + "x", GRAD_PREFIX + "g"], feeds)
+    return {"x": values[0].reshape(SHAPE), "g": values[1].reshape(SHAPE)}
+
+
+def _full_size_muls(model: onnx.ModelProto) -> int:
+    shapes = static_shapes(model)
+    return sum(1 for node in model.graph.node if node.op_type in ("Mul", "Add", "Sub", "Sum")
+               and math.prod(shapes.get(node.output[0], ())) == math.prod(SHAPE))
+
+
+@pytest.mark.parametrize("skip", [False, True])   # with a skip connection x's adjoint sums three terms
+def test_a_silu_adjoint_is_computed_from_its_output(skip: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, feeds = _model("x", skip=skip), _feeds()
+    plain, none = _built(model, monkeypatch, rewrite=False)
+    rewritten, count = _built(model, monkeypatch, rewrite=True)
+    assert none == 0 and count == 1
+    # six passes become four; beside a skip term, the new one is added to it (five)
+    assert _full_size_muls(rewritten) <= _full_size_muls(plain) - (1 if skip else 2)
+    x, r, q = (feeds[name].astype(np.float64) for name in ("x", "r", "q"))
+    s = 1 / (1 + np.exp(-x))
+    expected = r * (s + x * s * (1 - s)) + (q if skip else 0)
+    got, before = _gradients(rewritten, feeds)["x"], _gradients(plain, feeds)["x"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    np.testing.assert_allclose(got, before, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
+def test_a_gate_of_another_tensor_is_left_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """x * Sigmoid(g) (a GLU's or squeeze-excitation's gate) is not a SiLU: its adjoint is not rewritten."""
+    model, feeds = _model("g", skip=False), _feeds()
+    rewritten, count = _built(model, monkeypatch, rewrite=True)
+    assert count == 0
+    x, g, r = (feeds[name].astype(np.float64) for name in ("x", "g", "r"))
+    s = 1 / (1 + np.exp(-g))
+    got = _gradients(rewritten, feeds)
+    np.testing.assert_allclose(got["x"], r * s, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["g"], r * x * s * (1 - s), rtol=1e-4, atol=1e-5 * np.abs(r * x).max())
+
+
+def _gelu_model(*, scale: str = "div", constant: float = math.sqrt(2.0), skip: bool = False) -> onnx.ModelProto:
+    """loss = sum(GELU(x) * r) with GELU as torch exports its exact form: x * (Erf(x / sqrt 2) + 1) * 0.5
+    (`scale` "mul": x times 1 / sqrt 2); plus sum(x * q) with `skip`."""
+    nodes = [helper.make_node("Div" if scale == "div" else "Mul", ["x", "k"], ["u"]),
+             helper.make_node("Erf", ["u"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["a"]),
+             helper.make_node("Mul", ["x", "a"], ["m"]),
+             helper.make_node("Mul", ["m", "half"], ["y"]),
+             helper.make_node("Mul", ["y", "r"], ["weighted"]),
+             helper.make_node("ReduceSum", ["weighted"], ["gelu_loss"], keepdims=0)]
+    if skip:
+        nodes += [helper.make_node("Mul", ["x", "q"], ["skipped"]),
+                  helper.make_node("ReduceSum", ["skipped"], ["skip_loss"], keepdims=0),
+                  helper.make_node("Add", ["gelu_loss", "skip_loss"], ["loss"])]
+    else:
+        nodes.append(helper.make_node("Identity", ["gelu_loss"], ["loss"]))
+    k = constant if scale == "div" else 1 / constant
+    graph = helper.make_graph(
+        nodes, "gelu",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, SHAPE) for name in ("x", "g", "r", "q")],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [helper.make_tensor(name, TensorProto.FLOAT, [], [v]) for name, v in (("k", k), ("one", 1.0), ("half", 0.5))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("scale, skip", [("div", False), ("mul", False), ("div", True)])
+def test_a_gelu_adjoint_takes_three_passes_fewer(scale: str, skip: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, feeds = _gelu_model(scale=scale, skip=skip), _feeds()
+    plain, _ = _built(model, monkeypatch, rewrite=False, kind="gelu_adjoints")
+    rewritten, count = _built(model, monkeypatch, rewrite=True, kind="gelu_adjoints")
+    assert count == 1
+    # ten passes become seven; beside a skip term, the new one is added to it
+    assert _full_size_muls(rewritten) + _passes_of(rewritten, ("Exp", "Neg", "Div")) <= \
+        _full_size_muls(plain) + _passes_of(plain, ("Exp", "Neg", "Div")) - (2 if skip else 3)
+    x, r, q = (feeds[name].astype(np.float64) for name in ("x", "r", "q"))
+    erf = np.vectorize(math.erf)
+    expected = r * (0.5 * (1 + erf(x / math.sqrt(2))) + x * np.exp(-x * x / 2) / math.sqrt(2 * math.pi)) \
+        + (q if skip else 0)
+    got, before = _gradients(rewritten, feeds)["x"], _gradients(plain, feeds)["x"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    np.testing.assert_allclose(got, before, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
+def test_a_near_gelu_is_left_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """x * (Erf(x / 2) + 1) * 0.5 is not a GELU (its derivative has another density): not rewritten."""
+    model, feeds = _gelu_model(constant=2.0), _feeds()
+    rewritten, count = _built(model, monkeypatch, rewrite=True, kind="gelu_adjoints")
+    assert count == 0
+    x, r = feeds["x"].astype(np.float64), feeds["r"].astype(np.float64)
+    erf = np.vectorize(math.erf)
+    expected = r * (0.5 * (1 + erf(x / 2)) + x * np.exp(-x * x / 4) / (2 * math.sqrt(math.pi)))
+    np.testing.assert_allclose(_gradients(rewritten, feeds)["x"], expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())
+
+
+def _passes_of(model: onnx.ModelProto, ops: tuple[str, ...]) -> int:
+    shapes = static_shapes(model)
+    return sum(1 for node in model.graph.node if node.op_type in ops
+               and math.prod(shapes.get(node.output[0], ())) == math.prod(SHAPE))

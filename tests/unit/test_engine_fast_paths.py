@@ -142,6 +142,25 @@ def test_a_strided_transposed_conv_split_into_phase_convs_computes_the_same(
     assert "ConvTranspose" not in {n.op_type for n in changed.graph.node}
 
 
+@pytest.mark.parametrize("stride, attributes, blocked", [
+    (2, {}, True),                                    # a UNet's 2 x 2 upsampling: one 1 x 1 Conv and a DepthToSpace
+    (3, {}, True),
+    (2, {"output_padding": [1, 1]}, False),           # one more row and column: phase Convs
+    (2, {"pads": [1, 1, 1, 1]}, False),               # cropped: phase Convs
+])
+def test_a_transposed_conv_whose_kernel_is_its_stride_is_one_conv_and_a_depth_to_space(
+        stride: int, attributes: dict, blocked: bool) -> None:
+    rng = np.random.default_rng(17)
+    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="up", strides=[stride, stride], **attributes)
+    model = _model([node], {"g": [2, 5, 3, 4], "w": [5, 3, stride, stride]}, ["y"])
+    feeds = {"g": rng.standard_normal((2, 5, 3, 4)).astype(np.float32),
+             "w": rng.standard_normal((5, 3, stride, stride)).astype(np.float32)}
+    count, changed = _rewritten_agrees(model, split_strided_transposed_convs, feeds)
+    assert count == 1
+    ops = [n.op_type for n in changed.graph.node]
+    assert (ops.count("Conv"), "DepthToSpace" in ops) == ((1, True) if blocked else (stride * stride, True))
+
+
 @pytest.mark.parametrize("size, kernel, stride, attributes", [
     (4, 1, 2, {"output_shape": [8, 8]}),             # a 1x1 projection: phases with no tap
     (4, 3, 2, {"pads": [1, 1, 1, 1], "output_shape": [8, 8], "group": 5}),

@@ -4,6 +4,7 @@ form and as the closed form; gates that are not a SiLU, and near-GELUs, left alo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
@@ -21,20 +22,26 @@ SHAPE = (4, 6, 5, 5)
 
 def _model(gate_input: str, *, skip: bool) -> onnx.ModelProto:
     """loss = sum(x * Sigmoid(gate_input) * r), plus sum(x * q) with `skip` (x read elsewhere too)."""
-    nodes = [helper.make_node("Sigmoid", [gate_input], ["s"]),
-             helper.make_node("Mul", ["x", "s"], ["y"]),
+    return _weighted_loss([helper.make_node("Sigmoid", [gate_input], ["s"]),
+                           helper.make_node("Mul", ["x", "s"], ["y"])], skip=skip)
+
+
+def _weighted_loss(activation: list[onnx.NodeProto], *, skip: bool,
+                   constants: Sequence[onnx.TensorProto] = ()) -> onnx.ModelProto:
+    """loss = sum(y * r) of the `activation` nodes' y (so r is y's adjoint), plus sum(x * q) with `skip`."""
+    nodes = [*activation,
              helper.make_node("Mul", ["y", "r"], ["weighted"]),
-             helper.make_node("ReduceSum", ["weighted"], ["gated_loss"], keepdims=0)]
+             helper.make_node("ReduceSum", ["weighted"], ["activation_loss"], keepdims=0)]
     if skip:
         nodes += [helper.make_node("Mul", ["x", "q"], ["skipped"]),
                   helper.make_node("ReduceSum", ["skipped"], ["skip_loss"], keepdims=0),
-                  helper.make_node("Add", ["gated_loss", "skip_loss"], ["loss"])]
+                  helper.make_node("Add", ["activation_loss", "skip_loss"], ["loss"])]
     else:
-        nodes.append(helper.make_node("Identity", ["gated_loss"], ["loss"]))
+        nodes.append(helper.make_node("Identity", ["activation_loss"], ["loss"]))
     graph = helper.make_graph(
-        nodes, "silu",
+        nodes, "activation",
         [helper.make_tensor_value_info(name, TensorProto.FLOAT, SHAPE) for name in ("x", "g", "r", "q")],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], list(constants))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
@@ -102,28 +109,15 @@ def test_a_gate_of_another_tensor_is_left_as_it_is(monkeypatch: pytest.MonkeyPat
 def _gelu_model(*, scale: str = "div", constant: float = math.sqrt(2.0), skip: bool = False) -> onnx.ModelProto:
     """loss = sum(GELU(x) * r) with GELU as torch exports its exact form: x * (Erf(x / sqrt 2) + 1) * 0.5
     (`scale` "mul": x times 1 / sqrt 2); plus sum(x * q) with `skip`."""
-    nodes = [helper.make_node("Div" if scale == "div" else "Mul", ["x", "k"], ["u"]),
-             helper.make_node("Erf", ["u"], ["e"]),
-             helper.make_node("Add", ["e", "one"], ["a"]),
-             helper.make_node("Mul", ["x", "a"], ["m"]),
-             helper.make_node("Mul", ["m", "half"], ["y"]),
-             helper.make_node("Mul", ["y", "r"], ["weighted"]),
-             helper.make_node("ReduceSum", ["weighted"], ["gelu_loss"], keepdims=0)]
-    if skip:
-        nodes += [helper.make_node("Mul", ["x", "q"], ["skipped"]),
-                  helper.make_node("ReduceSum", ["skipped"], ["skip_loss"], keepdims=0),
-                  helper.make_node("Add", ["gelu_loss", "skip_loss"], ["loss"])]
-    else:
-        nodes.append(helper.make_node("Identity", ["gelu_loss"], ["loss"]))
     k = constant if scale == "div" else 1 / constant
-    graph = helper.make_graph(
-        nodes, "gelu",
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, SHAPE) for name in ("x", "g", "r", "q")],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-        [helper.make_tensor(name, TensorProto.FLOAT, [], [v]) for name, v in (("k", k), ("one", 1.0), ("half", 0.5))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
+    return _weighted_loss(
+        [helper.make_node("Div" if scale == "div" else "Mul", ["x", "k"], ["u"]),
+         helper.make_node("Erf", ["u"], ["e"]),
+         helper.make_node("Add", ["e", "one"], ["a"]),
+         helper.make_node("Mul", ["x", "a"], ["m"]),
+         helper.make_node("Mul", ["m", "half"], ["y"])], skip=skip,
+        constants=[helper.make_tensor(name, TensorProto.FLOAT, [], [v]) for name, v in (("k", k), ("one", 1.0),
+                                                                                         ("half", 0.5))])
 
 
 @pytest.mark.parametrize("scale, skip", [("div", False), ("mul", False), ("div", True)])

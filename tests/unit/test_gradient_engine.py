@@ -618,10 +618,16 @@ def test_a_large_kernel_conv_rewritten_as_a_gemm_per_output_position_computes_th
     """The shape of onnx-ad's Conv weight adjoint: a kernel spanning most of the feature
     map, in one, two or three spatial dimensions; the strided, dilated cases also leave a remainder. Windows
     of at most eight rows (the Conv's batch: the weight's input channels) are stacked into one GEMM."""
-    rng = np.random.default_rng(6)
+    model = _correlation_as_gemms(x_shape, w_shape, seed=6, strides=strides, dilations=dilations)
+    assert [n.op_type for n in model.graph.node].count("Gemm") == gemms
+
+
+def _correlation_as_gemms(x_shape: list[int], w_shape: list[int], seed: int, **attributes) -> onnx.ModelProto:
+    """A Conv of x with w (onnx-ad's weight-adjoint shape), checked to compute the same once
+    gemm_large_kernel_convs rewrote it; the rewritten model."""
+    rng = np.random.default_rng(seed)
     model = _model(
-        [helper.make_node("Conv", ["x", "w"], ["y"], name="correlate", strides=strides,
-                          dilations=dilations)],
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="correlate", **attributes)],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
          helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
@@ -629,7 +635,7 @@ def test_a_large_kernel_conv_rewritten_as_a_gemm_per_output_position_computes_th
              "w": rng.standard_normal(w_shape).astype(np.float32)}
     assert _rewritten_agrees(model, gemm_large_kernel_convs, feeds) == 1
     gemm_large_kernel_convs(model)
-    assert [n.op_type for n in model.graph.node].count("Gemm") == gemms
+    return model
 
 
 @pytest.mark.parametrize("x_shape, w_shape, dilations, phased", [
@@ -644,16 +650,7 @@ def test_strided_windows_are_cut_from_phase_planes(x_shape: list[int], w_shape: 
                                                    phased: bool) -> None:
     """Windows read at step s (a strided Conv's weight adjoint) over maps of 16 x 16 or more that divide by s come
     from the s x s phase planes of one SpaceToDepth, cut with unit steps."""
-    rng = np.random.default_rng(15)
-    model = _model(
-        [helper.make_node("Conv", ["x", "w"], ["y"], name="correlate", dilations=dilations)],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
-         helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
-    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32),
-             "w": rng.standard_normal(w_shape).astype(np.float32)}
-    assert _rewritten_agrees(model, gemm_large_kernel_convs, feeds) == 1
-    gemm_large_kernel_convs(model)
+    model = _correlation_as_gemms(x_shape, w_shape, seed=15, dilations=dilations)
     ops = [n.op_type for n in model.graph.node]
     assert ("SpaceToDepth" in ops) == phased
     stepped = [n for n in model.graph.node if n.op_type == "Slice" and len(n.input) > 4]

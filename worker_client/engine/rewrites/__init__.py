@@ -1,8 +1,9 @@
 """Stage "rewrite": exact graph rewrites that steer the model onto onnxruntime's fast kernels.
 
 Every pass computes the same values as the graph it replaces (tests/unit/
-test_gradient_engine.py checks each one); each module's docstrings say which slow path it
-avoids and why the replacement is exact.
+test_gradient_engine.py and the test files named after the passes check each one); each module's
+docstrings say which slow path it avoids and why the replacement is exact, or, where it regroups
+arithmetic (`gates`, `batch_norms`), equal to rounding.
 
 - `transposed`: ConvTransposes with a trainable weight as Convs with the kernel swapped and
   reversed (on the forward graph: onnx-ad has no weight adjoint for ConvTranspose);
@@ -15,6 +16,10 @@ avoids and why the replacement is exact.
   stepped Slices themselves: onnx-ad differentiates neither form);
 - `matmul`: batched weight MatMuls flattened to one GEMM (on the forward graph, so that
   onnx-ad's weight adjoint is one GEMM too);
+- `batch_norms`: a normalization by the batch's statistics with its variance reading the mean
+  through a stand-in and the mean's derivative carried by a zero per-channel term (on the forward
+  graph; the stand-in is read as the mean again after differentiation): two passes fewer in its
+  adjoint;
 - `fold`: shape queries on static tensors folded into constants;
 - `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops; conv input
   adjoints (ConvTranspose) as Convs; a Conv's or pool's auto_pad as explicit pads (on the
@@ -37,6 +42,8 @@ avoids and why the replacement is exact.
   SpaceToDepth;
 - `masks`: masked adjoints, Where(mask, g, 0), as g times the cast mask (onnxruntime's Where is
   neither vectorized nor parallel);
+- `gates`: SiLU's and an exact GELU's input adjoints from the forward's values, in fewer passes
+  than onnx-ad's term-by-term form (equal to float32 rounding, not bit for bit);
 - `broadcasts`: an Expand (a reduction's adjoint) and the scalar ops after it left to the
   readers that broadcast anyway, instead of materialized at full size;
 - `matmul` (on the adjoints): a sum over a batched product's batches (the input weight gradient

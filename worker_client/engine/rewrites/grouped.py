@@ -219,22 +219,26 @@ def _reduce(value: str, out: str, axis: int, keepdims: int, opset: int, emit: Em
     return helper.make_node("ReduceSum", [value, emit.ints([axis])], [out], name=out, keepdims=keepdims)
 
 
-def _depthwise_weight_adjoint(nodes: list[onnx.NodeProto], padded: str, seeded: str, batch: int, channels: int,
-                              padded_size: list[int], kernel: list[int], out: list[int], strides: list[int],
+def _depthwise_weight_adjoint(source: str, pads: list[int], seeded: str, batch: int, channels: int,
+                              size: list[int], kernel: list[int], out: list[int], strides: list[int],
                               dilations: list[int], opset: int, emit: Emitter) -> tuple[list[onnx.NodeProto], str]:
     """A depthwise Conv's weight gradient [C, 1, *kernel] as one depthwise correlation: each of the N * C
-    padded input planes correlated with its own plane of the output adjoint (the filter), strided by the
-    Conv's dilations and dilated by its strides, then summed over the images. onnxruntime's blocked
-    depthwise kernel runs it (rewrites/nchwc.py): 2.2 ms on [32, 128, 16, 16] at one thread, where the
-    window-by-window products took 10.4 and the same Conv on the plain kernel 20."""
-    planes, planes_name = emit.reshape(padded, [1, batch * channels, *padded_size])
+    input planes (of `size`, padded by the Conv's `pads` -- in the correlation itself, which pads as it reads:
+    a Pad before it was a pass over the activation, 0.57 ms on [32, 128, 16, 16]) correlated with its own
+    plane of the output adjoint (the filter), strided by the Conv's dilations and dilated by its strides, then
+    summed over the images. onnxruntime's blocked depthwise kernel runs it (rewrites/nchwc.py): 2.2 ms on
+    [32, 128, 16, 16] at one thread, where the window-by-window products took 10.4 and the same Conv on the
+    plain kernel 20."""
+    spatial = len(size)
+    padded_size = [n + pads[i] + pads[spatial + i] for i, n in enumerate(size)]
+    planes, planes_name = emit.reshape(source, [1, batch * channels, *size])
     filters, filters_name = emit.reshape(seeded, [batch * channels, 1, *out])
     correlated, summed = emit.name(), emit.name()
-    reach = [(size - stride * (n - 1) - 1) // dilation + 1
-             for size, n, stride, dilation in zip(padded_size, out, strides, dilations)]
-    nodes = [*nodes, planes, filters,
+    reach = [(extent - stride * (n - 1) - 1) // dilation + 1
+             for extent, n, stride, dilation in zip(padded_size, out, strides, dilations)]
+    nodes = [planes, filters,
              helper.make_node("Conv", [planes_name, filters_name], [correlated], name=correlated,
-                              group=batch * channels, strides=dilations, dilations=strides)]
+                              group=batch * channels, strides=dilations, dilations=strides, pads=pads)]
     if reach != kernel:   # the padded input reaches past the last kernel offset: crop
         cropped = emit.name()
         nodes.append(helper.make_node("Slice", [correlated, emit.ints([0, 0]), emit.ints(kernel),
@@ -256,10 +260,10 @@ def _weight_adjoint(conv: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...]
     per_group_in, per_group_out = channels // group, filters // group
     positions = math.prod(out)
     padded_size = [n + pads[i] + pads[spatial + i] for i, n in enumerate(x[2:])]
-    nodes, source = _padded(conv.input[0], pads, emit)
     if per_group_in == per_group_out == 1 and spatial == 2 and batch * channels % _BLOCKED_CHANNELS == 0:
-        return _depthwise_weight_adjoint(nodes, source, seeded, batch, channels, padded_size, kernel, out,
+        return _depthwise_weight_adjoint(conv.input[0], pads, seeded, batch, channels, list(x[2:]), kernel, out,
                                          strides, dilations, opset, emit)
+    nodes, source = _padded(conv.input[0], pads, emit)
     # the input as [G, C/G, N, *padded], once; the adjoint as [G, M/G, N * P]
     by_group, grouped_name = emit.reshape(source, [batch, group, per_group_in, *padded_size])
     inputs_first, adjoint_first = emit.name(), emit.name()

@@ -15,7 +15,7 @@ from onnx import helper, numpy_helper
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.exporters import torch_origin
 from worker_client.engine.load import clamp_ir_version
-from worker_client.engine.rewrites.batch_norms import attach_batch_norm_means
+from worker_client.engine.rewrites.batch_norms import attach_batch_norm_stand_ins
 from worker_client.engine.rewrites.grouped import attach_grouped_weight_adjoints, probe_inputs
 from worker_client.engine.support import infer_shapes, node_label
 from worker_client.engine.training_mode import TrainingForms
@@ -138,7 +138,7 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
             f"between a trainable parameter and the loss. Exclude the parameters upstream "
             f"of it (exclude=[...] patterns) or replace the op.{remedy}") from exc
     attach_grouped_weight_adjoints(derived, GRAD_PREFIX)
-    attach_batch_norm_means(derived)
+    attach_batch_norm_stand_ins(derived)
     if loss_output is None:
         return derived
     seed = GRAD_PREFIX + loss_output

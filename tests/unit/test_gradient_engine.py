@@ -813,6 +813,7 @@ def test_a_tiling_max_pool_of_any_rank_routes_its_adjoint_without_a_scatter(shap
     from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
     from worker_client.engine.rewrites.conv import route_max_pool_adjoints
     from worker_client.engine.rewrites.fold import fold_shape_queries
+    from worker_client.engine.rewrites.prune import prune
     pooled = [shape[0], shape[1], *(n // k for n, k in zip(shape[2:], kernel))]
     rng = np.random.default_rng(12)
     nodes = [helper.make_node("Mul", ["x", "w"], ["scaled"], name="scale"),
@@ -829,6 +830,8 @@ def test_a_tiling_max_pool_of_any_rank_routes_its_adjoint_without_a_scatter(shap
     fold_shape_queries(routed)   # as rewrite_adjoints does first
     assert route_max_pool_adjoints(routed) == 1
     assert "ScatterND" not in {n.op_type for n in routed.graph.node}
+    prune(routed)   # the windows' maxima are the forward pool's: computed once
+    assert [n.name for n in routed.graph.node if n.op_type == "MaxPool" and n.input[0] == "scaled"] == ["pool"]
     feeds = {"x": rng.standard_normal(shape).astype(np.float32), "w": np.array([1.5], np.float32)}
     names = [GRAD_PREFIX + "x", GRAD_PREFIX + "w"]
     expected = ort.InferenceSession(derived.SerializeToString()).run(names, feeds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -638,6 +639,26 @@ def _correlation_as_gemms(x_shape: list[int], w_shape: list[int], seed: int, **a
     return model
 
 
+@pytest.mark.parametrize("x_shape, w_shape, strides, sliding", [
+    ([16, 3, 12, 12], [2, 3, 9, 9], [1, 1], True),    # 2 filters (outputs) against 16 rows (inputs): filters slide
+    ([16, 3, 40], [2, 3, 33], [1], True),             # 1-D
+    ([16, 3, 8, 8], [2, 3, 8, 8], [1, 1], True),      # one position (a 1 x 1 Conv's weight adjoint): no copy at all
+    ([16, 3, 12, 12], [2, 3, 9, 9], [2, 1], False),   # strided: the input's windows
+    ([16, 3, 12, 12], [12, 3, 9, 9], [1, 1], False),  # as many filters as rows: the input's windows
+])
+def test_few_filters_slide_over_the_whole_input(x_shape: list[int], w_shape: list[int], strides: list[int],
+                                               sliding: bool) -> None:
+    """Where the filters' copies are at most half the windows' (a weight adjoint of a Conv with fewer outputs than
+    inputs), the input is multiplied whole and the zero-padded filters are cut at each position."""
+    model = _correlation_as_gemms(x_shape, w_shape, seed=18, strides=strides)
+    ops = [n.op_type for n in model.graph.node]
+    reads_x = [n for n in model.graph.node if n.op_type == "Slice" and n.input[0] == "x"]
+    positions = math.prod((n - k) // s + 1 for n, k, s in zip(x_shape[2:], w_shape[2:], strides))
+    assert (not reads_x) == sliding
+    assert ops.count("Pad") == (1 if sliding and positions > 1 else 0)
+    assert ops.count("Slice") == (positions if positions > 1 else 0)
+
+
 @pytest.mark.parametrize("x_shape, w_shape, dilations, phased", [
     ([12, 4, 18, 18], [5, 4, 8, 8], [2, 2], True),      # a stride-2 Conv's weight adjoint over 18 x 18 (padded 16 x 16)
     ([6, 4, 18, 18], [5, 4, 8, 8], [2, 2], True),       # the same, its windows stacked into one GEMM
@@ -695,6 +716,7 @@ def test_a_cropped_large_kernel_conv_computes_only_the_positions_kept(
     (False, [0, 1, 3, 4, 2], 12),    # a Transpose that keeps the order: left as it is
     (False, [1, 0, 3, 4, 2], 6),     # windows of six rows, stacked: the one GEMM writes the layout wanted
     (True, [1, 0, 3, 4, 2], 6),
+    (False, [1, 0, 3, 4, 2], 20),    # 20 rows against 5 filters: the filters slide
 ])
 def test_a_large_kernel_conv_read_swapped_is_written_in_the_swapped_layout(crop: bool, perm: list[int],
                                                                            batch: int) -> None:

@@ -195,6 +195,9 @@ def _conv_as_gemm(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...],
         start = [p * s for p, s in zip(position, strides)]
         end = [b + (k - 1) * d + 1 for b, k, d in zip(start, w[2:], dilations)]
         patch = emit.name()
+        if start == [0] * spatial and end == list(x[2:]) and dilations == [1] * spatial:
+            patches.append(node.input[0])   # the window is the whole input (a 1 x 1 Conv's weight adjoint)
+            continue
         if phases:   # the window is one phase plane, cut with unit steps
             block = dilations[0]
             plane = (start[0] % block) * block + start[1] % block

@@ -1,5 +1,6 @@
-"""A training-mode batch norm in the affine form (rewrites/batch_norms.py): the same gradients as the form it
-replaces and as the closed form, in fewer passes over the activations, and the normalizations it leaves alone."""
+"""A training-mode batch norm with its statistics detached through stand-ins (rewrites/batch_norms.py): the same
+gradients as the form it replaces and as the closed form, in fewer passes over the activations, and the
+normalizations it leaves alone."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from onnx import TensorProto, helper
 
 from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
 from worker_client.engine.rewrites import rewrite_adjoints
-from worker_client.engine.rewrites.batch_norms import STAND_IN_PREFIX, affine_batch_norms
+from worker_client.engine.rewrites.batch_norms import STAND_IN_PREFIX, detach_batch_norm_statistics
 from worker_client.engine.rewrites.toolkit import static_shapes
 from worker_client.engine.training_mode import training_form
 
@@ -39,11 +40,11 @@ def _norm_model(shape: tuple[int, ...] = SHAPE) -> onnx.ModelProto:
     return model
 
 
-def _gradients(model: onnx.ModelProto, feeds: dict[str, np.ndarray], *, affine: bool
+def _gradients(model: onnx.ModelProto, feeds: dict[str, np.ndarray], *, detached: bool
                ) -> tuple[dict[str, np.ndarray], onnx.ModelProto, int]:
     """(the gradients of x, gamma and beta; the gradient graph; the number of norms rewritten)."""
     trained, _ = training_form(model, ["running_mean", "running_var"])
-    rewritten = affine_batch_norms(trained) if affine else 0
+    rewritten = detach_batch_norm_statistics(trained) if detached else 0
     derived = rewrite_adjoints(differentiate(trained, ["x", "gamma", "beta"], "loss"))   # as the engine builds it
     session = ort.InferenceSession(derived.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [GRAD_PREFIX + name for name in ("x", "gamma", "beta")]
@@ -89,30 +90,30 @@ def _passes(model: onnx.ModelProto, shape: tuple[int, ...]) -> int:
 
 
 @pytest.mark.parametrize("offset", [0.0, 1000.0])   # a mean a thousand times the spread: no digits lost
-def test_the_affine_form_gives_the_closed_form_gradients(offset: float) -> None:
+def test_the_detached_form_gives_the_closed_form_gradients(offset: float) -> None:
     feeds = _feeds(offset)
     model = _norm_model()
     expected = _closed_form(feeds)
-    plain, _, _ = _gradients(model, feeds, affine=False)
-    affine, derived, rewritten = _gradients(model, feeds, affine=True)
+    plain, _, _ = _gradients(model, feeds, detached=False)
+    detached, derived, rewritten = _gradients(model, feeds, detached=True)
     assert rewritten == 1
     assert not [value.name for value in derived.graph.input if value.name.startswith(STAND_IN_PREFIX)]
     for name, reference in expected.items():
         scale = np.abs(reference).max()
         plain_error = np.abs(plain[name] - reference).max() / scale
-        affine_error = np.abs(affine[name] - reference).max() / scale
-        assert affine_error < 1e-4, (name, affine_error)
-        assert affine_error <= 4 * plain_error + 1e-6, (name, affine_error, plain_error)
+        detached_error = np.abs(detached[name] - reference).max() / scale
+        assert detached_error < 1e-4, (name, detached_error)
+        assert detached_error <= 4 * plain_error + 1e-6, (name, detached_error, plain_error)
 
 
-def test_the_affine_form_passes_over_the_activations_fewer_times() -> None:
+def test_the_detached_form_passes_over_the_activations_fewer_times() -> None:
     feeds = _feeds(0.0)
     model = _norm_model()
-    _, plain, _ = _gradients(model, feeds, affine=False)
-    _, affine, _ = _gradients(model, feeds, affine=True)
-    before, after = _passes(plain, SHAPE), _passes(affine, SHAPE)
+    _, plain, _ = _gradients(model, feeds, detached=False)
+    _, detached, _ = _gradients(model, feeds, detached=True)
+    before, after = _passes(plain, SHAPE), _passes(detached, SHAPE)
     assert after <= before - 3, (before, after)   # the Neg, the ReduceSum of dc, the Mul c * dv twice
-    for graph, negated in ((plain, 1), (affine, 0)):   # the mean's sum of dc, negated, is gone
+    for graph, negated in ((plain, 1), (detached, 0)):   # the mean's sum of dc, negated, is gone
         shapes = static_shapes(graph)
         assert len([n for n in graph.graph.node if n.op_type == "Neg"
                     and math.prod(shapes.get(n.output[0], ())) == math.prod(SHAPE)]) == negated
@@ -142,7 +143,7 @@ def _decomposed(variance_axes: list[int], *, factor_shape: list[int], extra_read
 
 
 def test_the_decomposed_form_is_matched_where_exported_as_arithmetic() -> None:
-    assert affine_batch_norms(_decomposed([0, 2, 3], factor_shape=[1, SHAPE[1], 1, 1])) == 1
+    assert detach_batch_norm_statistics(_decomposed([0, 2, 3], factor_shape=[1, SHAPE[1], 1, 1])) == 1
 
 
 @pytest.mark.parametrize("variance_axes, factor_shape, extra_reader, keepdims", [
@@ -155,5 +156,5 @@ def test_normalizations_outside_the_form_are_left_alone(variance_axes: list[int]
                                                         extra_reader: bool, keepdims: int) -> None:
     model = _decomposed(variance_axes, factor_shape=factor_shape, extra_reader=extra_reader, keepdims=keepdims)
     before = model.SerializeToString()
-    assert affine_batch_norms(model) == 0
+    assert detach_batch_norm_statistics(model) == 0
     assert model.SerializeToString() == before

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import onnx
 
-from worker_client.engine.rewrites.batch_norms import affine_batch_norms
+from worker_client.engine.rewrites.batch_norms import detach_batch_norm_statistics
 from worker_client.engine.rewrites.broadcasts import broadcast_in_readers
 from worker_client.engine.rewrites.conv import (
     assign_unique_scatters,
@@ -113,7 +113,7 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     changed += explicit_transposed_conv_pads(model, adjoints=False)
     changed += convolve_trained_transposed_convs(model)
     changed += detach_grouped_weights(model)
-    changed += affine_batch_norms(model)
+    changed += detach_batch_norm_statistics(model)
     changed += expand_grouped_convs(model)
     changed += index_without_steps_or_copying_pads(model)
     changed += drop_idle_ceil_modes(model)

@@ -10,7 +10,7 @@ share of dy and that of the variance -- is negated and summed again for the mean
 the whole tensor), though the variance's share sums to zero (sum_A c = 0) and dy's is the sum the shift's
 gradient takes anyway.
 
-`affine_batch_norms` (before differentiation) rewrites the same values as
+`detach_batch_norm_statistics` (before differentiation) rewrites the same values as
 
     c = x - m                             m: a stand-in input for the mean, not differentiated
     v = ReduceMean_A(c * c');  var = 2 * v - v'       c', v': stand-ins for c and v
@@ -33,19 +33,20 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, constants, reduction_axes, shapes_and_types
+from worker_client.engine.rewrites.toolkit import Emitter, constants, rebuild, reduction_axes, shapes_and_types
 
-__all__ = ["STAND_IN_PREFIX", "affine_batch_norms", "attach_batch_norm_stand_ins"]
+__all__ = ["STAND_IN_PREFIX", "detach_batch_norm_statistics", "attach_batch_norm_stand_ins"]
 
-#: Name prefix of the stand-in input a normalization's variance reads the batch mean from.
+#: Name prefix of the stand-in inputs (for the batch mean, the centred values and the variance's mean of squares)
+#: that onnx-ad does not differentiate; after differentiation each reads the value it is named after.
 STAND_IN_PREFIX = "batch_norm_stand_in__"
 
 
-def affine_batch_norms(model: onnx.ModelProto) -> int:
-    """Rewrite each normalization by the batch's statistics (module docstring) in the affine form, its variance
-    reading the mean from a stand-in input; in place. Matches y = Add(Mul(c, factor), shift) with c = Sub(x,
-    ReduceMean_A(x)) read only by that Mul and by Mul(c, c), whose only reader is a ReduceMean over the same
-    axes A, keepdims, with factor and shift of static shapes of size 1 along A. Returns the number rewritten."""
+def detach_batch_norm_statistics(model: onnx.ModelProto) -> int:
+    """Rewrite each normalization by the batch's statistics with stand-ins for its mean, centred values and mean of
+    squares (module docstring); in place. Matches y = Add(Mul(c, factor), shift) with c = Sub(x, ReduceMean_A(x))
+    read only by that Mul and by Mul(c, c), whose only reader is a ReduceMean over the same axes A, keepdims, with
+    factor and shift of static shapes of size 1 along A. Returns the number rewritten."""
     graph = model.graph
     shapes, types = shapes_and_types(model)
     known = constants(model)
@@ -55,18 +56,16 @@ def affine_batch_norms(model: onnx.ModelProto) -> int:
         for name in dict.fromkeys(node.input):   # a node reading a value twice (c * c) is one reader
             readers.setdefault(name, []).append(node)
     outputs = {value.name for value in graph.output}
-    emit = Emitter(model, "affine_norm")
-    inserted: dict[int, list[onnx.NodeProto]] = {}   # new nodes, by id of the node they go before
-    following: dict[int, list[onnx.NodeProto]] = {}  # and after
+    emit = Emitter(model, "norm_stand_in")
+    around: dict[int, tuple[list[onnx.NodeProto], list[onnx.NodeProto]]] = {}   # new nodes before and after, by id
     stand_ins: list[onnx.ValueInfoProto] = []
     rewritten = 0
     for node in graph.node:
         match = _match(node, producers, readers, outputs, shapes, known)
         if match is None:
             continue
-        x, mean, centred, product, square, factor, shift = match
-        variance, c = readers[square.output[0]][0], centred.output[0]
-        stand_in = STAND_IN_PREFIX + mean
+        x, mean, centred, square, variance, factor, shift = match
+        c, stand_in = centred.output[0], STAND_IN_PREFIX + mean
         if any(value.name == stand_in for value in stand_ins) or \
                 any(name not in types for name in (mean, variance.output[0])):
             continue
@@ -76,32 +75,30 @@ def affine_batch_norms(model: onnx.ModelProto) -> int:
                       helper.make_tensor_value_info(STAND_IN_PREFIX + raw, element, list(shapes[mean]))]
         centred.input[1] = stand_in     # c = x - mean, the mean not differentiated there
         gap, lift, moved = emit.name(), emit.name(), emit.name()
-        inserted[id(node)] = [helper.make_node("Sub", [stand_in, mean], [gap], name=gap),   # zero: mean - mean
-                              helper.make_node("Mul", [gap, factor], [lift], name=lift),
-                              helper.make_node("Add", [shift, lift], [moved], name=moved)]
+        around[id(node)] = ([helper.make_node("Sub", [stand_in, mean], [gap], name=gap),   # zero: mean - mean
+                             helper.make_node("Mul", [gap, factor], [lift], name=lift),
+                             helper.make_node("Add", [shift, lift], [moved], name=moved)], [])
         node.input[list(node.input).index(shift)] = moved
         # var = 2 * mean(c * c') - (the same, not differentiated), c' = c not differentiated: one term of dc
         square.input[1] = STAND_IN_PREFIX + c
         two, doubled = emit.name(), emit.name()
         emit.initializers.append(numpy_helper.from_array(
             np.array(2, helper.tensor_dtype_to_np_dtype(element)), two))
-        following[id(variance)] = [
+        around[id(variance)] = ([], [
             helper.make_node("Mul", [raw, two], [doubled], name=doubled),
             helper.make_node("Sub", [doubled, STAND_IN_PREFIX + raw], [variance.output[0]],
-                             name=variance.name or variance.output[0])]
+                             name=variance.name or variance.output[0])])
         variance.output[0] = raw
         variance.name = raw
         rewritten += 1
-    if not rewritten:
-        return 0
-    nodes = []
-    for node in graph.node:
-        nodes += inserted.get(id(node), [])
-        nodes.append(node)
-        nodes += following.get(id(node), [])
-    graph.ClearField("node")
-    graph.node.extend(nodes)
-    graph.initializer.extend(emit.initializers)
+
+    def placed(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if id(node) not in around:
+            return None
+        before, after = around[id(node)]
+        return [*before, node, *after]
+
+    rebuild(model, emit, placed)
     graph.input.extend(stand_ins)
     return rewritten
 
@@ -109,8 +106,8 @@ def affine_batch_norms(model: onnx.ModelProto) -> int:
 def _match(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], readers: dict[str, list[onnx.NodeProto]],
            outputs: set[str], shapes: dict[str, tuple[int, ...]], known: dict
            ) -> tuple[str, str, onnx.NodeProto, onnx.NodeProto, onnx.NodeProto, str, str] | None:
-    """(x, the mean's name, the Sub, the Mul by the factor, the Mul c * c, the factor, the shift) where `node`
-    is the Add of a normalization (affine_batch_norms), else None."""
+    """(x, the mean's name, the Sub, the Mul c * c, the variance's ReduceMean, the factor, the shift) where `node`
+    is the Add of a normalization (detach_batch_norm_statistics), else None."""
     if node.op_type != "Add" or len(node.input) != 2:
         return None
     for scaled, shift in (node.input, node.input[::-1]):
@@ -135,7 +132,7 @@ def _match(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], readers: 
             if axes is None or axes != _axes(variance[0], shapes.get(x), known):
                 continue
             if all(_constant_along(name, axes, len(shapes[x]), shapes) for name in (factor, shift, mean)):
-                return x, mean, centred, product, square, factor, shift
+                return x, mean, centred, square, variance[0], factor, shift
     return None
 
 
@@ -169,8 +166,8 @@ def _constant_along(name: str, axes: frozenset[int], rank: int, shapes: dict[str
 
 
 def attach_batch_norm_stand_ins(model: onnx.ModelProto) -> int:
-    """The differentiated graph of a model `affine_batch_norms` rewrote, with every stand-in input read as the
-    mean it stands for and dropped from the inputs; in place. Returns the number of stand-ins removed."""
+    """The differentiated graph of a model `detach_batch_norm_statistics` rewrote, with every stand-in input read as the
+    value it stands for and dropped from the inputs; in place. Returns the number of stand-ins removed."""
     graph = model.graph
     stand_ins = {value.name: value.name[len(STAND_IN_PREFIX):] for value in graph.input
                  if value.name.startswith(STAND_IN_PREFIX)}

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.toolkit import SAME_DATA_OPS, Emitter, constants, reader_counts, static_shapes
+from worker_client.engine.rewrites.toolkit import SAME_DATA_OPS, Emitter, constants, reader_counts, rebuild, static_shapes
 
 __all__ = ["gelu_adjoints", "silu_adjoints"]
 
@@ -47,7 +47,7 @@ class _Adjoints:
     operands of its products, one-element constants; and the replacement of two terms of a sum."""
 
     def __init__(self, model: onnx.ModelProto, stem: str) -> None:
-        self.graph = model.graph
+        self.model, self.graph = model, model.graph
         self.shapes = static_shapes(model)
         self.fixed = constants(model)
         self.producers = {out: node for node in self.graph.node for out in node.output}
@@ -83,12 +83,12 @@ class _Adjoints:
                 return other
         return None
 
-    def sums(self) -> Iterator[tuple[int, onnx.NodeProto]]:
-        """The Adds and Sums of static shape that accumulate adjoint terms, by position."""
-        for index, node in enumerate(self.graph.node):
+    def sums(self) -> Iterator[onnx.NodeProto]:
+        """The Adds and Sums of static shape that accumulate adjoint terms."""
+        for node in self.graph.node:
             if (node.op_type == "Add" and len(node.input) == 2 or node.op_type == "Sum" and len(node.input) >= 2) \
                     and node.output[0] in self.shapes:
-                yield index, node
+                yield node
 
     def lifted(self, name: str, shape: tuple[int, ...], nodes: list[onnx.NodeProto],
                current: tuple[int, ...] | None = None) -> str:
@@ -117,16 +117,8 @@ class _Adjoints:
         return [*nodes, summed]
 
     def splice(self, replacements: dict[int, list[onnx.NodeProto]]) -> int:
-        """Each node at a position in `replacements` swapped for its nodes; returns how many."""
-        if not replacements:
-            return 0
-        rebuilt = []
-        for index, node in enumerate(self.graph.node):
-            rebuilt += replacements.get(index, [node])
-        self.graph.ClearField("node")
-        self.graph.node.extend(rebuilt)
-        self.graph.initializer.extend(self.emit.initializers)
-        return len(replacements)
+        """Each node (by id) in `replacements` swapped for its nodes; returns how many."""
+        return rebuild(self.model, self.emit, lambda node: replacements.get(id(node)))
 
 
 def silu_adjoints(model: onnx.ModelProto) -> int:
@@ -142,7 +134,7 @@ def silu_adjoints(model: onnx.ModelProto) -> int:
                 if sigmoids.get(s) == x:
                     silus[s] = (x, node.output[0])
     replacements: dict[int, list[onnx.NodeProto]] = {}
-    for index, node in view.sums():
+    for node in view.sums():
         target = view.shapes[node.output[0]]
         match = _silu_terms(node, silus, view)
         if match is None:
@@ -158,7 +150,7 @@ def silu_adjoints(model: onnx.ModelProto) -> int:
         nodes += [helper.make_node("Mul", [y_operand, complement_operand], [scaled], name=scaled),
                   helper.make_node("Add", [s_operand, scaled], [slope], name=slope),
                   helper.make_node("Mul", [dy_operand, slope], [gradient], name=gradient)]
-        replacements[index] = view.in_place_of(node, terms, nodes, gradient)
+        replacements[id(node)] = view.in_place_of(node, terms, nodes, gradient)
     return view.splice(replacements)
 
 
@@ -202,7 +194,7 @@ def gelu_adjoints(model: onnx.ModelProto) -> int:
     view = _Adjoints(model, "gelu_adjoint")
     gelus = _forward_gelus(view)
     replacements: dict[int, list[onnx.NodeProto]] = {}
-    for index, node in view.sums():
+    for node in view.sums():
         target = view.shapes[node.output[0]]
         for terms in itertools.permutations(dict.fromkeys(node.input), 2):
             found = _gelu_terms(*terms, gelus, view)
@@ -224,7 +216,7 @@ def gelu_adjoints(model: onnx.ModelProto) -> int:
                      helper.make_node("Add", [half, spread], [slope], name=slope)]
             slope = view.lifted(slope, target, nodes, current=view.shapes[x])
             nodes.append(helper.make_node("Mul", [dy_operand, slope], [gradient], name=gradient))
-            replacements[index] = view.in_place_of(node, terms, nodes, gradient)
+            replacements[id(node)] = view.in_place_of(node, terms, nodes, gradient)
             break
     return view.splice(replacements)
 

@@ -3,7 +3,7 @@
 Every pass computes the same values as the graph it replaces (tests/unit/
 test_gradient_engine.py and the test files named after the passes check each one); each module's
 docstrings say which slow path it avoids and why the replacement is exact, or, where it regroups
-arithmetic (`gates`, `batch_norms`), equal to rounding.
+arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
 
 - `transposed`: ConvTransposes with a trainable weight as Convs with the kernel swapped and
   reversed (on the forward graph: onnx-ad has no weight adjoint for ConvTranspose);
@@ -57,6 +57,8 @@ arithmetic (`gates`, `batch_norms`), equal to rounding.
   Scan body, which onnxruntime runs once per time step;
 - `recurrences`: a recurrent layer's reverse sweep reads the gates its forward sweep computed (taped
   per step) instead of computing them again;
+- `accumulators`: a Scan state that sums one matrix product per step (a recurrent weight's gradient
+  in the reverse sweep) as one product of the stacked steps after the Scan (equal to rounding);
 - `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
 - `col2im`: DepthToSpace as a Col2Im of non-overlapping blocks (a CPU session's copy too: onnxruntime's
@@ -68,6 +70,7 @@ from __future__ import annotations
 
 import onnx
 
+from worker_client.engine.rewrites.accumulators import hoist_scan_accumulators
 from worker_client.engine.rewrites.batch_norms import detach_batch_norm_statistics
 from worker_client.engine.rewrites.broadcasts import broadcast_in_readers
 from worker_client.engine.rewrites.conv import (
@@ -169,5 +172,6 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     prune(model)
     rewrite_scan_bodies(model, [prune, drop_no_op_layout_ops, broadcast_in_readers, prune])
     reuse_forward_values(model)         # after the bodies are clean: their nodes are matched one for one
+    hoist_scan_accumulators(model)      # after the reuse: the operands it stacks are then the forward's tapes
     prune(model)
     return model

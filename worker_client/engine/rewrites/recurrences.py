@@ -28,6 +28,7 @@ from worker_client.engine.rewrites.toolkit import (
     Emitter,
     constants,
     opset_of,
+    replace_items,
     shapes_and_types,
     subgraph_reads,
     subgraphs,
@@ -239,32 +240,22 @@ def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodePr
             r_copies.append(helper.make_node("Identity", [inner], [name]))
         new_r_inputs.append((existing, helper.make_tensor_value_info(
             inner, r_types[name], list(shape) if shape is not None else None)))
-    _replace(f_body.output, f_outputs)
+    replace_items(f_body.output, f_outputs)
     f_body.node.extend(f_copies)
     write_layout(forward, f_in_axes, f_in_dirs, f_out_axes, f_out_dirs)
     kept = [*r_copies, *kept]          # the copies read body inputs only: first
-    _replace(r_body.node, kept)
+    replace_items(r_body.node, kept)
     still_read = {name for node in kept for name in [*node.input, *subgraph_reads(node)]} | \
         {value.name for value in r_body.output}
     inputs = list(r_body.input)
     keep = [p for p in range(len(inputs)) if p < r_states or inputs[p].name in still_read]
     reverse.input[:] = [reverse.input[p] for p in keep] + [outer_name for outer_name, _ in new_r_inputs]
-    _replace(r_body.input, [inputs[p] for p in keep] + [info for _, info in new_r_inputs])
+    replace_items(r_body.input, [inputs[p] for p in keep] + [info for _, info in new_r_inputs])
     r_in_axes = [r_in_axes[p - r_states] for p in keep if p >= r_states] + [0] * len(new_r_inputs)
     r_in_dirs = [r_in_dirs[p - r_states] for p in keep if p >= r_states] + [int(flipped)] * len(new_r_inputs)
     write_layout(reverse, r_in_axes, r_in_dirs, r_out_axes, r_out_dirs)
     used = {name for node in kept for name in [*node.input, *subgraph_reads(node)]}
-    _replace(r_body.initializer, [t for t in r_body.initializer if t.name in used])
+    replace_items(r_body.initializer, [t for t in r_body.initializer if t.name in used])
     r_body.ClearField("value_info")
     return len(costly)
 
-
-def _replace(field, items: list) -> None:  # type: ignore[no-untyped-def]
-    """A repeated message field's items replaced by copies of `items` (clearing the field releases them)."""
-    copies = []
-    for item in items:
-        copy = type(item)()
-        copy.CopyFrom(item)
-        copies.append(copy)
-    del field[:]
-    field.extend(copies)

@@ -10,7 +10,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 __all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "opset_of", "reader_counts",
-           "rebuild", "reduction_axes", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
+           "rebuild", "reduction_axes", "replace_items", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
 #: seed-axis Reshapes, its Expands of a tensor to its own shape, Identities).
@@ -175,3 +175,15 @@ def rebuild(model: onnx.ModelProto, emit: Emitter,
         model.graph.node.extend(nodes)
         model.graph.initializer.extend(emit.initializers)
     return replaced
+
+
+def replace_items(field, items: list) -> None:  # type: ignore[no-untyped-def]
+    """A repeated message field's items replaced by copies of `items` (clearing the field releases the
+    messages it held, `items` among them)."""
+    copies = []
+    for item in items:
+        copy = type(item)()
+        copy.CopyFrom(item)
+        copies.append(copy)
+    del field[:]
+    field.extend(copies)

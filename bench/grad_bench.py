@@ -49,6 +49,7 @@ except ImportError as exc:  # torch is a benchmark-only dependency
 
 from ps_bench import harness, torch_models, zoo_models
 from worker_client import GradientEngine
+from worker_client.engine import thread_choice
 
 #: Timed steps per block of one system's steps (see bench_model).
 BLOCK = 5
@@ -160,6 +161,10 @@ def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, 
     for _ in range(warmup):
         engine_step()
         torch_step()
+    for _ in range(2 * (thread_choice.TRIAL_STEPS + 1)):     # a recurrent graph tries one thread first
+        if not engine.trying_threads:
+            break
+        engine_step()
     # Interleaved in blocks: a block of one system's steps, then one of the other's, the
     # order flipping every round. The first step of each block is not timed -- the other
     # system's idle worker threads may still be spinning on the same cores then. The ratio
@@ -184,7 +189,7 @@ def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, 
     context = {"batch": batch, "threads": threads, "steps": len(timings["torch"]),
                "loadavg": harness.machine()["loadavg"]}
     records = [harness.emit(system, f"grad_step_ms_{name}", size_mb, _median_ms(samples), "ms",
-                            **context)
+                            **context, **({"engine_threads": engine.step_threads} if system == "onnx-ps" else {}))
                for system, samples in timings.items()]
     records.append(harness.emit("torch/onnx-ps", f"grad_step_speedup_{name}", size_mb,
                                 statistics.median(ratios), "x", **context))

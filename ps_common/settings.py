@@ -332,7 +332,9 @@ class WorkerSettings:
     device: str = _setting("cpu", "--device", scopes=_WORKER, help="cpu, cuda or cuda:N (needs onnxruntime-gpu)")
     intra_op_threads: int | None = _setting(None, "--intra-op-threads", scopes=_WORKER, minimum=1,
                                             default_doc="onnxruntime's (ps-launch: cores / workers)",
-                                            help="onnxruntime threads per gradient computation")
+                                            help="onnxruntime threads per gradient computation, at most: a graph "
+                                                 "with a loop (a recurrent layer) tries one thread over its first "
+                                                 "dozen steps and keeps it where faster")
     start_timeout: float = _setting(300.0, "--start-timeout", scopes=_WORKER, positive=True, metavar="SECONDS",
                                     help="longest wait for the shards to answer, be initialized, and for all "
                                          "workers at the start barrier")

@@ -41,6 +41,7 @@ from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
 from worker_client.engine.session import open_session, placement, run_bound
+from worker_client.engine.thread_choice import ThreadChoice, loops
 from worker_client.engine.sparse import SparsePlan, declared_dynamic_tables, find_sparse_tables, rewrite_sparse
 from worker_client.engine.support import warn_caller
 from worker_client.engine.trainables import FLOAT_TYPES, initial_values, trainable_parameters
@@ -86,7 +87,9 @@ class GradientEngine:
     ideally dynamic, batch axis. `loss=None` builds no gradient model (predict only).
 
     Not thread-safe: one engine serves one worker loop (onnxruntime parallelizes inside a
-    call; see `intra_op_threads`).
+    call; see `intra_op_threads`). `intra_op_threads` bounds the threads of one step; for a graph
+    with a loop (a recurrent layer's Scan), whose many small ops per time step can run slower on
+    several threads, the first steps also run on one thread and the faster is kept (`step_threads`).
     """
 
     def __init__(self, model_path: str | os.PathLike[str], *, batch_size: int,
@@ -207,8 +210,17 @@ class GradientEngine:
                                      inputs=self.input_gradient_names)
         self._graph, self.cache_hit = cached_or_built(self.cache_path,
                                                       lambda: self._gradient_graph(loss))
-        self._session = open_session(self._for_placement(self._graph.model), self._placement,
-                                     threads=self._threads, source=self.model_path)
+        graph = self._graph
+
+        def open_single() -> ort.InferenceSession:
+            return open_session(self._for_placement(graph.model), self._placement,
+                                threads=(1, self._threads[1]), source=self.model_path)
+
+        self._sessions = ThreadChoice(
+            open_session(self._for_placement(graph.model), self._placement, threads=self._threads,
+                         source=self.model_path),
+            threads=self._threads[0], open_single=open_single,
+            trial=self._placement.cuda_index is None and loops(graph.model))
         self._prepare_gradient_run(self._graph)
 
     def _for_placement(self, model: onnx.ModelProto) -> onnx.ModelProto:
@@ -381,9 +393,9 @@ class GradientEngine:
                 raise ValueError(f"labels must lie in [0, {self._classes}), got values in "
                                  f"[{labels.min()}, {labels.max()}]")
         if self._bind_outputs:
-            results = run_bound(self._session, feed, self._output_specs)
+            results = self._sessions.run(lambda session: run_bound(session, feed, self._output_specs))
         else:
-            results = self._session.run(self._fetches, feed)
+            results = self._sessions.run(lambda session: session.run(self._fetches, feed))
         loss = float(results[0]) if self._has_loss else 0.0
         rest = iter(results[1:] if self._has_loss else results)
         gradients = {name: next(rest).reshape(self._initial[name].shape)
@@ -487,6 +499,19 @@ class GradientEngine:
         """Whether `step` takes the data's labels: a loss with labels is attached (not loss="output:NAME", "vjp"
         or None)."""
         return self._graph is not None and "labels" in self._feeds
+
+    @property
+    def step_threads(self) -> int | None:
+        """The intra-op threads the gradient step runs on: `intra_op_threads` as given (None: onnxruntime's
+        default), or 1 once the first steps measured one thread faster for a graph that loops (a recurrent
+        layer's Scan; thread_choice.py). None too for an engine built with loss=None."""
+        return None if self._graph is None else self._sessions.threads
+
+    @property
+    def trying_threads(self) -> bool:
+        """Whether the steps still alternate between the threads asked for and one thread (the first dozen
+        steps of a graph that loops, `step_threads`); a benchmark warms the engine until this is False."""
+        return self._graph is not None and self._sessions.deciding
 
     @property
     def loss_kind(self) -> str | None:

@@ -127,3 +127,12 @@ def test_an_lstms_engine_settles_on_a_thread_count_and_its_gradients_hold_throug
     assert not plain.trying_threads and plain.step_threads == 2
     predictor = GradientEngine(FIXTURES / "mlp.onnx", batch_size=1, loss=None, cache_dir=tmp_path)
     assert predictor.step_threads is None and not predictor.trying_threads
+
+
+def test_the_core_count_falls_back_to_cpu_count_where_affinity_is_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not on Linux (no sched_getaffinity): os.cpu_count(), and 1 where even that is unknown."""
+    monkeypatch.delattr(thread_choice.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(thread_choice.os, "cpu_count", lambda: 6)
+    assert thread_choice._cores() == 6
+    monkeypatch.setattr(thread_choice.os, "cpu_count", lambda: None)
+    assert thread_choice._cores() == 1

@@ -45,6 +45,29 @@ def test_no_op_expands_identities_and_size_one_transposes_go_and_the_values_stay
         np.testing.assert_array_equal(new, old)
 
 
+def test_an_output_copied_from_a_value_other_nodes_read_is_written_by_its_producer() -> None:
+    """m goes out (through an Identity) and is read on by a Mul and by a second Identity onto another output:
+    the Mul writes the output itself, its readers read it there, the second copy stays (an output's own
+    name cannot be two values), and every output keeps its value."""
+    nodes = [helper.make_node("Mul", ["x", "x"], ["m"]),
+             helper.make_node("Identity", ["m"], ["y"]),
+             helper.make_node("Add", ["m", "x"], ["z"]),
+             helper.make_node("Identity", ["m"], ["w"])]
+    shape = [2, 3]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name in "yzw"])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    feed = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+    expected = ort.InferenceSession(model.SerializeToString()).run(None, feed)
+    assert drop_no_op_layout_ops(model) == 1
+    assert [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node] == [
+        ("Mul", ["x", "x"], ["y"]), ("Add", ["y", "x"], ["z"]), ("Identity", ["y"], ["w"])]
+    got = ort.InferenceSession(model.SerializeToString()).run(None, feed)
+    for new, old in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(new, old)
+
+
 def test_a_value_a_subgraph_reads_is_not_bypassed() -> None:
     """An Identity whose output a Scan body captures keeps its node (the body reads that name)."""
     body = helper.make_graph([helper.make_node("Add", ["state", "captured"], ["next"]),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -253,7 +252,8 @@ def drop_no_op_layout_ops(model: onnx.ModelProto) -> int:
     each costs a kernel launch per step (rewrites/scans.py). An Expand or Identity is bypassed where its
     output is not a graph output (its readers read the input); a Transpose whose non-1 axes keep their
     order is a Reshape, which onnxruntime runs without a copy; an Identity onto a graph output from a
-    value nothing else reads is dropped, the value's producer writing the output itself."""
+    computed value is dropped, the value's producer writing the output itself and its other readers reading
+    it there."""
     graph = model.graph
     shapes = static_shapes(model)
     kept = {value.name for value in graph.output}   # and what a subgraph reads from this one
@@ -279,17 +279,22 @@ def drop_no_op_layout_ops(model: onnx.ModelProto) -> int:
                 reshaped += 1
                 continue
         nodes.append(node)
-    # an Identity onto a graph output from a value only it reads: the value's producer writes the output
-    readers = Counter(name for node in nodes for name in node.input)
+    # an Identity onto a graph output from a computed value: the value's producer writes the output, and the
+    # value's other readers read it there (a Scan body's output copied per step, the gates' adjoints the
+    # reverse sweep hands out and also multiplies on)
     producers = {name: node for node in nodes for name in node.output}
     written = 0
     for node in list(nodes):
-        if node.op_type == "Identity" and node.output[0] in kept and node.input[0] in producers and \
-                readers[node.input[0]] == 1 and node.input[0] not in kept:
-            producer = producers[node.input[0]]
-            producer.output[:] = [node.output[0] if name == node.input[0] else name for name in producer.output]
-            nodes.remove(node)
-            written += 1
+        value = node.input[0] if node.op_type == "Identity" else ""
+        if value not in producers or node.output[0] not in kept or value in kept:
+            continue
+        producer = producers.pop(value)
+        producer.output[:] = [node.output[0] if name == value else name for name in producer.output]
+        producers[node.output[0]] = producer
+        nodes.remove(node)
+        for reader in nodes:
+            reader.input[:] = [node.output[0] if name == value else name for name in reader.input]
+        written += 1
     if bypass or reshaped or written:
         graph.ClearField("node")
         graph.node.extend(nodes)

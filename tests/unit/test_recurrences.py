@@ -143,7 +143,9 @@ def test_a_random_draw_is_never_taken_from_the_other_scan() -> None:
 def test_an_lstms_reverse_sweep_no_longer_recomputes_its_gates_and_its_gradients_hold(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch LSTM fixture (reference gradients from torch): bit for bit the gradients of the graph built
-    without the pass, and no product by the recurrent weight left in a reverse body but the adjoint's."""
+    without the pass, and no product by the recurrent weight left in a reverse body but the adjoint's. Both
+    built without batch_stateless_steps, which would move the recomputed gates out of the loop instead."""
+    monkeypatch.setattr(rewrites, "batch_stateless_steps", lambda model: 0)
     engine, plain = lstm_engines(tmp_path, monkeypatch, "reuse_forward_values")
 
     def reverse_matmuls(built: GradientEngine) -> int:
@@ -187,6 +189,7 @@ def test_every_direction_of_every_recurrent_op_reuses_its_forward_and_keeps_its_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, op: str, direction: str, extra: dict) -> None:
     """ONNX's own recurrent nodes, each direction a forward and a reverse Scan in onnx-ad's expansion: every
     reverse body shrinks, and the gradients are those of the graph built without the pass."""
+    monkeypatch.setattr(rewrites, "batch_stateless_steps", lambda model: 0)   # it would move the recomputation out
     model, width = _recurrent_model(op, direction, extra)
     path = tmp_path / "recurrent.onnx"
     onnx.save(model, path)

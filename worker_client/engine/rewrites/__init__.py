@@ -59,6 +59,8 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
   per step) instead of computing them again;
 - `accumulators`: a Scan state that sums one matrix product per step (a recurrent weight's gradient
   in the reverse sweep) as one product of the stacked steps after the Scan (equal to rounding);
+- `stateless`: a Scan body's nodes that read no state of the loop (the reverse sweep's gate derivatives
+  from the forward's tapes) computed before the Scan for all steps at once;
 - `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
 - `col2im`: DepthToSpace as a Col2Im of non-overlapping blocks (a CPU session's copy too: onnxruntime's
@@ -97,6 +99,7 @@ from worker_client.engine.rewrites.recurrences import reuse_forward_values
 from worker_client.engine.rewrites.scans import rewrite_scan_bodies
 from worker_client.engine.rewrites.scatter import concat_padded_pieces, concat_piecewise_scatters
 from worker_client.engine.rewrites.sequences import split_constant_sequences
+from worker_client.engine.rewrites.stateless import batch_stateless_steps
 from worker_client.engine.rewrites.sums import sums_as_adds
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
 
@@ -173,5 +176,6 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     rewrite_scan_bodies(model, [prune, drop_no_op_layout_ops, broadcast_in_readers, prune])
     reuse_forward_values(model)         # after the bodies are clean: their nodes are matched one for one
     hoist_scan_accumulators(model)      # after the reuse: the operands it stacks are then the forward's tapes
+    batch_stateless_steps(model)
     prune(model)
     return model

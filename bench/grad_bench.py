@@ -157,14 +157,16 @@ def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, 
         # hand the gradients out as numpy arrays, as the engine does
         {k: p.grad.numpy() for k, p in module.named_parameters()}  # noqa: B018
 
+    # a graph with a loop first tries one thread too (worker_client/engine/thread_choice.py): settled before
+    # any torch step, whose idle OpenMP threads keep spinning on the cores for a while after it
+    for _ in range(2 * (thread_choice.TRIAL_STEPS + 1)):
+        if not engine.trying_threads:
+            break
+        engine_step()
     agreement = _agreement(engine, parameters, inputs, torch_step, module) if not engine.mask_names else None
     for _ in range(warmup):
         engine_step()
         torch_step()
-    for _ in range(2 * (thread_choice.TRIAL_STEPS + 1)):     # a recurrent graph tries one thread first
-        if not engine.trying_threads:
-            break
-        engine_step()
     # Interleaved in blocks: a block of one system's steps, then one of the other's, the
     # order flipping every round. The first step of each block is not timed -- the other
     # system's idle worker threads may still be spinning on the same cores then. The ratio

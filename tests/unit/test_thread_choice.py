@@ -58,7 +58,7 @@ def test_the_first_steps_alternate_and_a_faster_single_thread_is_kept(monkeypatc
     assert choice.deciding and not opened                 # the one-thread session is opened by the first step
     trial = 2 * (TRIAL_STEPS + 1)
     assert _steps(choice, trial) == ["wide", "single"] * (TRIAL_STEPS + 1)
-    assert not choice.deciding and choice.threads == 1 and choice.single_thread
+    assert not choice.deciding and choice.threads == 1
     assert set(_steps(choice, 5)) == {"single"}
     assert wide.runs == TRIAL_STEPS + 1 and len(opened) == 1
 

@@ -41,9 +41,9 @@ from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
 from worker_client.engine.session import open_session, placement, run_bound
-from worker_client.engine.thread_choice import ThreadChoice, loops
 from worker_client.engine.sparse import SparsePlan, declared_dynamic_tables, find_sparse_tables, rewrite_sparse
 from worker_client.engine.support import warn_caller
+from worker_client.engine.thread_choice import ThreadChoice, loops
 from worker_client.engine.trainables import FLOAT_TYPES, initial_values, trainable_parameters
 from worker_client.engine.training_mode import (
     inference_form,

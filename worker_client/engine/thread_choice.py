@@ -2,15 +2,16 @@
 
 onnxruntime runs a Scan's (or Loop's) body node by node once per time step, and a recurrent layer's body
 is dozens of elementwise ops on a [batch, hidden] tensor each. With more than one intra-op thread every
-such op that onnxruntime's cost model splits pays the thread pool's hand-off, every step: ps_bench's
-2-layer LSTM ran its gradient step in 13.9 ms on one thread and 16.7 ms on two (2 cores), while the
-GRU ran faster on two (10.6 against 7.8 ms). Which wins depends on the model, so it is measured: for a
-CPU session of a graph with a Scan or Loop given more than one intra-op thread (explicitly, or by
-onnxruntime's default of one per core), the first steps alternate between that session and one of the
-same graph on one thread -- each warmed by one step, then TRIAL_STEPS timed steps each -- and the
-session whose median step is faster by at least MARGIN is kept; the other is released. Every step of
-the trial returns its own correct result (the same graph; only the order of a parallel reduction's
-terms can differ between the two). A graph without loops, a single thread, or a CUDA session: no trial.
+such op that onnxruntime's cost model splits pays the thread pool's hand-off, every step: on a 2-core
+machine ps_bench's 2-layer LSTM once ran its gradient step in 14.5 ms on two threads and 13.6 on one,
+and minutes later in 8.2 on two; its GRU ran 12.0 against 10.5 at one moment and faster on two at another.
+Which wins depends on the model and the machine, so it is measured: for a CPU session of a graph with a
+Scan or Loop given more than one intra-op thread (explicitly, or by onnxruntime's default of one per
+core), the first steps alternate between that session and one of the same graph on one thread -- each
+warmed by one step, then TRIAL_STEPS timed steps each -- and the session whose median step is faster by
+at least MARGIN is kept; the other is released. Every step of the trial returns its own correct result
+(the same graph; only the order of a parallel reduction's terms can differ between the two). A graph
+without loops, a single thread, or a CUDA session: no trial.
 """
 
 from __future__ import annotations
@@ -68,11 +69,6 @@ class ThreadChoice:
     def deciding(self) -> bool:
         """Whether steps still alternate between the two sessions."""
         return self._pending or self._trial is not None
-
-    @property
-    def single_thread(self) -> bool:
-        """Whether the trial settled on one thread."""
-        return self.threads == 1
 
     def run(self, call: Callable[[ort.InferenceSession], _Result]) -> _Result:
         """`call` on the session this step runs on, timed while the trial lasts."""

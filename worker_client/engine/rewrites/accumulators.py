@@ -78,8 +78,10 @@ def hoist_scan_accumulators(model: onnx.ModelProto) -> int:
 
 
 def _zero_values(model: onnx.ModelProto) -> set[str]:
-    """Main-graph values known to be all zeros: constants, and ConstantOfShape of a zero (or of no value)."""
-    zero = {name for name, value in constants(model).items() if value.size and not np.any(value)}
+    """Main-graph values known to be all zeros: constants (not an initializer a feed may override), and
+    ConstantOfShape of a zero (or of no value)."""
+    fed = {value.name for value in model.graph.input}
+    zero = {name for name, value in constants(model).items() if value.size and not np.any(value) and name not in fed}
     for node in model.graph.node:
         if node.op_type == "ConstantOfShape":
             value = next((a.t for a in node.attribute if a.name == "value"), None)

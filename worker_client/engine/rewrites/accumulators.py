@@ -29,14 +29,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.scans import body_as_model, body_of, scan_layout, write_layout
+from worker_client.engine.rewrites.scans import body_as_model, body_of, drop_dead_body_nodes, scan_layout, write_layout
 from worker_client.engine.rewrites.toolkit import (
     SAME_DATA_OPS,
     Emitter,
     constants,
     opset_of,
     rebuild,
-    replace_items,
     shapes_and_types,
     subgraph_reads,
 )
@@ -244,7 +243,7 @@ def _hoist(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple
     scan.output.extend(outer for _, outer, _ in new_outputs)
     write_layout(scan, in_axes, in_dirs, out_axes + [0] * len(new_outputs),
                  out_dirs + [direction for _, _, direction in new_outputs])
-    _drop_dead(body)
+    drop_dead_body_nodes(body)
     return len(removed), after
 
 
@@ -261,17 +260,4 @@ def _steps(scan: onnx.NodeProto, states: int, axes: list[int], shapes: dict[str,
 
 def _non_unit(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
-
-
-def _drop_dead(body: onnx.GraphProto) -> None:
-    """The body's nodes no output of it depends on, dropped."""
-    needed = {value.name for value in body.output}
-    live = []
-    for node in reversed(body.node):
-        if any(name in needed for name in node.output):
-            live.append(node)
-            needed |= {name for name in node.input if name} | subgraph_reads(node)
-    live.reverse()
-    replace_items(body.node, live)
-    replace_items(body.initializer, [tensor for tensor in body.initializer if tensor.name in needed])
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from worker_client.engine.rewrites.fold import evaluate_node
 from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, rebuild, static_shapes

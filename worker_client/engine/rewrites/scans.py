@@ -20,9 +20,10 @@ from collections.abc import Callable
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import shapes_and_types
+from worker_client.engine.rewrites.toolkit import replace_items, shapes_and_types, subgraph_reads
 
-__all__ = ["body_as_model", "body_names", "body_of", "rewrite_scan_bodies", "scan_layout", "write_layout"]
+__all__ = ["body_as_model", "body_names", "body_of", "drop_dead_body_nodes", "rewrite_scan_bodies", "scan_layout",
+           "write_layout"]
 
 
 def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.ModelProto], object]]) -> int:
@@ -144,3 +145,17 @@ def _unwrap(wrapper: onnx.ModelProto, body: onnx.GraphProto, outer_names: set[st
     body.ClearField("initializer")
     body.initializer.extend(wrapper.graph.initializer)
     body.ClearField("value_info")
+
+
+def drop_dead_body_nodes(body: onnx.GraphProto) -> None:
+    """The body's nodes and initializers no output of it depends on, dropped (a pass that moved work out of
+    the loop leaves them)."""
+    needed = {value.name for value in body.output}
+    live = []
+    for node in reversed(body.node):
+        if any(name in needed for name in node.output):
+            live.append(node)
+            needed |= {name for name in node.input if name} | subgraph_reads(node)
+    live.reverse()
+    replace_items(body.node, live)
+    replace_items(body.initializer, [tensor for tensor in body.initializer if tensor.name in needed])

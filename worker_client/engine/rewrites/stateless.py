@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.scans import body_as_model, body_of, scan_layout, write_layout
+from worker_client.engine.rewrites.scans import body_as_model, body_of, drop_dead_body_nodes, scan_layout, write_layout
 from worker_client.engine.rewrites.toolkit import (
     RANDOM_OPS,
     Emitter,
@@ -257,8 +257,7 @@ class _Batch:
         write_layout(scan, [in_axes[p - states] for p in keep if p >= states] + [0] * len(new_inputs),
                      [in_dirs[p - states] for p in keep if p >= states] + [d for _, _, d in new_inputs],
                      out_axes, out_dirs)
-        used = {name for node in body.node for name in [*node.input, *subgraph_reads(node)]} | outputs
-        replace_items(body.initializer, [t for t in body.initializer if t.name in used])
+        drop_dead_body_nodes(body)          # a Constant only moved nodes read, say
         body.ClearField("value_info")
 
 

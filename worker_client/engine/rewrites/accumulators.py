@@ -29,13 +29,18 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.scans import body_as_model, body_of, drop_dead_body_nodes, scan_layout, write_layout
+from worker_client.engine.rewrites.scans import (
+    body_as_model,
+    body_of,
+    drop_dead_body_nodes,
+    rebuild_around_scans,
+    scan_layout,
+    write_layout,
+)
 from worker_client.engine.rewrites.toolkit import (
     SAME_DATA_OPS,
     Emitter,
     constants,
-    opset_of,
-    rebuild,
     shapes_and_types,
     subgraph_reads,
 )
@@ -52,28 +57,9 @@ _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLO
 def hoist_scan_accumulators(model: onnx.ModelProto) -> int:
     """Rewrite every accumulating state of the main graph's Scans as one product after the Scan (module
     docstring); in place. Returns the number of states removed."""
-    if opset_of(model) < 9:       # scan_input_axes and directions of scan outputs: from opset 9
-        return 0
-    scans = [node for node in model.graph.node if node.op_type == "Scan" and node.domain in ("", "ai.onnx")]
-    if not scans:
-        return 0
-    shapes, types = shapes_and_types(model)
     zeros = _zero_values(model)
-    emit = Emitter(model, "hoisted")
-    hoisted = 0
-
-    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        nonlocal hoisted
-        if node.op_type != "Scan" or node.domain not in ("", "ai.onnx"):
-            return None
-        after = _hoist(model, node, shapes, types, zeros, emit)
-        if not after:
-            return None
-        hoisted += after[0]
-        return [node, *after[1]]
-
-    rebuild(model, emit, replace)
-    return hoisted
+    return rebuild_around_scans(model, "hoisted", lambda scan, shapes, types, emit:
+                                _hoist(model, scan, shapes, types, zeros, emit))
 
 
 def _zero_values(model: onnx.ModelProto) -> set[str]:
@@ -98,7 +84,9 @@ class _Operand:
 
 
 def _hoist(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple[int, ...]],
-           types: dict[str, int], zeros: set[str], emit: Emitter) -> tuple[int, list[onnx.NodeProto]] | None:
+           types: dict[str, int], zeros: set[str], emit: Emitter
+           ) -> tuple[int, list[onnx.NodeProto], list[onnx.NodeProto]] | None:
+    """One Scan's accumulating states rewritten: (how many, no nodes before it, the products after it)."""
     body = body_of(scan)
     states, in_axes, in_dirs, out_axes, out_dirs = scan_layout(scan)
     steps = _steps(scan, states, in_axes, shapes)
@@ -244,7 +232,7 @@ def _hoist(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple
     write_layout(scan, in_axes, in_dirs, out_axes + [0] * len(new_outputs),
                  out_dirs + [direction for _, _, direction in new_outputs])
     drop_dead_body_nodes(body)
-    return len(removed), after
+    return len(removed), [], after
 
 
 def _steps(scan: onnx.NodeProto, states: int, axes: list[int], shapes: dict[str, tuple[int, ...]]) -> int | None:

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.scans import body_as_model, body_names, body_of, scan_layout, write_layout
+from worker_client.engine.rewrites.scans import body_as_model, body_names, body_of, main_scans, scan_layout, write_layout
 from worker_client.engine.rewrites.toolkit import (
     RANDOM_OPS,
     Emitter,
@@ -42,8 +42,7 @@ def reuse_forward_values(model: onnx.ModelProto) -> int:
     docstring); in place. Returns the number of reverse-body nodes dropped."""
     if opset_of(model) < 9:
         return 0
-    graph = model.graph
-    scans = [node for node in graph.node if node.op_type == "Scan" and node.domain in ("", "ai.onnx")]
+    scans = main_scans(model)
     if len(scans) < 2:
         return 0
     shapes, types = shapes_and_types(model)

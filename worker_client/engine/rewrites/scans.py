@@ -20,17 +20,17 @@ from collections.abc import Callable
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import replace_items, shapes_and_types, subgraph_reads
+from worker_client.engine.rewrites.toolkit import Emitter, opset_of, rebuild, replace_items, shapes_and_types, subgraph_reads
 
-__all__ = ["body_as_model", "body_names", "body_of", "drop_dead_body_nodes", "rewrite_scan_bodies", "scan_layout",
-           "write_layout"]
+__all__ = ["body_as_model", "body_names", "body_of", "drop_dead_body_nodes", "main_scans", "rebuild_around_scans",
+           "rewrite_scan_bodies", "scan_layout", "write_layout"]
 
 
 def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.ModelProto], object]]) -> int:
     """Run `passes` (each takes a model, in place) on the body of each Scan of the main graph; returns the
     number of bodies whose node count went down."""
     graph = model.graph
-    scans = [node for node in graph.node if node.op_type == "Scan" and node.domain in ("", "ai.onnx")]
+    scans = main_scans(model)
     if not scans:
         return 0
     shapes, types = shapes_and_types(model)
@@ -159,3 +159,38 @@ def drop_dead_body_nodes(body: onnx.GraphProto) -> None:
     live.reverse()
     replace_items(body.node, live)
     replace_items(body.initializer, [tensor for tensor in body.initializer if tensor.name in needed])
+
+
+def main_scans(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The Scans of the main graph (default domain)."""
+    return [node for node in model.graph.node if node.op_type == "Scan" and node.domain in ("", "ai.onnx")]
+
+
+#: What a pass over one Scan returns: (what it changed, nodes to place before the Scan, nodes after it), or None.
+ScanRewrite = Callable[[onnx.NodeProto, dict[str, tuple[int, ...]], dict[str, int], Emitter],
+                       tuple[int, list[onnx.NodeProto], list[onnx.NodeProto]] | None]
+
+
+def rebuild_around_scans(model: onnx.ModelProto, stem: str, rewrite: ScanRewrite) -> int:
+    """Each Scan of the main graph handed to `rewrite(scan, shapes, types, emit)`, which changes the Scan in
+    place and returns what it changed and the nodes to place before and after it (or None); in place.
+    Returns the sum of the counts. Scan-8 (opset 8: a batch axis, no per-input axes or directions) is
+    left alone."""
+    if opset_of(model) < 9 or not main_scans(model):
+        return 0
+    shapes, types = shapes_and_types(model)
+    emit = Emitter(model, stem)
+    changed = 0
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        nonlocal changed
+        if node.op_type != "Scan" or node.domain not in ("", "ai.onnx"):
+            return None
+        result = rewrite(node, shapes, types, emit)
+        if result is None:
+            return None
+        changed += result[0]
+        return [*result[1], node, *result[2]]
+
+    rebuild(model, emit, replace)
+    return changed

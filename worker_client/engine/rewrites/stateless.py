@@ -23,13 +23,19 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.scans import body_as_model, body_of, drop_dead_body_nodes, scan_layout, write_layout
+from worker_client.engine.rewrites.scans import (
+    body_as_model,
+    body_of,
+    drop_dead_body_nodes,
+    rebuild_around_scans,
+    scan_layout,
+    write_layout,
+)
 from worker_client.engine.rewrites.toolkit import (
     RANDOM_OPS,
     Emitter,
     constants,
     opset_of,
-    rebuild,
     replace_items,
     shapes_and_types,
     subgraph_reads,
@@ -51,33 +57,9 @@ _BROADCASTING = frozenset({"Add", "And", "Div", "Equal", "Greater", "GreaterOrEq
 def batch_stateless_steps(model: onnx.ModelProto) -> int:
     """Move the body nodes of each Scan of the main graph that read no state before the Scan (module
     docstring); in place. Returns the number of nodes moved."""
-    if opset_of(model) < 9:       # Scan-8 has a batch axis and no per-input axes or directions
-        return 0
-    scans = [node for node in model.graph.node if node.op_type == "Scan" and node.domain in ("", "ai.onnx")]
-    if not scans:
-        return 0
-    shapes, types = shapes_and_types(model)
     outer_constants = constants(model)
-    emit = Emitter(model, "stateless")
-    moved = 0
-
-    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        nonlocal moved
-        if not any(node is scan for scan in scans):
-            return None
-        batch = _Batch(model, node, shapes, types, outer_constants, emit)
-        if not batch.ok:
-            return None
-        kept = [inner for inner in batch.body.node if not batch.try_move(inner)]
-        count = len(batch.body.node) - len(kept)
-        if not count:
-            return None
-        batch.feed_back(kept)
-        moved += count
-        return [*batch.outer_nodes, node]
-
-    rebuild(model, emit, replace)
-    return moved
+    return rebuild_around_scans(model, "stateless", lambda scan, shapes, types, emit:
+                                _Batch(model, scan, shapes, types, outer_constants, emit).run())
 
 
 def _shifted(axes: np.ndarray | list[int]) -> list[int]:
@@ -125,6 +107,17 @@ class _Batch:
             for name in [*node.input, *subgraph_reads(node)]:
                 if name and name not in defined:
                     self.kind[name] = ("outside", name)
+
+    def run(self) -> tuple[int, list[onnx.NodeProto], list[onnx.NodeProto]] | None:
+        """The Scan rewritten: (the nodes moved, the nodes computing them before it, none after), or None."""
+        if not self.ok:
+            return None
+        kept = [node for node in self.body.node if not self.try_move(node)]
+        moved = len(self.body.node) - len(kept)
+        if not moved:
+            return None
+        self.feed_back(kept)
+        return moved, self.outer_nodes, []
 
     def outer_name(self, value: str) -> str:
         """The name before the Scan of a value a moved node reads (a body constant is copied out)."""

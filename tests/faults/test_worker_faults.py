@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -53,7 +54,12 @@ def test_a_killed_worker_restarted_with_its_id_rejoins_at_the_current_step_and_t
     assert results[2]["iterations"] > 0 and results[2]["resumed"]
     for shard in job.cluster.shards:
         log = shard.log_tail(500_000)
-        assert "capped at 2" in log and "wait for replicas_to_aggregate=3 gradients again" in log
+        # Capped while worker 2 was dead, and back to N = 3 once it rejoined. At 2, or at 1: on a loaded machine
+        # worker 1's lease can lapse for a moment too, and a cap at 1 lifted straight to N = 3 by the rejoin logs
+        # no "capped at 2" (a shard's log lacked that line once in four CI runs on a 2-core machine).
+        capped = re.search(r"replicas_to_aggregate=3 capped at [12] ", log)
+        assert capped and "wait for replicas_to_aggregate=3 gradients again" in log, \
+            f"shard log {shard.log_path}: no cap while worker 2 was dead, or none lifted on its return:\n{log[-20_000:]}"
 
 
 @pytest.mark.timeout(150)

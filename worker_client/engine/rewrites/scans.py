@@ -20,7 +20,15 @@ from collections.abc import Callable
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, opset_of, rebuild, replace_items, shapes_and_types, subgraph_reads
+from worker_client.engine.rewrites.toolkit import (
+    Emitter,
+    opset_of,
+    rebuild,
+    replace_items,
+    set_attribute,
+    shapes_and_types,
+    subgraph_reads,
+)
 
 __all__ = ["body_as_model", "body_names", "body_of", "drop_dead_body_nodes", "main_scans", "rebuild_around_scans",
            "rewrite_scan_bodies", "scan_layout", "write_layout"]
@@ -103,16 +111,12 @@ def write_layout(scan: onnx.NodeProto, in_axes: list[int], in_dirs: list[int], o
     for name, value in (("num_scan_inputs", len(in_axes)), ("scan_input_axes", in_axes),
                         ("scan_input_directions", in_dirs), ("scan_output_axes", out_axes),
                         ("scan_output_directions", out_dirs)):
-        existing = next((a for a in scan.attribute if a.name == name), None)
-        if isinstance(value, list) and not value:
+        if isinstance(value, list) and not value:     # no INTS attribute for an empty list: drop it
+            existing = next((a for a in scan.attribute if a.name == name), None)
             if existing is not None:
                 scan.attribute.remove(existing)
             continue
-        fresh = helper.make_attribute(name, value)
-        if existing is not None:
-            existing.CopyFrom(fresh)
-        else:
-            scan.attribute.append(fresh)
+        set_attribute(scan, name, value)
 
 
 def body_names(body: onnx.GraphProto) -> set[str]:

@@ -37,6 +37,7 @@ from worker_client.engine.rewrites.toolkit import (
     constants,
     opset_of,
     replace_items,
+    set_attribute,
     shapes_and_types,
     subgraph_reads,
     subgraphs,
@@ -65,15 +66,6 @@ def batch_stateless_steps(model: onnx.ModelProto) -> int:
 def _shifted(axes: np.ndarray | list[int]) -> list[int]:
     """A step's axes as the stacked value's (non-negative ones move one right)."""
     return [int(a) + 1 if a >= 0 else int(a) for a in np.asarray(axes).reshape(-1)]
-
-
-def _set_ints(node: onnx.NodeProto, name: str, values: list[int]) -> None:
-    fresh = helper.make_attribute(name, values)
-    for attribute in node.attribute:
-        if attribute.name == name:
-            attribute.CopyFrom(fresh)
-            return
-    node.attribute.append(fresh)
 
 
 class _Batch:
@@ -192,7 +184,7 @@ class _Batch:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if op == "Transpose":
             perm = list(attributes.get("perm", list(range(rank))[::-1]))
-            _set_ints(outer, "perm", [0] + [p + 1 for p in perm])
+            set_attribute(outer, "perm", [0] + [p + 1 for p in perm])
             return True
         if op in ("Unsqueeze", "Squeeze"):
             if self.opset >= 13:
@@ -202,7 +194,7 @@ class _Batch:
                 return True
             if "axes" not in attributes:
                 return False
-            _set_ints(outer, "axes", _shifted(attributes["axes"]))
+            set_attribute(outer, "axes", _shifted(attributes["axes"]))
             return True
         if op == "Reshape":
             if attributes.get("allowzero", 0) or len(node.input) < 2 or node.input[1] not in self.values:

@@ -10,7 +10,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 __all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "opset_of", "reader_counts",
-           "rebuild", "reduction_axes", "replace_items", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
+           "rebuild", "reduction_axes", "replace_items", "set_attribute", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
 #: seed-axis Reshapes, its Expands of a tensor to its own shape, Identities).
@@ -187,3 +187,14 @@ def replace_items(field, items: list) -> None:  # type: ignore[no-untyped-def]
         copies.append(copy)
     del field[:]
     field.extend(copies)
+
+
+def set_attribute(node: onnx.NodeProto, name: str, value: object) -> None:
+    """The attribute `name` of `node` set to `value` in place: the existing one overwritten, or one added
+    (clearing the node's attribute field would release a Scan's body that a caller holds)."""
+    fresh = helper.make_attribute(name, value)
+    for attribute in node.attribute:
+        if attribute.name == name:
+            attribute.CopyFrom(fresh)
+            return
+    node.attribute.append(fresh)

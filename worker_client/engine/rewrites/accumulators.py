@@ -35,6 +35,7 @@ from worker_client.engine.rewrites.scans import (
     drop_dead_body_nodes,
     rebuild_around_scans,
     scan_layout,
+    trip_count,
     write_layout,
 )
 from worker_client.engine.rewrites.toolkit import (
@@ -89,7 +90,7 @@ def _hoist(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple
     """One Scan's accumulating states rewritten: (how many, no nodes before it, the products after it)."""
     body = body_of(scan)
     states, in_axes, in_dirs, out_axes, out_dirs = scan_layout(scan)
-    steps = _steps(scan, states, in_axes, shapes)
+    steps = trip_count(scan, shapes)
     if steps is None or len(scan.output) != len(body.output):
         return None
     wrapper = body_as_model(model, scan, body, shapes, types)
@@ -233,17 +234,6 @@ def _hoist(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple
                  out_dirs + [direction for _, _, direction in new_outputs])
     drop_dead_body_nodes(body)
     return len(removed), [], after
-
-
-def _steps(scan: onnx.NodeProto, states: int, axes: list[int], shapes: dict[str, tuple[int, ...]]) -> int | None:
-    """The Scan's static trip count, from its scanned inputs' shapes."""
-    lengths = set()
-    for name, axis in zip(list(scan.input)[states:], axes):
-        shape = shapes.get(name)
-        if shape is None:
-            return None
-        lengths.add(shape[axis % len(shape)])
-    return lengths.pop() if len(lengths) == 1 else None     # none scanned: no trip count to lay out
 
 
 def _non_unit(shape: tuple[int, ...]) -> tuple[int, ...]:

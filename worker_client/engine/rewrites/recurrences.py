@@ -22,7 +22,16 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.scans import body_as_model, body_names, body_of, main_scans, scan_layout, write_layout
+from worker_client.engine.rewrites.scans import (
+    body_as_model,
+    body_names,
+    body_of,
+    main_scans,
+    rescan_inputs,
+    scan_layout,
+    trip_count,
+    write_layout,
+)
 from worker_client.engine.rewrites.toolkit import (
     RANDOM_OPS,
     Emitter,
@@ -97,17 +106,10 @@ def _deterministic(node: onnx.NodeProto) -> bool:
     return node.op_type not in RANDOM_OPS
 
 
-def _steps(scan: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> int | None:
-    states, axes, _, _, _ = scan_layout(scan)
-    lengths = {shapes.get(name, (None,))[0] if shapes.get(name) else None
-               for name, axis in zip(list(scan.input)[states:], axes) if axis == 0}
-    return lengths.pop() if len(lengths) == 1 and None not in lengths else None
-
-
 def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodeProto,
            shapes: dict[str, tuple[int, ...]], types: dict[str, int], outer: _OuterValues, names: Emitter) -> int:
-    steps = _steps(forward, shapes)
-    if steps is None or steps != _steps(reverse, shapes):
+    steps = trip_count(forward, shapes)
+    if steps is None or steps != trip_count(reverse, shapes):
         return 0
     f_body, r_body = body_of(forward), body_of(reverse)
     f_states, f_in_axes, f_in_dirs, f_out_axes, f_out_dirs = scan_layout(forward)
@@ -244,15 +246,7 @@ def _reuse(model: onnx.ModelProto, forward: onnx.NodeProto, reverse: onnx.NodePr
     write_layout(forward, f_in_axes, f_in_dirs, f_out_axes, f_out_dirs)
     kept = [*r_copies, *kept]          # the copies read body inputs only: first
     replace_items(r_body.node, kept)
-    still_read = {name for node in kept for name in [*node.input, *subgraph_reads(node)]} | \
-        {value.name for value in r_body.output}
-    inputs = list(r_body.input)
-    keep = [p for p in range(len(inputs)) if p < r_states or inputs[p].name in still_read]
-    reverse.input[:] = [reverse.input[p] for p in keep] + [outer_name for outer_name, _ in new_r_inputs]
-    replace_items(r_body.input, [inputs[p] for p in keep] + [info for _, info in new_r_inputs])
-    r_in_axes = [r_in_axes[p - r_states] for p in keep if p >= r_states] + [0] * len(new_r_inputs)
-    r_in_dirs = [r_in_dirs[p - r_states] for p in keep if p >= r_states] + [int(flipped)] * len(new_r_inputs)
-    write_layout(reverse, r_in_axes, r_in_dirs, r_out_axes, r_out_dirs)
+    rescan_inputs(reverse, r_body, [(outer_name, info, int(flipped)) for outer_name, info in new_r_inputs])
     used = {name for node in kept for name in [*node.input, *subgraph_reads(node)]}
     replace_items(r_body.initializer, [t for t in r_body.initializer if t.name in used])
     r_body.ClearField("value_info")

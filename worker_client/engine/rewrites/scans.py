@@ -31,7 +31,7 @@ from worker_client.engine.rewrites.toolkit import (
 )
 
 __all__ = ["body_as_model", "body_names", "body_of", "drop_dead_body_nodes", "main_scans", "rebuild_around_scans",
-           "rewrite_scan_bodies", "scan_layout", "write_layout"]
+           "rescan_inputs", "rewrite_scan_bodies", "scan_layout", "trip_count", "write_layout"]
 
 
 def rewrite_scan_bodies(model: onnx.ModelProto, passes: list[Callable[[onnx.ModelProto], object]]) -> int:
@@ -198,3 +198,33 @@ def rebuild_around_scans(model: onnx.ModelProto, stem: str, rewrite: ScanRewrite
 
     rebuild(model, emit, replace)
     return changed
+
+
+def trip_count(scan: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The Scan's static number of steps, from its scanned inputs' shapes along their scan axes; None where
+    one of those shapes is unknown, they disagree, or nothing is scanned."""
+    states, axes, _, _, _ = scan_layout(scan)
+    lengths = set()
+    for name, axis in zip(list(scan.input)[states:], axes):
+        shape = shapes.get(name)
+        if not shape:
+            return None
+        lengths.add(shape[axis % len(shape)])
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def rescan_inputs(scan: onnx.NodeProto, body: onnx.GraphProto,
+                  new: list[tuple[str, onnx.ValueInfoProto, int]]) -> None:
+    """The Scan's scanned inputs that its body no longer reads dropped and `new` ones appended, each (the
+    stacked outer value, the body input that reads a step of it, the direction), scanned along axis 0; in
+    place. The body's nodes must already be the ones it keeps."""
+    states, in_axes, in_dirs, out_axes, out_dirs = scan_layout(scan)
+    still_read = {name for node in body.node for name in [*node.input, *subgraph_reads(node)]} | \
+        {value.name for value in body.output}
+    inputs = list(body.input)
+    keep = [p for p in range(len(inputs)) if p < states or inputs[p].name in still_read]
+    scan.input[:] = [scan.input[p] for p in keep] + [outer for outer, _, _ in new]
+    replace_items(body.input, [inputs[p] for p in keep] + [info for _, info, _ in new])
+    write_layout(scan, [in_axes[p - states] for p in keep if p >= states] + [0] * len(new),
+                 [in_dirs[p - states] for p in keep if p >= states] + [direction for _, _, direction in new],
+                 out_axes, out_dirs)

@@ -28,8 +28,8 @@ from worker_client.engine.rewrites.scans import (
     body_of,
     drop_dead_body_nodes,
     rebuild_around_scans,
+    rescan_inputs,
     scan_layout,
-    write_layout,
 )
 from worker_client.engine.rewrites.toolkit import (
     RANDOM_OPS,
@@ -207,7 +207,6 @@ class _Batch:
         """The body keeps `kept`; what it still reads of the moved values comes in as scanned inputs (values
         per step) or from outside (the rest); scanned inputs nothing reads any more are dropped."""
         scan, body = self.scan, self.body
-        states, in_axes, in_dirs, out_axes, out_dirs = scan_layout(scan)
         kept_ids = {id(node) for node in kept}
         moved = {name for node in body.node if id(node) not in kept_ids for name in node.output if name}
         reads = {name for node in kept for name in [*node.input, *subgraph_reads(node)]}
@@ -234,14 +233,7 @@ class _Batch:
             for graph in subgraphs(node):
                 _rename_reads(graph, renamed)
         replace_items(body.node, [*copies, *kept])       # the copies read only inputs and outer values
-        still_read = {name for node in body.node for name in [*node.input, *subgraph_reads(node)]} | outputs
-        body_inputs = list(body.input)
-        keep = [p for p in range(len(body_inputs)) if p < states or body_inputs[p].name in still_read]
-        scan.input[:] = [scan.input[p] for p in keep] + [outer for outer, _, _ in new_inputs]
-        replace_items(body.input, [body_inputs[p] for p in keep] + [info for _, info, _ in new_inputs])
-        write_layout(scan, [in_axes[p - states] for p in keep if p >= states] + [0] * len(new_inputs),
-                     [in_dirs[p - states] for p in keep if p >= states] + [d for _, _, d in new_inputs],
-                     out_axes, out_dirs)
+        rescan_inputs(scan, body, new_inputs)
         drop_dead_body_nodes(body)          # a Constant only moved nodes read, say
         body.ClearField("value_info")
 

@@ -210,17 +210,13 @@ class GradientEngine:
                                      inputs=self.input_gradient_names)
         self._graph, self.cache_hit = cached_or_built(self.cache_path,
                                                       lambda: self._gradient_graph(loss))
-        graph = self._graph
-
-        def open_single() -> ort.InferenceSession:
-            return open_session(self._for_placement(graph.model), self._placement,
-                                threads=(1, self._threads[1]), source=self.model_path)
-
+        placed = self._for_placement(self._graph.model)      # once: the trial's one-thread session runs it too
         self._sessions = ThreadChoice(
-            open_session(self._for_placement(graph.model), self._placement, threads=self._threads,
-                         source=self.model_path),
-            threads=self._threads[0], open_single=open_single,
-            trial=self._placement.cuda_index is None and loops(graph.model))
+            open_session(placed, self._placement, threads=self._threads, source=self.model_path),
+            threads=self._threads[0],
+            open_single=lambda: open_session(placed, self._placement, threads=(1, self._threads[1]),
+                                             source=self.model_path),
+            trial=self._placement.cuda_index is None and loops(placed))
         self._prepare_gradient_run(self._graph)
 
     def _for_placement(self, model: onnx.ModelProto) -> onnx.ModelProto:

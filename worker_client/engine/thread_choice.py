@@ -59,10 +59,11 @@ class ThreadChoice:
                  open_single: Callable[[], ort.InferenceSession]) -> None:
         self.session = session
         self.threads = threads
-        self._open_single = open_single
         wide = threads is None and _cores() > 1 or threads is not None and threads > 1
         self._trial: list[tuple[ort.InferenceSession, list[float]]] | None = None
         self._pending = trial and wide
+        # held only until the trial opens its session (it holds the graph)
+        self._open_single: Callable[[], ort.InferenceSession] | None = open_single if self._pending else None
         self._turn = 0
 
     @property
@@ -73,8 +74,9 @@ class ThreadChoice:
     def run(self, call: Callable[[ort.InferenceSession], _Result]) -> _Result:
         """`call` on the session this step runs on, timed while the trial lasts."""
         if self._pending:
-            self._pending = False
-            self._trial = [(self.session, []), (self._open_single(), [])]
+            assert self._open_single is not None
+            self._pending, opener, self._open_single = False, self._open_single, None
+            self._trial = [(self.session, []), (opener(), [])]
         if self._trial is None:
             return call(self.session)
         session, times = self._trial[self._turn % 2]

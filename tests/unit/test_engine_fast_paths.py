@@ -485,6 +485,7 @@ def test_the_cpu_sessions_run_the_blocked_convs_and_give_what_the_plain_ones_giv
     got = run(blocked)
     assert moved[:2] == [1, 1]   # the gradient and the forward sessions' Conv; evaluation's batch is not static
     monkeypatch.setattr("worker_client.engine.engine.nchwc_block_size", lambda: 0)
+    monkeypatch.setattr("worker_client.engine.engine.channel_affines", lambda model, threads: 0)
     plain = _cnn_engine(tmp_path)
     assert plain._for_placement(plain._graph.model) is plain._graph.model
     want = run(plain)

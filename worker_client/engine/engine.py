@@ -38,6 +38,7 @@ from worker_client.engine.load import clamp_ir_version, load_model, read_model
 from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
+from worker_client.engine.rewrites.affine import channel_affines
 from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
 from worker_client.engine.session import open_session, placement, run_bound
@@ -222,19 +223,21 @@ class GradientEngine:
     def _for_placement(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """A model as this placement's session runs it (the gradient, forward or evaluation model): on the CPU,
         with the Convs that gain on onnxruntime's channel-blocked kernels moved there (rewrites/nchwc.py; only
-        Convs of static shapes) and DepthToSpace as Col2Im (rewrites/col2im.py); a copy, so the cached gradient
-        graph is left device-neutral."""
+        Convs of static shapes), DepthToSpace as Col2Im (rewrites/col2im.py) and per-channel scales and shifts
+        as BatchNormalization (rewrites/affine.py); a copy, so the cached gradient graph is left
+        device-neutral."""
         if self._placement.cuda_index is not None:
             return model
         block = nchwc_block_size()
         ops = {n.op_type for n in model.graph.node}
-        if "DepthToSpace" not in ops and not (block and "Conv" in ops):
+        if "DepthToSpace" not in ops and not (block and "Conv" in ops) and not ops & {"Mul", "Add", "Sub"}:
             return model
         cpu = onnx.ModelProto()
         cpu.CopyFrom(model)
         changed = depth_to_space_as_col2im(cpu)
         if block and "Conv" in ops:
             changed += block_convs(cpu, block)
+        changed += channel_affines(cpu, self._threads[0])
         return cpu if changed else model
 
     def _gradient_graph(self, loss: LossSpec) -> GradientGraph:

@@ -65,6 +65,8 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
 - `col2im`: DepthToSpace as a Col2Im of non-overlapping blocks (a CPU session's copy too: onnxruntime's
   CPU DepthToSpace moves elements one by one);
+- `affine`: per-channel scales and shifts (a BatchNorm's, forward and adjoint) as one inference
+  BatchNormalization (a CPU session's copy too: onnxruntime's CPU Mul and Add broadcast span by span);
 - `toolkit`: what the passes share (static shapes, constants, fresh names).
 """
 

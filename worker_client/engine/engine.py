@@ -235,9 +235,11 @@ class GradientEngine:
         cpu = onnx.ModelProto()
         cpu.CopyFrom(model)
         changed = depth_to_space_as_col2im(cpu)
+        # before the blocked Convs, whose outputs onnx's shape inference cannot follow (their domain is
+        # onnxruntime's): the affine pass matches static shapes only
+        changed += channel_affines(cpu, self._threads[0])
         if block and "Conv" in ops:
             changed += block_convs(cpu, block)
-        changed += channel_affines(cpu, self._threads[0])
         return cpu if changed else model
 
     def _gradient_graph(self, loss: LossSpec) -> GradientGraph:

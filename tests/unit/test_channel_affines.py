@@ -218,3 +218,16 @@ def test_a_training_batch_norm_steps_on_the_fused_kernels_with_the_same_gradient
     largest = max(float(np.abs(g).max()) for g in want.gradients.values())
     for name, gradient in want.gradients.items():
         np.testing.assert_allclose(got.gradients[name], gradient, rtol=0, atol=1e-5 * largest, err_msg=name)
+
+
+@pytest.mark.parametrize("inputs", [{"x": [48, 16, 6, 4], "a": [6, 1], "c": [1, 1, 6, 1]},   # a three-axis view
+                                    {"x": X, "a": VECTOR, "c": VECTOR}])                   # on the channel axis
+def test_node_names_stay_unique_where_nodes_are_named_after_their_outputs(inputs: dict) -> None:
+    """Exporters name a node after its output; the rewrite's Reshape back to that output must not take the name
+    a second time (onnxruntime refuses a graph with two nodes of one name)."""
+    nodes = [helper.make_node("Mul", ["x", "a"], ["m"], name="m"), helper.make_node("Add", ["m", "c"], ["y"], name="y"),
+             helper.make_node("Relu", ["y"], ["r"], name="r")]
+    model = _model(nodes, inputs, ["r"])
+    count, changed = _rewritten(model, _feeds(inputs))
+    names = [n.name for n in changed.graph.node]
+    assert count == 1 and len(set(names)) == len(names) and "y" in names

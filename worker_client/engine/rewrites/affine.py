@@ -242,13 +242,17 @@ class _Fuser:
         affine = final if direct and not added else self.emit.name()
         nodes.append(helper.make_node("BatchNormalization", [source, *vectors, self._fill(channels, 0.0),
                                                              self._fill(channels, 1.0)],
-                                      [affine], name=node.name or affine, epsilon=0.0))
+                                      [affine], name=self.emit.name(), epsilon=0.0))
         if not direct:
             shaped = final if not added else self.emit.name()
-            nodes.append(self.emit.reshape(affine, list(full), out=shaped)[0])
+            nodes.append(helper.make_node("Reshape", [affine, self.emit.ints(list(full))], [shaped],
+                                          name=self.emit.name()))
             affine = shaped
         if added:
             nodes.append(helper.make_node("Add", [added[0], affine], [final], name=self.emit.name()))
+        # the node that writes the result keeps the replaced node's name; every other name is new (a node's name
+        # is often its output's, which the Reshapes above would otherwise take twice)
+        nodes[-1].name = node.name or nodes[-1].name
         for dropped in drop:
             self.dropped.add(id(dropped))
         self.replaced[id(node)] = nodes

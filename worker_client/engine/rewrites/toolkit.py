@@ -118,6 +118,8 @@ class Emitter:
         self.taken.update(t.name for t in graph.initializer)
         for node in graph.node:
             self.taken.update(node.output)
+            if node.name:   # fresh names serve as node names too, which onnxruntime requires to be unique
+                self.taken.add(node.name)
             for inner in subgraphs(node):
                 self._collect(inner)
 

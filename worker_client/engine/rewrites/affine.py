@@ -7,10 +7,10 @@ bias, a squeeze-and-excitation gate). onnxruntime's CPU Mul and Add broadcast [N
 BatchNormalization computes x * scale + bias per channel in one pass, its loop made for exactly that
 layout: with mean 0, variance 1 and epsilon 0 it is x * scale + bias (1 / sqrt(1 + 0) is 1). One
 thread, batch 32, median ms of a Mul then an Add against one BatchNormalization: [32, 64, 32, 32]
-0.45 / 0.19, [32, 128, 16, 16] 0.22 / 0.094, [32, 256, 8, 8] 0.18 / 0.050, [32, 512, 4, 4] 0.23 / 0.041;
+0.49 / 0.17, [32, 128, 16, 16] 0.23 / 0.098, [32, 256, 8, 8] 0.19 / 0.050, [32, 512, 4, 4] 0.25 / 0.042;
 a Mul alone on [32, 512, 4, 4] took 0.12. BatchNormalization runs on one thread, so at two threads
 the pair's lead shrinks on large maps ([32, 64, 32, 32] 0.25 / 0.20) and from three threads on it would
-lose there; on small maps it holds at any count ([32, 512, 4, 4] at two threads 0.12 / 0.041). With one
+lose there; on small maps it holds at any count ([32, 512, 4, 4] at two threads 0.13 / 0.043). With one
 element per channel and row ([B * T, D] by [D]: a LayerNorm's affine) nothing is gained (0.156 / 0.153
 on [32, 64, 384]), so that is left alone.
 
@@ -44,9 +44,9 @@ from worker_client.engine.rewrites.toolkit import Emitter, opset_of, reader_coun
 __all__ = ["MAX_SPAN", "MAX_WIDE_THREADS", "MIN_ELEMENTS", "channel_affines"]
 
 #: The longest span (elements per channel and row) on which a lone per-channel op, or a pair on a session of
-#: more than MAX_WIDE_THREADS threads, is moved: at 64 ([32, 256, 8, 8]) a lone Mul took 0.090 ms at one
-#: thread and 0.094 at two, BatchNormalization 0.050; at 256 the lone Mul is even at one thread (0.109 /
-#: 0.094) and ahead at two (0.059).
+#: more than MAX_WIDE_THREADS threads, is moved: at 64 ([32, 256, 8, 8]) a lone Mul took 0.096 ms at one
+#: thread and 0.052 at two, BatchNormalization 0.050 and 0.052; at 256 the lone Mul is close at one thread
+#: (0.112 / 0.098) and ahead at two (0.060 / 0.102).
 MAX_SPAN = 64
 #: Intra-op threads up to which a pair is fused on any span (measured at one and two).
 MAX_WIDE_THREADS = 2

@@ -151,7 +151,7 @@ def _blocked(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], fixed: se
     if not depthwise and (inp % _INPUT_CHANNEL_STEP or x[1] != inp or y[2] * y[3] < MIN_POSITIONS
                           or out_p * inp_p > _MAX_PADDED_WORK * out * inp):
         return None
-    six, filter_, blocked_x, blocked_y = emit.name(), emit.name(), emit.name(), emit.name()
+    unblocked, filter_, blocked_x, blocked_y = emit.name(), emit.name(), emit.name(), emit.name()
     ordered = emit.name()
     weight, bias = node.input[1], node.input[_BIAS] if len(node.input) > _BIAS and node.input[_BIAS] else None
     nodes = []
@@ -166,20 +166,21 @@ def _blocked(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], fixed: se
     if depthwise:
         # [C/B, B, kh * kw] -> [C/B, kh * kw, B] (MLAS's OIHWBo with one input channel) is the blocked layout of
         # the filters as one image of C channels, which ReorderInput writes: a depthwise weight adjoint's filter
-        # (the output adjoint, [32 * 128, 1, 16, 16]) took 0.16 ms where the Transpose took 0.19 at one thread,
-        # 0.13 against 0.74 at two
-        to_six, _ = emit.reshape(weight, [1, out, kh, kw], out=six)
-        nodes += [to_six, helper.make_node("ReorderInput", [six], [ordered], name=ordered, domain=NCHWC_DOMAIN,
+        # (the output adjoint, [32 * 128, 1, 16, 16]) took 0.086 ms where the Transpose took 0.107 at one thread,
+        # 0.049 against 0.37 at two (onnxruntime's Transpose of [256, 16, 256] slows down on two threads)
+        as_image, _ = emit.reshape(weight, [1, out, kh, kw], out=unblocked)
+        nodes += [as_image, helper.make_node("ReorderInput", [unblocked], [ordered], name=ordered, domain=NCHWC_DOMAIN,
                                            channels_last=0), back]
     else:
         # [O/B, B, I/B, B, kh, kw] -> [O/B, I/B, kh, kw, B (in), B (out)] in two moves: ReorderInput blocks each
         # filter's input channels ([O, I/B, kh, kw, B], the filters as O images), then one Transpose brings each
         # block of filters innermost; onnxruntime's 6-axis Transpose went element by element: [128, 128, 3, 3]
-        # took 0.35 ms that way and 0.056 this one, [256, 256, 3, 3] 1.56 and 0.21, at one thread
-        four, _ = emit.reshape(weight, [out_p, inp_p, kh, kw], out=six)
+        # took 0.35 ms that way and 0.050 this one at one thread (0.34 and 0.043 at two), [256, 256, 3, 3] 1.56
+        # and 0.21
+        as_images, _ = emit.reshape(weight, [out_p, inp_p, kh, kw], out=unblocked)
         filters, rows = emit.name(), emit.name()
-        nodes += [four,
-                  helper.make_node("ReorderInput", [six], [filters], name=filters, domain=NCHWC_DOMAIN, channels_last=0),
+        nodes += [as_images,
+                  helper.make_node("ReorderInput", [unblocked], [filters], name=filters, domain=NCHWC_DOMAIN, channels_last=0),
                   emit.reshape(filters, [out_p // block, block, inp_p * kh * kw], out=rows)[0],
                   helper.make_node("Transpose", [rows], [ordered], name=ordered, perm=[0, 2, 1]), back]
     kept = {name: value for name, value in attributes.items() if name in ("pads", "strides", "dilations", "kernel_shape")}

@@ -231,3 +231,18 @@ def test_node_names_stay_unique_where_nodes_are_named_after_their_outputs(inputs
     count, changed = _rewritten(model, _feeds(inputs))
     names = [n.name for n in changed.graph.node]
     assert count == 1 and len(set(names)) == len(names) and "y" in names
+
+
+def test_an_infinite_scale_still_gives_a_non_finite_result() -> None:
+    """onnxruntime folds the scale into the shift (shift - 0 * scale): an infinite scale makes the channel NaN
+    where the unfused arithmetic gives an infinity -- non-finite either way, as a shard's check needs."""
+    inputs = {"x": X, "a": VECTOR, "c": VECTOR}
+    model = _model([helper.make_node("Mul", ["x", "a"], ["m"]), helper.make_node("Add", ["m", "c"], ["y"])], inputs, ["y"])
+    feeds = _feeds(inputs)
+    feeds["a"][0, 3] = np.inf
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    assert channel_affines(changed, 1) == 1
+    (before,), (after,) = _run(model, feeds), _run(changed, feeds)
+    assert not np.isfinite(before[:, 3]).any() and not np.isfinite(after[:, 3]).any()
+    np.testing.assert_allclose(np.delete(after, 3, axis=1), np.delete(before, 3, axis=1), rtol=1e-6, atol=1e-6)

@@ -24,7 +24,9 @@ operand has the result's full shape:
 - a lone Mul(x, a), Add(x, c) or Sub(x, c) where the span is between 2 and MAX_SPAN;
 each on results of at least MIN_ELEMENTS elements.
 Identity Reshapes (the same static shape in and out) between the nodes are looked through. The result
-equals the unfused arithmetic up to float32 rounding (a sum's terms may be added in another order).
+equals the unfused arithmetic up to float32 rounding (a sum's terms may be added in another order); where a
+scale is infinite, onnxruntime's kernel folds it into the shift (shift - 0 * scale) and the whole channel
+comes out NaN, not infinite -- non-finite either way, and a shard refuses a push of either alike.
 
 Applied to a CPU session's copy of a graph when it is opened (as rewrites/nchwc.py), never to the cached
 gradient graph: the figures are onnxruntime's CPU kernels'.
@@ -64,7 +66,7 @@ def channel_affines(model: onnx.ModelProto, threads: int | None) -> int:
     Returns the number of results rewritten."""
     if opset_of(model) < _OPSET or not any(n.op_type in ("Mul", "Add", "Sub") for n in model.graph.node):
         return 0
-    wide = (threads if threads is not None else os.cpu_count() or 1) <= MAX_WIDE_THREADS
+    wide = (threads or os.cpu_count() or 1) <= MAX_WIDE_THREADS   # 0 or None: onnxruntime's default, a thread a core
     return _Fuser(model, wide).run()
 
 

@@ -79,9 +79,12 @@ def test_a_shard_that_predates_continued_rows_gets_them_in_the_header_and_refuse
     servers, client, table = cluster
     served = ps_server.service.cluster_info
 
+    asked: list[int] = []
+
     def old(shard, view):   # what a shard of the version before says: no such field
         info = served(shard, view)
         info.row_gradients_continue = False
+        asked.append(id(shard))
         return info
 
     monkeypatch.setattr(ps_server.service, "cluster_info", old)
@@ -91,7 +94,11 @@ def test_a_shard_that_predates_continued_rows_gets_them_in_the_header_and_refuse
     with pytest.raises(ServerError, match=r"Push on shard \d .*RESOURCE_EXHAUSTED: .*larger than max"):
         client.push({"dense": np.ones(10, np.float32)},      # 12 MB a shard, all in one header
                     row_gradients={"emb": (np.arange(ROWS), np.ones((ROWS, WIDTH), np.float32))})
-    assert client._rows_continue == {0: False, 1: False}        # asked once, of each shard
+    # asked at most once a shard, and remembered: shard 0's call runs in the pushing thread and always asks;
+    # shard 1's, on the client's pool, is cancelled when shard 0's fails before it started (the fan-out fails
+    # fast), so it may not have asked, or may still be asking
+    assert client._rows_continue.get(0) is False and set(client._rows_continue.values()) == {False}
+    assert 1 <= len(asked) == len(set(asked)) <= 2
     assert [client.shard_status(i).step for i in range(2)] == [1, 1]   # only the small push was applied
     after = client.pull(["emb"])["emb"]
     np.testing.assert_allclose(after[:100], table[:100] - LR, rtol=1e-6, atol=1e-6)

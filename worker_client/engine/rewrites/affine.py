@@ -150,18 +150,18 @@ class _Fuser:
         if node is None or node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or \
                 self.readers[source] != 1 or id(node) in self.dropped or id(node) in self.replaced:
             return None
-        for x, a in (node.input, reversed(node.input)):
-            if self.shapes.get(x) == full and self.types.get(x) == _FLOAT and self._axis(a, full) == axis:
-                return x, a, [node, *chain]
-        return None
+        found = self._vector_operand(node, full, axis)
+        return None if found is None else (found[0], found[1], [node, *chain])
 
-    def _vector_operand(self, node: onnx.NodeProto, full: tuple[int, ...]) -> tuple[str, str, int, bool] | None:
-        """(the full-shape operand, the vector, its axis, whether the vector is subtracted) of an Add or Sub."""
-        pairs = [(0, 1), (1, 0)] if node.op_type == "Add" else [(0, 1)]
-        for this, other in pairs:
-            axis = self._axis(node.input[other], full)
-            if axis is not None and self.shapes.get(node.input[this]) == full:
-                return node.input[this], node.input[other], axis, node.op_type == "Sub"
+    def _vector_operand(self, node: onnx.NodeProto, full: tuple[int, ...], axis: int | None = None
+                        ) -> tuple[str, str, int, bool] | None:
+        """(the operand of shape `full`, the vector, its axis, whether the vector is subtracted) of a Mul, Add or
+        Sub of the two (in either order, but a Sub's vector second); with `axis`, only a vector of that axis."""
+        orders = [(0, 1)] if node.op_type == "Sub" else [(0, 1), (1, 0)]
+        for this, other in orders:
+            found = self._axis(node.input[other], full)
+            if found is not None and (axis is None or found == axis) and self.shapes.get(node.input[this]) == full:
+                return node.input[this], node.input[other], found, node.op_type == "Sub"
         return None
 
     def _pair(self, node: onnx.NodeProto) -> None:
@@ -193,19 +193,12 @@ class _Fuser:
 
     def _lone(self, node: onnx.NodeProto) -> None:
         full = self._full(node)
-        if full is None:
+        found = self._vector_operand(node, full) if full is not None else None
+        if found is None or not self._span_allows(full, found[2], pair=False):
             return
-        if node.op_type == "Mul":
-            for x, a in (node.input, reversed(node.input)):
-                axis = self._axis(a, full)
-                if axis is not None and self.shapes.get(x) == full and self._span_allows(full, axis, pair=False):
-                    self._fuse(node, x, a, None, False, axis, full, [], [])
-                    return
-            return
-        found = self._vector_operand(node, full)
-        if found is not None and self._span_allows(full, found[2], pair=False):
-            x, shift, axis, negate = found
-            self._fuse(node, x, None, shift, negate, axis, full, [], [])
+        x, vector, axis, negate = found
+        scale, shift = (vector, None) if node.op_type == "Mul" else (None, vector)
+        self._fuse(node, x, scale, shift, negate, axis, full, [], [])
 
     # -- emitting
 

@@ -335,16 +335,26 @@ class ParquetDataset:
 
     def read_piece(self, piece: _Piece) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """One piece's rows as arrays (reads its row group, the columns the model needs)."""
-        _, pq = _pyarrow()
+        pa, pq = _pyarrow()
         f = self.train.files[piece.file]
         try:
-            table = pq.ParquetFile(f.path).read_row_group(piece.group, columns=self._read_columns())
+            # Decoded in this thread: pyarrow's default pool (mimalloc) keeps freed pages in the heap of the
+            # thread that used them, so with the columns decoded on pyarrow's thread pool what the process kept
+            # depended on which threads ran when. Reading 412 MB (tests/integration/test_parquet_memory.py), the
+            # peak grew by 23-41 MB from run to run (the most under load); in this thread and with the pages
+            # released below, by 14-19 MB.
+            table = pq.ParquetFile(f.path).read_row_group(piece.group, columns=self._read_columns(),
+                                                          use_threads=False)
         except Exception as exc:  # noqa: BLE001 -- pyarrow: a corrupt page found mid-stream
             raise DatasetError(f"{self.name}: {f.path} row group {piece.group} cannot be read (corrupt?): "
                                f"{type(exc).__name__}: {exc}") from exc
         table = table.slice(piece.start, piece.rows)
         first_row = sum(f.rows[:piece.group]) + piece.start
-        return self._arrays(table, f.path, first_row)
+        arrays = self._arrays(table, f.path, first_row)
+        # The column chunks' raw pages are free now; handing them back to the system keeps the process at the
+        # data it holds (about 5 ms per 8 MB row group, the pages faulted in again on the next read).
+        pa.default_memory_pool().release_unused()
+        return arrays
 
 
 class ParquetPart:
@@ -423,6 +433,7 @@ class _Rows:
     def _piece(self, piece: _Piece) -> tuple[dict[str, np.ndarray], np.ndarray]:
         # The last piece read is kept: consecutive blocks mostly fall in the same row group.
         if getattr(self, "_piece_key", None) != piece:
+            self._piece_value = self._piece_key = None     # the last piece's arrays freed before the next is read
             self._piece_value = self.part.dataset.read_piece(piece)
             self._piece_key = piece
         return self._piece_value

@@ -11,13 +11,15 @@ without the proxy, byte for byte.
 from __future__ import annotations
 
 import contextlib
+import signal
 
 import numpy as np
 import pytest
 
 from tests.faults.conftest import metric
+from tests.helpers.processes import ShardCluster
 from tests.helpers.replay_proxy import ReplayProxy
-from worker_client.client import PSClient, RetryPolicy
+from worker_client.client import PSClient, RetryPolicy, ServerError
 
 STEPS = 200
 #: the shards offer no data channel on the gRPC paths: a worker without shared memory would take it, around the
@@ -64,3 +66,37 @@ def test_every_push_replayed_is_applied_once_and_the_parameters_match_a_run_with
     assert sorted(plain) == sorted(replayed)
     for name in plain:
         assert plain[name].tobytes() == replayed[name].tobytes(), f"{name} differs after replayed pushes"
+
+
+@pytest.mark.timeout(120)
+def test_a_push_that_fails_on_one_shard_after_another_took_it_is_completed_by_sending_it_again_with_its_clock():
+    """docs/protocol.md, "Guarantees under faults": a push to several shards is a call per shard, with no transaction
+    across them. With shard 1 frozen, a push lands on shard 0 and fails on shard 1 (its deadline). The client keeps
+    its clock, so the next push (shard 1 running again) carries the same one: a duplicate where the first landed,
+    applied where it did not; each parameter moves by exactly one update, and a third send of that clock by none."""
+    start = {"a": np.ones(4096, np.float32), "b": np.ones(4096, np.float32)}
+    grads = {"a": np.full(4096, 0.5, np.float32), "b": np.full(4096, 0.5, np.float32)}
+    with ShardCluster(2, mode="async") as cluster, \
+            PSClient(cluster.addresses, worker_id="w0", rpc_timeout=2.0, retry=RetryPolicy(attempts=1),
+                     shared_memory=False, data_channel=False) as client:
+        client.initialize(start)
+        owners = {name: {p.shard for p in client.shard_map.parts if p.name == name} for name in start}
+        assert owners in ({"a": {0}, "b": {1}}, {"a": {1}, "b": {0}}), owners
+        frozen = cluster.shards[1]
+        frozen.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(ServerError) as failed:
+                client.push(grads)
+        finally:
+            frozen.process.send_signal(signal.SIGCONT)
+        assert frozen.address in str(failed.value), failed.value
+        report = client.push(grads)
+        assert report.clock == 0, "the client moved its clock past a push that failed"
+        assert report.responses[0].duplicate, report.responses[0]       # shard 0 took the first send
+        again = client.push(grads, clock=0)
+        assert [r.duplicate for r in again.responses] == [True, True], again.responses
+        with PSClient(cluster.addresses, worker_id="inspector", retry=RetryPolicy(attempts=3)) as inspector:
+            values = inspector.pull()
+    first = values["a"] if owners["a"] == {0} else values["b"]          # shard 0's parameter: updated, for sure
+    assert not np.array_equal(first, start["a"]), "shard 0 applied nothing"
+    assert np.array_equal(values["a"], values["b"]), (values["a"][:4], values["b"][:4])   # one update each, no more

@@ -33,6 +33,7 @@ Everything here is framing and sockets, for both sides; what a frame means is th
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import mmap
 import os
 import secrets
@@ -44,7 +45,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -358,6 +359,29 @@ def client_tls_context(ca_path: str | os.PathLike[str] | None = None, cert_path:
     return context
 
 
+class SendTurn(Protocol):
+    """A frame's place in an order of sends (the client's: one shard's frame after another's)."""
+
+    def wait(self) -> None:
+        """Returns when this frame may be sent (bounded)."""
+
+    def done(self) -> None:
+        """This frame is sent (or failed): the next may go."""
+
+
+def _remote_peer(sock: socket.socket) -> bool:
+    """Whether `sock`'s peer is on another host: not a loopback address and not this end's own address (a
+    connection to one of this host's interfaces comes from that address)."""
+    try:
+        local, peer = sock.getsockname()[0], sock.getpeername()[0]
+    except (OSError, IndexError, TypeError):   # not an IP socket (a test's socketpair)
+        return False
+    try:
+        return not ipaddress.ip_address(peer.split("%")[0]).is_loopback and peer != local
+    except ValueError:
+        return False
+
+
 def no_delay(sock: socket.socket) -> None:
     """Frames go out at once (a prefix and a small header must not wait for Nagle's timer)."""
     try:
@@ -386,6 +410,8 @@ class Link:
         self.frames = 0   # answered frames: a link that never answered one is not reopened at once
         self._last_used = time.monotonic()
         self._padding = memoryview(bytearray(64))   # pads are < ALIGN bytes: read into, or sent from, here
+        #: whether the shard is on another host: its address is neither a loopback one nor this end's own
+        self.remote = _remote_peer(sock)
 
     @classmethod
     def connect(cls, host: str, port: int, ticket: bytes, layout: Layout, *, tls: ssl.SSLContext | None = None,
@@ -425,9 +451,10 @@ class Link:
         return not readable
 
     def exchange(self, header: bytes, gradients: Sequence[np.ndarray], values: Sequence[np.ndarray], *,
-                 timeout: float) -> tuple[bytes, bytes, bool]:
+                 timeout: float, turn: SendTurn | None = None) -> tuple[bytes, bytes, bool]:
         """Sends a request frame (`header`, then `gradients`, one per gradient slot of the layout) and reads its
-        answer, its values straight into `values` (one per value slot) when ready.
+        answer, its values straight into `values` (one per value slot) when ready. With a `turn`, the frame is
+        sent when the turn comes, and the turn handed on once it is sent (whether or not that went well).
 
         Returns (magic, answer header, whether the values were received). OSError or ProtocolError
         close the link: the frame may or may not have been applied (a resend with the same clock is safe).
@@ -436,7 +463,13 @@ class Link:
         try:
             self.sock.settimeout(timeout)
             body = region_views(layout.gradients, 0, layout.values_offset, gradients, self._padding)
-            send_views(self.sock, [FRAME.pack(REQUEST_MAGIC, len(header), gradient_bytes(layout)), header, *body])
+            if turn is not None:
+                turn.wait()
+            try:
+                send_views(self.sock, [FRAME.pack(REQUEST_MAGIC, len(header), gradient_bytes(layout)), header, *body])
+            finally:
+                if turn is not None:
+                    turn.done()
             magic, header_bytes, body_bytes = read_prefix(self.sock)
             if magic not in (REPLY_MAGIC, ERROR_MAGIC) or header_bytes > MAX_HEADER_BYTES:
                 raise ProtocolError(f"an answer frame with magic {magic!r} and a {header_bytes}-byte header")

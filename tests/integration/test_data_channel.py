@@ -133,6 +133,44 @@ def test_push_pull_through_the_channel_gives_what_grpc_gives(start_cluster, mode
         np.testing.assert_allclose(runs["channel"][name], expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("remote", [True, False], ids=["shards-on-another-host", "this-host"])
+def test_frames_to_shards_on_another_host_go_one_after_another_and_give_the_same_values(start_cluster, monkeypatch,
+                                                                                        remote: bool) -> None:
+    """ps_client._SendOrder: across hosts each shard's frame (of at least ORDERED_FRAME_BYTES) is sent once the one
+    before it is, so the first shards answer while the rest go up; on this host they go at once. Shards here are
+    on loopback, so "another host" is what the link is told."""
+    monkeypatch.setattr(dc, "_remote_peer", lambda sock: remote)
+    rows = ps_client.ORDERED_FRAME_BYTES // (8 * 4) * 8      # two shards' parts of 4x the ordered size
+    values = model(rows=rows)
+    sends: list[tuple[tuple, float, float]] = []
+    plain_send = dc.send_views
+
+    def timed_send(sock, views):
+        started = time.monotonic()
+        plain_send(sock, views)
+        if sum(len(v) for v in views) >= ps_client.ORDERED_FRAME_BYTES:
+            sends.append((sock.getpeername(), started, time.monotonic()))
+
+    cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "256"])
+    with started(cluster, values) as worker:
+        monkeypatch.setattr(dc, "send_views", timed_send)
+        for step in range(3):
+            report, pulled = worker.push_pull(grads(values, 0.25 * (step + 1)))
+            assert report.accepted and pulled is not None
+        monkeypatch.setattr(dc, "send_views", plain_send)
+        assert sorted(worker._links) == [0, 1] and all(link.remote is remote for link in worker._links.values())
+        peers = [worker._links[i].sock.getpeername() for i in (0, 1)]
+        np.testing.assert_array_equal(pulled["w"], worker.pull()["w"])
+    for name, value in values.items():
+        expected = value - LR * 0.25 * (1 + 2 + 3) if value.dtype.kind == "f" else value
+        np.testing.assert_allclose(pulled[name], expected, rtol=1e-6)
+    assert len(sends) == 6 and {s[0] for s in sends} == set(peers), sends
+    for step in range(3):
+        first, second = sorted(sends[2 * step:2 * step + 2], key=lambda s: peers.index(s[0]))
+        if remote:
+            assert first[2] <= second[1], f"shard 1's frame started at {second[1]}, before shard 0's was sent ({first[2]})"
+
+
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
 def test_a_half_size_wire_halves_the_channels_float32_bytes_as_it_does_grpcs(start_cluster, wire: str) -> None:
     from ps_common import codec

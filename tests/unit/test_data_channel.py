@@ -489,3 +489,66 @@ def test_generated_bad_frames_close_the_connection_or_are_answered_and_the_liste
         link.close()
     finally:
         channel.close()
+
+
+# ---------------------------------------------------------------------- send order across hosts
+
+
+class _Peer:
+    """A socket's two addresses, as `_remote_peer` reads them."""
+
+    def __init__(self, local: str, peer: str) -> None:
+        self.local, self.peer = local, peer
+
+    def getsockname(self):
+        return (self.local, 1)
+
+    def getpeername(self):
+        return (self.peer, 2)
+
+
+@pytest.mark.parametrize(("local", "peer", "remote"), [
+    ("127.0.0.1", "127.0.0.1", False), ("::1", "::1", False), ("10.0.0.5", "127.0.0.2", False),
+    ("10.77.0.2", "10.77.0.2", False), ("10.77.0.2", "10.77.0.1", True), ("fe80::1%eth0", "fe80::2%eth0", True),
+    ("10.0.0.1", "not-an-address", False)])
+def test_a_link_is_to_another_host_unless_its_peer_is_a_loopback_address_or_its_own(local, peer, remote) -> None:
+    assert dc._remote_peer(_Peer(local, peer)) is remote
+
+
+def test_a_link_over_loopback_and_a_socketpair_are_on_this_host() -> None:
+    left, right = socket.socketpair()
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname(), timeout=5)
+    try:
+        assert not dc._remote_peer(left)
+        assert not dc._remote_peer(client)
+    finally:
+        for s in (left, right, client, server):
+            s.close()
+
+
+def test_each_shards_frame_waits_for_the_one_before_it_to_be_sent_and_a_turn_not_handed_on_times_out() -> None:
+    from worker_client.client.ps_client import _SendOrder
+
+    order = _SendOrder(3, timeout=5.0)
+    events: list[str] = []
+
+    def shard(i: int) -> None:
+        turn = order.turn(i)
+        turn.wait()
+        events.append(f"send {i}")
+        turn.done()
+
+    threads = [threading.Thread(target=shard, args=(i,)) for i in (2, 1)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert events == []                       # 1 waits for 0, 2 for 1
+    shard(0)
+    for t in threads:
+        t.join(5)
+    assert events == ["send 0", "send 1", "send 2"]
+    late = _SendOrder(2, timeout=0.2)
+    started = time.monotonic()
+    late.turn(1).wait()                       # shard 0 never hands its turn on: a bounded wait
+    assert 0.15 < time.monotonic() - started < 2.0

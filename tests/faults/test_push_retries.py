@@ -77,7 +77,7 @@ def test_a_push_that_fails_on_one_shard_after_another_took_it_is_completed_by_se
     start = {"a": np.ones(4096, np.float32), "b": np.ones(4096, np.float32)}
     grads = {"a": np.full(4096, 0.5, np.float32), "b": np.full(4096, 0.5, np.float32)}
     with ShardCluster(2, mode="async") as cluster, \
-            PSClient(cluster.addresses, worker_id="w0", rpc_timeout=2.0, retry=RetryPolicy(attempts=1),
+            PSClient(cluster.addresses, worker_id="w0", rpc_timeout=4.0, retry=RetryPolicy(attempts=1),
                      shared_memory=False, data_channel=False) as client:
         client.initialize(start)
         owners = {name: {p.shard for p in client.shard_map.parts if p.name == name} for name in start}

@@ -93,8 +93,10 @@ def test_the_reverse_scan_of_an_lstm_runs_fewer_nodes_per_step_and_its_gradients
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch LSTM fixture (its gradients checked against torch's here and in test_exporter_fixtures.py):
     its Scan bodies, against the same graph built without the pass; applied again, nothing is left to drop.
-    Both built without hoisting the accumulators (which regroups sums): the gradients are then bit for bit."""
+    Both built without hoisting the accumulators or merging the gates' products (which regroup sums): the
+    gradients are then bit for bit."""
     monkeypatch.setattr(rewrites, "hoist_scan_accumulators", lambda model: 0)
+    monkeypatch.setattr(rewrites, "merge_gate_products", lambda model: 0)
     data = np.load(FIXTURES / "lstm_reader.npz")
     inputs = {k[len("input:"):]: data[k] for k in data.files if k.startswith("input:")}
     inputs["labels"] = data["labels"]

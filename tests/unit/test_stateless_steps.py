@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
+from worker_client.engine import rewrites
 from worker_client.engine.rewrites.stateless import batch_stateless_steps
 
 _F = TensorProto.FLOAT
@@ -163,7 +164,9 @@ def test_opset_11_unsqueezes_with_axes_attributes_move_and_opset_8_scans_are_lef
 def test_an_lstms_gradients_are_bit_for_bit_those_without_the_pass(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch LSTM fixture: the reverse bodies lose the gates' derivatives; gradients bit for bit as built
-    without the pass, and torch's to float32 rounding."""
+    without the pass, and torch's to float32 rounding. Both built without merging the gates' products, which
+    regroups a sum (and matches only once the pass has run)."""
+    monkeypatch.setattr(rewrites, "merge_gate_products", lambda model: 0)
     engine, plain = lstm_engines(tmp_path, monkeypatch, "batch_stateless_steps")
 
     def reverse_nodes(built) -> int:    # type: ignore[no-untyped-def]

@@ -61,6 +61,8 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
   in the reverse sweep) as one product of the stacked steps after the Scan (equal to rounding);
 - `stateless`: a Scan body's nodes that read no state of the loop (the reverse sweep's gate derivatives
   from the forward's tapes) computed before the Scan for all steps at once;
+- `gate_products`: a reverse step's per-gate products with the recurrent weights, summed, as one GEMM of
+  the gates' adjoints side by side and the weights stacked outside the loop (equal to rounding);
 - `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
 - `col2im`: DepthToSpace as a Col2Im of non-overlapping blocks (a CPU session's copy too: onnxruntime's
@@ -88,6 +90,7 @@ from worker_client.engine.rewrites.conv import (
     split_strided_transposed_convs,
 )
 from worker_client.engine.rewrites.fold import fold_shape_queries
+from worker_client.engine.rewrites.gate_products import merge_gate_products
 from worker_client.engine.rewrites.gates import gelu_adjoints, silu_adjoints
 from worker_client.engine.rewrites.grouped import detach_grouped_weights, expand_grouped_convs
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
@@ -179,5 +182,6 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     reuse_forward_values(model)         # after the bodies are clean: their nodes are matched one for one
     hoist_scan_accumulators(model)      # after the reuse: the operands it stacks are then the forward's tapes
     batch_stateless_steps(model)
+    merge_gate_products(model)          # last: the products left in the bodies are the per-step ones
     prune(model)
     return model

@@ -11,9 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tests.helpers.lstm_fixture import FIXTURES, lstm_batch
+from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
 from worker_client import GradientEngine
-from worker_client.engine import rewrites
 from worker_client.engine.rewrites import accumulators
 from worker_client.engine.rewrites.accumulators import hoist_scan_accumulators
 
@@ -179,16 +178,7 @@ def test_an_lstms_recurrent_weight_gradient_is_one_product_per_gate_and_matches_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch LSTM fixture: no product left in a reverse body but the hidden state's adjoint, and the
     gradients those of the graph built without the pass and torch's to float32 rounding."""
-    inputs, reference = lstm_batch()
-
-    def build(folder: str) -> GradientEngine:
-        return GradientEngine(FIXTURES / "lstm_reader.onnx", batch_size=len(inputs["labels"]),
-                              loss="cross_entropy", cache_dir=tmp_path / folder)
-
-    engine = build("with")
-    with monkeypatch.context() as patched:
-        patched.setattr(rewrites, "hoist_scan_accumulators", lambda model: 0)
-        plain = build("without")
+    engine, plain = lstm_engines(tmp_path, monkeypatch, "hoist_scan_accumulators")
 
     def reverse_products(built: GradientEngine) -> int:
         return sum(sum(n.op_type == "MatMul" for n in next(a.g for a in scan.attribute if a.name == "body").node)
@@ -197,11 +187,4 @@ def test_an_lstms_recurrent_weight_gradient_is_one_product_per_gate_and_matches_
 
     # four gates: 4 accumulated products gone, and the 4 products of the hidden state's adjoint one (gate_products)
     assert reverse_products(plain) - reverse_products(engine) == 4 and reverse_products(engine) > 0
-    loss, gradients = engine.gradients(engine.parameters(), inputs)
-    plain_loss, plain_gradients = plain.gradients(plain.parameters(), inputs)
-    assert loss == plain_loss
-    assert reference
-    for name, expected in reference.items():
-        scale = np.abs(expected).max()
-        np.testing.assert_allclose(gradients[name], plain_gradients[name], rtol=1e-5, atol=1e-6 * scale)
-        np.testing.assert_allclose(gradients[name], expected, rtol=1e-4, atol=1e-6 * scale)
+    assert_lstm_gradients_hold(engine, plain, exact=False)

@@ -13,11 +13,13 @@ stacked outside the loop (once per run, not per step). On ps_bench.zoo_models' 2
 reverse step lost 9 of its 26 nodes: three GEMMs, four Reshapes and the Sum for a Concat; the GRU's
 loses two of its three GEMMs (its Sum keeps the update gate's direct share).
 
-Matched, in the body of each Scan of the main graph: a Sum (or Add) with at least two terms that are each a
-Reshape of a MatMul whose first operand is a body value of two axes or more (onnx-ad's Reshape to [1, B, K]), all
-alike but for the last, and whose second is a 2-D value from outside the body, every intermediate read once, the products of one static shape
-and type and so the Reshapes' results; its other terms are added to the one product. Only the summation order changes (the GEMM adds the products in
-its own order): equal to float32 rounding.
+Matched, in the body of each Scan of the main graph: a Sum (or Add) with at least two terms that are each
+a Reshape of a MatMul whose first operand is a body value of two axes or more (onnx-ad's Reshape to [1, B,
+K]), all alike but for the last, and whose second is a 2-D value from outside the body; every intermediate
+read once; the products of one static shape and type, and so the Reshapes' results. The sum's other terms
+are added to the one product. Only the summation order changes (the GEMM adds the products in its own
+order): equal to float32 rounding. On the zoo models, the same graph with and without, one thread:
+LSTM 13.35 -> 13.06 ms a step, bidirectional LSTM 8.60 -> 8.33, GRU 10.93 -> 10.75.
 """
 
 from __future__ import annotations

@@ -108,6 +108,7 @@ def _merge(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple
             helper.make_node("MatMul", [side_by_side, stacked], [merged], name=merged),
             helper.make_node("Reshape", [merged, backs[0].input[1]], [total], name=emit.name()),
         ]
+        added[position][-1].attribute.extend(backs[0].attribute)     # allowzero, where the Reshape had it
         if others:   # the sum's other terms (a GRU's update gate's share) added to the one product
             added[position].append(helper.make_node("Sum" if len(others) > 1 else "Add", [*others, total],
                                                     list(node.output), name=node.name or emit.name()))

@@ -221,9 +221,9 @@ class _SendOrder:
     -> 142 ms at 100 MB. Only frames to shards on another host (Link.remote) of at least
     ORDERED_FRAME_BYTES are ordered: on one host the sends are bound by the CPUs, not a link, and went
     slower one after another (100 MB over loopback 47 -> 58 ms), and a small frame is in the socket's
-    buffer at once (1 MB to 2 shards, every frame ordered: 0.9-1.2 -> 1.6-1.7 ms). Shard i's frame waits for shard i - 1's to
-    be sent (or to have failed, or to go by shared memory, gRPC or unordered), at most `timeout` s, then
-    goes anyway."""
+    buffer at once (1 MB to 2 shards, every frame ordered: 0.9-1.2 -> 1.6-1.7 ms). Shard i's frame waits
+    for shard i - 1's to be sent (or to have failed, or to go by shared memory, gRPC or unordered), at
+    most `timeout` s, then goes anyway."""
 
     def __init__(self, shards: int, *, timeout: float) -> None:
         self._sent = [threading.Event() for _ in range(shards)]
@@ -960,19 +960,19 @@ class PSClient:
         order = _SendOrder(self.num_shards, timeout=wait + self.rpc_timeout)
 
         def one(shard: int) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
+            turn = order.turn(shard)
             try:
                 segment, link = self._bytes_path(shard, shard_map, gradients) if wanted is None else \
                     (None, partial_links.get(shard))
-                turn = order.turn(shard) if link is not None and link.remote and \
-                    dc.gradient_bytes(link.layout) >= ORDERED_FRAME_BYTES else None
-                if turn is None:   # shared memory, gRPC, this host or a small frame: not in the order
-                    order.turn(shard).done()
+                ordered = link is not None and link.remote and dc.gradient_bytes(link.layout) >= ORDERED_FRAME_BYTES
+                if not ordered:   # shared memory, gRPC, this host or a small frame: the next shard need not wait
+                    turn.done()
                 grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
                 reply, values = self._exchange(shard, shard_map, gradients, clock, steps[shard], segment, link,
                                                wait_for_step, ssp, wait, grads, names, asked, destination,
-                                               turn=turn)
+                                               turn=turn if ordered else None)
             finally:
-                order.turn(shard).done()
+                turn.done()
             if reply.push.duplicate and reply.push.clock > clock + 1:
                 # The shard restarted and took this worker back at a later clock (see push).
                 segment = self._segments.get(shard) if segment is not None else None

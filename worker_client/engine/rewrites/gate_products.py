@@ -104,7 +104,8 @@ def _merge(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple
         side_by_side, merged = emit.name(), emit.name()
         total = emit.name() if others else node.output[0]
         added[position] = [
-            helper.make_node("Concat", list(gates), [side_by_side], name=side_by_side, axis=len(gate_rows.pop())),
+            helper.make_node("Concat", list(gates), [side_by_side], name=side_by_side,
+                             axis=len(b_shapes[gates[0]]) - 1),
             helper.make_node("MatMul", [side_by_side, stacked], [merged], name=merged),
             helper.make_node("Reshape", [merged, backs[0].input[1]], [total], name=emit.name()),
         ]

@@ -19,10 +19,11 @@ The models (`--models`, `ps_bench.peers.MODELS`): ``mlp`` (784-256-10), ``fm`` (
 recommendation example, tables by rows), ``transformer`` and ``resnet18``
 (`ps_bench.torch_models`, exported to ONNX; they need torch). ``--peers`` runs the
 comparison of docs/benchmarks.md, "Peers at their best": every model, 2 shards, 2
-workers, batch 32, async and sync, both paths. ``--netns`` runs the shards (and the
-peers' servers, and DDP's rank 0) in one network namespace and the workers in another,
-joined by a veth pair shaped to ``--netns-rate`` (`ps_bench.netns`; needs root): only
-the wire paths and TCP transports run there.
+workers, batch 32, async and sync, both paths. ``--netns`` runs every shard, worker and
+peer process on a host of its own: network namespaces on one switch, each host's link
+shaped to ``--netns-rate`` both ways (`ps_bench.netns`; needs root); ``--netns-layout
+two-hosts`` puts the shards (and DDP's rank 0) on one host and the workers on another
+instead. Only the wire paths and TCP transports run there.
 
 Prints one JSON line per system, ``{"system", "metric": "steps_per_s", "size_mb", "value",
 "unit", "model", "workers", "mode", "path" | "variant", "transport" | "backend" | "strategy",
@@ -53,9 +54,9 @@ from typing import Any
 
 from ps_common.modes import MODES
 from ps_common.process import start_and_wait_ready
-from ps_bench import harness, mlp, peers, tf_ps
+from ps_bench import harness, mlp, netns, peers, tf_ps
 from ps_bench.harness import SYSTEM, TORCH, Proc, emit, log
-from ps_bench.netns import Network
+from ps_bench.netns import Network, Placement
 from ps_bench.peers import DDP, OURS, TF, ModelCase, System
 from ps_bench.profiled_shard import OUT_ENV
 from ps_bench.train_worker import RESULT_PREFIX, data_channel_supported
@@ -90,12 +91,14 @@ class Case:
     steps: int
     threads: int
     net: Network | None = None
+    #: --netns: which host runs each process (`ps_bench.netns.Placement`)
+    layout: str = "host-each"
     #: ours, async without tables by rows: a step's PushPull overlaps the next gradient (ps-worker's --overlap;
     #: off by default, as in ps-worker)
     overlap: bool = False
     #: TensorFlow's training steps in one scheduled function
     tf_steps_per_function: int = tf_ps.STEPS_PER_FUNCTION
-    #: --netns: the MB that crossed the veth pair in each run, by system label
+    #: --netns: the MB the hosts sent each other in each run, by system label
     traffic: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -109,7 +112,11 @@ class Case:
 
     @property
     def network(self) -> str:
-        return "loopback" if self.net is None else f"netns veth tbf {self.net.rate}"
+        return "loopback" if self.net is None else f"netns {self.layout} veth tbf {self.net.rate}"
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.layout, self.shards, self.workers)
 
     def fields(self) -> dict[str, Any]:
         return {"model": self.model.name, "workers": self.workers, "shards": self.shards, "mode": self.mode,
@@ -136,9 +143,10 @@ def start_shards(case: Case, *, module: str = "ps_server", env: dict[str, str] |
             if case.net is None:
                 shards.append(harness.start_shard(flags, module=module, env=env))
             else:
-                argv = case.net.exec_argv("server", module, ["--host", case.net.server_address, "--port", "0",
-                                                             "--insecure", "--log-level", "WARNING", *flags])
-                shards.append(start_and_wait_ready(f"shard {i} ({case.net.server_ns})", argv, harness.SHARD_READY,
+                host = case.net.host(case.placement.shard(i))
+                argv = case.net.exec_argv(host.index, module, ["--host", host.address, "--port", "0", "--insecure",
+                                                               "--log-level", "WARNING", *flags])
+                shards.append(start_and_wait_ready(f"shard {i} ({host.namespace})", argv, harness.SHARD_READY,
                                                    timeout=harness.SHARD_START_TIMEOUT, env=harness.child_env(env)))
     except BaseException:
         harness.stop_all(shards)
@@ -146,11 +154,16 @@ def start_shards(case: Case, *, module: str = "ps_server", env: dict[str, str] |
     return shards
 
 
-def proc(case: Case, name: str, side: str, module: str, args: list, env: dict[str, str] | None = None) -> Proc:
-    """A child running `module`: here, or inside `side`'s namespace."""
+def proc(case: Case, name: str, host: int, module: str, args: list, env: dict[str, str] | None = None) -> Proc:
+    """A child running `module`: here, or on host `host` of the namespace network."""
     if case.net is None:
         return Proc(name, module, args, env=env)
-    return Proc(name, "ps_bench.netns", ["exec", case.net.namespace(side), module, *args], env=env)
+    return Proc(name, "ps_bench.netns", ["exec", case.net.host(host).namespace, module, *args], env=env)
+
+
+def address(case: Case, host: int) -> str:
+    """Host `host`'s address (127.0.0.1 without the namespace network)."""
+    return "127.0.0.1" if case.net is None else case.net.host(host).address
 
 
 def wait_results(case: Case, procs: list[Proc]) -> list[dict[str, Any]]:
@@ -171,7 +184,7 @@ def run_ours(case: Case, path: str, *, profile_out: Path | None = None) -> list[
                   "--overlap" if case.overlap and not profile_out else "--no-overlap"]
         if case.model.sparse_tables:
             common += ["--sparse-tables", ",".join(case.model.sparse_tables)]
-        procs = [proc(case, f"{SYSTEM} worker {i}", "worker", "ps_bench.train_worker",
+        procs = [proc(case, f"{SYSTEM} worker {i}", case.placement.worker(i), "ps_bench.train_worker",
                       [*common, "--index", i, *(["--profile"] if profile_out else [])]) for i in range(case.workers)]
         children += procs
         results = wait_results(case, procs)
@@ -188,30 +201,30 @@ def run_ours(case: Case, path: str, *, profile_out: Path | None = None) -> list[
     return results
 
 
-def tp_env(case: Case, side: str) -> dict[str, str] | None:
-    """Where TensorPipe and gloo listen: the namespace's veth end (loopback: harness.child_env's "lo")."""
+def tp_env(case: Case, host: int) -> dict[str, str] | None:
+    """Where TensorPipe and gloo listen: the host's card (loopback: harness.child_env's "lo")."""
     if case.net is None:
         return None
-    dev = case.net.device(side)
+    dev = case.net.host(host).device
     return {"TP_SOCKET_IFNAME": dev, "GLOO_SOCKET_IFNAME": dev}
 
 
 def run_torch(case: Case, variant: str, transport: str) -> list[dict[str, Any]]:
     """The same job in PyTorch RPC; the workers' results."""
     port = harness.free_port()
-    host = case.net.server_address if case.net is not None else "127.0.0.1"
-    common = ["--port", port, "--host", host, "--transport", transport, "--variant", variant, "--shards", case.shards,
+    place = case.placement
+    common = ["--port", port, "--host", address(case, place.shard(0)), "--transport", transport, "--variant", variant, "--shards", case.shards,
               "--workers", case.workers, "--mode", case.mode, "--aggregate", case.workers, "--staleness", STALENESS,
               "--model-name", case.model.name, "--model", case.onnx, "--tables", ",".join(case.tables)]
     children: list = []
     try:
-        children += [proc(case, f"{TORCH} ps{i}", "server", "ps_bench.torch_rpc",
-                          ["train-ps", *common, "--index", i, "--lr", LR], env=tp_env(case, "server"))
+        children += [proc(case, f"{TORCH} ps{i}", place.shard(i), "ps_bench.torch_rpc",
+                          ["train-ps", *common, "--index", i, "--lr", LR], env=tp_env(case, place.shard(i)))
                      for i in range(case.shards)]
-        procs = [proc(case, f"{TORCH} worker {i}", "worker", "ps_bench.torch_rpc",
+        procs = [proc(case, f"{TORCH} worker {i}", place.worker(i), "ps_bench.torch_rpc",
                       ["train-worker", *common, "--index", i, "--data", case.data, "--batch", case.batch,
                        "--warmup", case.warmup, "--steps", case.steps, "--threads", case.threads],
-                      env=tp_env(case, "worker")) for i in range(case.workers)]
+                      env=tp_env(case, place.worker(i))) for i in range(case.workers)]
         children += procs
         results = wait_results(case, procs)
     finally:
@@ -220,43 +233,47 @@ def run_torch(case: Case, variant: str, transport: str) -> list[dict[str, Any]]:
 
 
 def run_ddp(case: Case) -> list[dict[str, Any]]:
-    """The job as DDP over gloo (sync, no parameter server); rank 0 in the server namespace under --netns."""
+    """The job as DDP over gloo (sync, no parameter server); under --netns, each rank where the placement puts it."""
     port = harness.free_port()
-    host = case.net.server_address if case.net is not None else "127.0.0.1"
-    common = ["--world", case.workers, "--host", host, "--port", port, "--model-name", case.model.name,
+    place = case.placement
+    common = ["--world", case.workers, "--host", address(case, place.ddp_rank(0)), "--port", port, "--model-name", case.model.name,
               "--model", case.onnx, "--data", case.data, "--tables", ",".join(case.tables), "--lr", LR,
               "--batch", case.batch, "--warmup", case.warmup, "--steps", case.steps, "--threads", case.threads]
     procs: list[Proc] = []
     try:
         for rank in range(case.workers):
-            side = "server" if rank == 0 else "worker"
-            procs.append(proc(case, f"{DDP} rank {rank}", side, "ps_bench.ddp", [*common, "--rank", rank],
-                              env=tp_env(case, side)))
+            host = place.ddp_rank(rank)
+            procs.append(proc(case, f"{DDP} rank {rank}", host, "ps_bench.ddp", [*common, "--rank", rank],
+                              env=tp_env(case, host)))
         return wait_results(case, procs)
     finally:
         harness.stop_all(procs)
 
 
 def run_tf(case: Case) -> list[dict[str, Any]]:
-    """The job in TensorFlow's ParameterServerStrategy (async): ps tasks beside our shards, worker tasks and
-    the coordinator beside our workers; the coordinator's result (the steps/s of all workers together)."""
-    def address(side: str) -> str:
-        host = "127.0.0.1" if case.net is None else case.net.address(side)
-        return f"{host}:{harness.free_port()}"
+    """The job in TensorFlow's ParameterServerStrategy (async): ps tasks where our shards run, worker tasks
+    where our workers run, the coordinator beside worker 0; the coordinator's result (the steps/s of all
+    workers together)."""
+    place = case.placement
 
-    cluster = tf_ps.cluster_spec([address("server") for _ in range(case.shards)],
-                                 [address("worker") for _ in range(case.workers)], address("worker"))
+    def endpoint(host: int) -> str:
+        return f"{address(case, host)}:{harness.free_port()}"
+
+    hosts = {"ps": [place.shard(i) for i in range(case.shards)],
+             "worker": [place.worker(i) for i in range(case.workers)]}
+    cluster = tf_ps.cluster_spec([endpoint(h) for h in hosts["ps"]], [endpoint(h) for h in hosts["worker"]],
+                                 endpoint(place.worker(0)))
     env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
     children: list[Proc] = []
     try:
-        for job, side in (("ps", "server"), ("worker", "worker")):
+        for job in ("ps", "worker"):
             for i in range(len(cluster[job])):
-                children.append(proc(case, f"{TF} {job} {i}", side, "ps_bench.tf_ps",
+                children.append(proc(case, f"{TF} {job} {i}", hosts[job][i], "ps_bench.tf_ps",
                                      ["server", "--job", job, "--index", i, "--cluster", json.dumps(cluster),
                                       "--threads", case.threads], env=env))
         for child in children:
             child.wait_for(tf_ps.READY_PREFIX, harness.SHARD_START_TIMEOUT)
-        coordinator = proc(case, f"{TF} coordinator", "worker", "ps_bench.tf_ps",
+        coordinator = proc(case, f"{TF} coordinator", place.worker(0), "ps_bench.tf_ps",
                            ["coordinator", "--cluster", json.dumps(cluster), "--model-name", case.model.name,
                             "--model", case.onnx, "--data", case.data, "--tables", ",".join(case.tables),
                             "--cache-dir", case.cache, "--workers", case.workers, "--batch", case.batch,
@@ -288,7 +305,7 @@ def runner(case: Case, system: System):
             raise
         except Exception as exc:   # a child that could not start, a bad answer: this system fails, not the run
             raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
-        if case.net is not None:   # the evidence that the bytes went through the veth pair (start-up included)
+        if case.net is not None:   # the evidence that the bytes went between the hosts (start-up included)
             case.traffic.setdefault(system.label, []).append((case.net.bytes_sent() - sent) / 1e6)
         return value
     return run
@@ -414,8 +431,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ours: overlap a step's PushPull with the next gradient in async mode (ps-worker's "
                         "--overlap; off by default, as in ps-worker)")
     p.add_argument("--netns", action="store_true",
-                   help="shards in one network namespace, workers in another, through a shaped veth pair (root)")
-    p.add_argument("--netns-rate", default="10gbit", help="the veth pair's tbf rate (default 10gbit)")
+                   help="shards and workers on hosts of their own: network namespaces on one switch, each host's "
+                        "link shaped (root)")
+    p.add_argument("--netns-rate", default="10gbit", help="each host link's tbf rate, both ways (default 10gbit)")
+    p.add_argument("--netns-layout", choices=netns.LAYOUTS, default="host-each",
+                   help="host-each: every shard, worker and peer process on a host of its own, as a cluster runs "
+                        "them (default); two-hosts: the shards on one host, the workers on another, one link "
+                        "carrying all workers' bytes")
     p.add_argument("--batch", type=int, default=None, help=f"batch size per worker (default {CLASSIC['batch']})")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per worker first (default: the model's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per worker (default: the model's: "
@@ -482,7 +504,7 @@ def run_all(args: argparse.Namespace, work: Path, with_torch: bool, net: Network
             continue
         for workers in args.workers_list:
             case = prepare(args, model, work, workers)
-            case.net = net
+            case.net, case.layout = net, args.netns_layout
             log(f"train_bench: {model.description}; {case.size_mb} MB of parameters; trained by rows: "
                 f"{', '.join(case.tables) or 'none'}; {case.warmup} + {case.steps} steps per worker")
             if not args.profile_only:
@@ -522,8 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"train_bench: machine {json.dumps(harness.machine())}")
     with tempfile.TemporaryDirectory(prefix="ps-train-bench-") as tmp:
         if args.netns:
-            from ps_bench import netns
-            with netns.network(rate=args.netns_rate, log=log) as net:
+            hosts = Placement(args.netns_layout, args.shards, max(args.workers_list)).hosts
+            with netns.network(hosts=hosts, rate=args.netns_rate, log=log) as net:
                 run_all(args, Path(tmp), with_torch, net)
         else:
             run_all(args, Path(tmp), with_torch, None)

@@ -59,6 +59,8 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
   per step) instead of computing them again;
 - `accumulators`: a Scan state that sums one matrix product per step (a recurrent weight's gradient
   in the reverse sweep) as one product of the stacked steps after the Scan (equal to rounding);
+- `step_factors`: a Scan body's product of a state by two factors that read no state, regrouped so the
+  factors meet first (equal to rounding), which the stateless pass then computes outside the loop;
 - `stateless`: a Scan body's nodes that read no state of the loop (the reverse sweep's gate derivatives
   from the forward's tapes) computed before the Scan for all steps at once;
 - `gate_products`: a reverse step's per-gate products with the recurrent weights, summed, as one GEMM of
@@ -105,6 +107,7 @@ from worker_client.engine.rewrites.scans import rewrite_scan_bodies
 from worker_client.engine.rewrites.scatter import concat_padded_pieces, concat_piecewise_scatters
 from worker_client.engine.rewrites.sequences import split_constant_sequences
 from worker_client.engine.rewrites.stateless import batch_stateless_steps
+from worker_client.engine.rewrites.step_factors import regroup_step_factors
 from worker_client.engine.rewrites.sums import sums_as_adds
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
 
@@ -181,6 +184,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     rewrite_scan_bodies(model, [prune, drop_no_op_layout_ops, broadcast_in_readers, prune])
     reuse_forward_values(model)         # after the bodies are clean: their nodes are matched one for one
     hoist_scan_accumulators(model)      # after the reuse: the operands it stacks are then the forward's tapes
+    regroup_step_factors(model)         # before the stateless pass, which takes the factors' products out
     batch_stateless_steps(model)
     merge_gate_products(model)          # last: the products left in the bodies are the per-step ones
     prune(model)

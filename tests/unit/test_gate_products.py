@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
+from tests.helpers.scan_models import scan_model
 from worker_client.engine.rewrites.gate_products import merge_gate_products
 
 _F = TensorProto.FLOAT
@@ -57,15 +58,9 @@ def _model(*, weight_inside: bool = False, weight_first: bool = False, read_twic
     scan_outputs = ["acc_final", "dh_steps"] + (["term0_steps"] if read_twice else [])
     scan = helper.make_node("Scan", ["acc0", *[f"G{i}" for i in range(GATES)]], scan_outputs, body=body,
                             num_scan_inputs=GATES)
-    graph = helper.make_graph(
-        [scan], "reverse",
-        [helper.make_tensor_value_info("acc0", _F, [BATCH, N, 1])] +
-        [helper.make_tensor_value_info(f"G{i}", _F, [STEPS, BATCH, K, 1]) for i in range(GATES)] +
-        [helper.make_tensor_value_info(f"W{i}", _F, [K, N]) for i in range(GATES)],
-        [helper.make_tensor_value_info(name, _F, None) for name in scan_outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    return model
+    return scan_model(scan, [helper.make_tensor_value_info("acc0", _F, [BATCH, N, 1])] +
+                      [helper.make_tensor_value_info(f"G{i}", _F, [STEPS, BATCH, K, 1]) for i in range(GATES)] +
+                      [helper.make_tensor_value_info(f"W{i}", _F, [K, N]) for i in range(GATES)])
 
 
 def _run(model: onnx.ModelProto) -> list[np.ndarray]:

@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
+from tests.helpers.scan_models import scan_model
 from worker_client.engine.rewrites.stateless import batch_stateless_steps
 from worker_client.engine.rewrites.step_factors import regroup_step_factors
 
@@ -37,15 +38,9 @@ def _model(products: list[tuple[str, str, str]], outputs: list[str]) -> onnx.Mod
     scan_outputs = ["s_final", *[f"{name}_steps" for name in outputs]]
     scan = helper.make_node("Scan", ["s0", "A", "B", "C"], scan_outputs, body=body, num_scan_inputs=3,
                             scan_input_directions=[1, 1, 1])
-    graph = helper.make_graph(
-        [scan], "reverse",
-        [helper.make_tensor_value_info("s0", _F, [BATCH, N])] +
-        [helper.make_tensor_value_info(name, _F, [STEPS, BATCH, N]) for name in ("A", "B", "C")] +
-        [helper.make_tensor_value_info("w", _F, [N])],
-        [helper.make_tensor_value_info(name, _F, None) for name in scan_outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    return model
+    return scan_model(scan, [helper.make_tensor_value_info("s0", _F, [BATCH, N])] +
+                      [helper.make_tensor_value_info(name, _F, [STEPS, BATCH, N]) for name in ("A", "B", "C")] +
+                      [helper.make_tensor_value_info("w", _F, [N])])
 
 
 def _run(model: onnx.ModelProto) -> list[np.ndarray]:

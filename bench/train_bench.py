@@ -213,9 +213,10 @@ def run_torch(case: Case, variant: str, transport: str) -> list[dict[str, Any]]:
     """The same job in PyTorch RPC; the workers' results."""
     port = harness.free_port()
     place = case.placement
-    common = ["--port", port, "--host", address(case, place.shard(0)), "--transport", transport, "--variant", variant, "--shards", case.shards,
-              "--workers", case.workers, "--mode", case.mode, "--aggregate", case.workers, "--staleness", STALENESS,
-              "--model-name", case.model.name, "--model", case.onnx, "--tables", ",".join(case.tables)]
+    common = ["--port", port, "--host", address(case, place.shard(0)), "--transport", transport, "--variant", variant,
+              "--shards", case.shards, "--workers", case.workers, "--mode", case.mode, "--aggregate", case.workers,
+              "--staleness", STALENESS, "--model-name", case.model.name, "--model", case.onnx,
+              "--tables", ",".join(case.tables)]
     children: list = []
     try:
         children += [proc(case, f"{TORCH} ps{i}", place.shard(i), "ps_bench.torch_rpc",
@@ -233,12 +234,13 @@ def run_torch(case: Case, variant: str, transport: str) -> list[dict[str, Any]]:
 
 
 def run_ddp(case: Case) -> list[dict[str, Any]]:
-    """The job as DDP over gloo (sync, no parameter server); under --netns, each rank where the placement puts it."""
+    """The job as DDP over gloo (sync, no parameter server); under --netns, each rank on the placement's host."""
     port = harness.free_port()
     place = case.placement
-    common = ["--world", case.workers, "--host", address(case, place.ddp_rank(0)), "--port", port, "--model-name", case.model.name,
-              "--model", case.onnx, "--data", case.data, "--tables", ",".join(case.tables), "--lr", LR,
-              "--batch", case.batch, "--warmup", case.warmup, "--steps", case.steps, "--threads", case.threads]
+    common = ["--world", case.workers, "--host", address(case, place.ddp_rank(0)), "--port", port,
+              "--model-name", case.model.name, "--model", case.onnx, "--data", case.data,
+              "--tables", ",".join(case.tables), "--lr", LR, "--batch", case.batch, "--warmup", case.warmup,
+              "--steps", case.steps, "--threads", case.threads]
     procs: list[Proc] = []
     try:
         for rank in range(case.workers):

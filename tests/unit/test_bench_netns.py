@@ -42,14 +42,17 @@ def test_setup_puts_each_host_on_the_switch_through_a_link_shaped_both_ways() ->
         assert f"ip netns add {ns}" in cmds
         assert f"ip link add {dev} type veth peer name {port}" in cmds
         assert f"ip -n {ns} addr add 10.77.0.{i + 1}/24 dev {dev}" in cmds
-        assert f"ip -n {switch} link set {port} master psb123br" in cmds and f"ip -n {switch} link set {port} up" in cmds
+        assert f"ip -n {switch} link set {port} master psb123br" in cmds
+        assert f"ip -n {switch} link set {port} up" in cmds
         assert f"ip -n {ns} link set lo up" in cmds and f"ip -n {ns} link set {dev} up" in cmds
         shaper = "root tbf rate 1gbit burst 1mb latency 10ms"
         assert f"ip netns exec {ns} tc qdisc replace dev {dev} {shaper}" in cmds          # what the host sends
         assert f"ip netns exec {switch} tc qdisc replace dev {port} {shaper}" in cmds    # what it receives
         # each end moves into its namespace before it is addressed or enslaved there
-        assert cmds.index(f"ip link set {dev} netns {ns}") < cmds.index(f"ip -n {ns} addr add 10.77.0.{i + 1}/24 dev {dev}")
-        assert cmds.index(f"ip link set {port} netns {switch}") < cmds.index(f"ip -n {switch} link set {port} master psb123br")
+        addressed = cmds.index(f"ip -n {ns} addr add 10.77.0.{i + 1}/24 dev {dev}")
+        assert cmds.index(f"ip link set {dev} netns {ns}") < addressed
+        enslaved = cmds.index(f"ip -n {switch} link set {port} master psb123br")
+        assert cmds.index(f"ip link set {port} netns {switch}") < enslaved
 
 
 def test_teardown_removes_every_namespace_and_links_left_outside() -> None:

@@ -17,7 +17,11 @@ from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
 from worker_client import GradientEngine
 from worker_client.engine import engine as engine_module
 from worker_client.engine import rewrites
-from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im
+from worker_client.engine.rewrites.col2im import (
+    SMALL_MAP_POSITIONS,
+    depth_to_space_as_col2im,
+    small_transposed_convs_as_col2im,
+)
 from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
 from worker_client.engine.rewrites.layout import space_to_depth_transposes
 from worker_client.engine.rewrites.nchwc import NCHWC_DOMAIN, block_convs, nchwc_block_size
@@ -559,6 +563,84 @@ def test_a_trainable_strided_transposed_conv_runs_col2im_on_the_cpu_and_its_grad
     plain_loss, plain_gradients = plain.gradients(plain.parameters(), batch)
     assert loss == pytest.approx(plain_loss, rel=1e-6)
     np.testing.assert_allclose(gradients["w"], plain_gradients["w"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("x, kernel, pads", [
+    ([2, 5, 4, 4], [3, 3], [1, 1, 1, 1]),       # a CIFAR ResNet's last stage: a 3 x 3 Conv's input adjoint
+    ([2, 5, 3, 4], [3, 2], [0, 1, 2, 0]),       # uneven pads, a non-square kernel
+    ([2, 5, 2, 2], [2, 2], [0, 0, 0, 0]),       # no padding: the output grows by the kernel
+])
+def test_a_transposed_conv_over_a_small_map_becomes_a_gemm_and_a_col2im_on_the_cpu(
+        x: list[int], kernel: list[int], pads: list[int]) -> None:
+    rng = np.random.default_rng(21)
+    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="adjoint", pads=pads)
+    w = [x[1], 3, *kernel]
+    model = _model([node], {"g": x, "w": w}, ["y"])
+    feeds = {"g": rng.standard_normal(x).astype(np.float32), "w": rng.standard_normal(w).astype(np.float32)}
+    count, changed = _rewritten_agrees(model, small_transposed_convs_as_col2im, feeds)
+    assert count == 1
+    ops = [n.op_type for n in changed.graph.node]
+    assert "ConvTranspose" not in ops and ops.count("MatMul") == 1 and ops.count("Col2Im") == 1, ops
+
+
+@pytest.mark.parametrize("change", ["larger_map", "strided", "grouped", "dilated", "bias", "output_shape",
+                                    "opset_17", "doubles", "one_tap"])
+def test_transposed_convs_the_gemm_and_col2im_do_not_cover_are_left_alone(change: str) -> None:
+    side = 5 if change == "larger_map" else 4           # 25 positions: more than SMALL_MAP_POSITIONS
+    assert side * side > SMALL_MAP_POSITIONS or change != "larger_map"
+    attributes: dict = {"pads": [0, 0, 0, 0] if change == "one_tap" else [1, 1, 1, 1]}   # one tap: nothing to flip
+    attributes |= {"strided": {"strides": [2, 2]}, "grouped": {"group": 5}, "dilated": {"dilations": [2, 2]},
+                   "output_shape": {"output_shape": [4, 4]}}.get(change, {})
+    channels = 1 if change == "grouped" else 3
+    inputs = ["g", "w", "b"] if change == "bias" else ["g", "w"]
+    kernel = [1, 1] if change == "one_tap" else [3, 3]
+    shapes = {"g": [2, 5, side, side], "w": [5, channels, *kernel]}
+    model = _model([helper.make_node("ConvTranspose", inputs, ["y"], **attributes)],
+                   shapes | ({"b": [channels]} if change == "bias" else {}), ["y"])
+    if change == "opset_17":
+        model.opset_import[0].version = 17
+    if change == "doubles":
+        for value in model.graph.input:
+            value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    before = [n.op_type for n in model.graph.node]
+    assert small_transposed_convs_as_col2im(model) == 0
+    assert [n.op_type for n in model.graph.node] == before
+
+
+def test_a_convs_input_adjoint_over_a_small_map_stays_a_convtranspose_in_the_cache_and_is_col2im_on_the_cpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Convs on 4 x 4 maps: the second one's input adjoint is a ConvTranspose in the cached gradient graph
+    (a CUDA session runs it as it is), a GEMM and a Col2Im in the CPU session; the gradients are those of the
+    engine that flips it into a Conv as on larger maps."""
+    rng = np.random.default_rng(22)
+    weights = {"conv1.w": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32),
+               "conv2.w": (rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(np.float32)}
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["image", "conv1.w"], ["c1"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c1"], ["r1"]),
+         helper.make_node("Conv", ["r1", "conv2.w"], ["c2"], pads=[1, 1, 1, 1])],
+        "small", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 4, 4])],
+        [helper.make_tensor_value_info("c2", TensorProto.FLOAT, ["batch", 8, 4, 4])],
+        [numpy_helper.from_array(v, n) for n, v in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.save(model, tmp_path / "small.onnx")
+    engine = GradientEngine(tmp_path / "small.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "with")
+    with monkeypatch.context() as patched:
+        patched.setattr(rewrites, "small_map_transposed_conv", lambda model: (lambda node: False))
+        flipped = GradientEngine(tmp_path / "small.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "without")
+    assert "ConvTranspose" in {n.op_type for n in engine._graph.model.graph.node}
+    running = [n.op_type for n in engine._for_placement(engine._graph.model).graph.node]
+    assert "ConvTranspose" not in running and "Col2Im" in running
+    assert "ConvTranspose" not in {n.op_type for n in flipped._graph.model.graph.node}
+    batch = {"image": rng.standard_normal((4, 3, 4, 4)).astype(np.float32),
+             "labels": rng.standard_normal((4, 8, 4, 4)).astype(np.float32)}
+    loss, gradients = engine.gradients(engine.parameters(), batch)
+    flipped_loss, flipped_gradients = flipped.gradients(flipped.parameters(), batch)
+    assert loss == pytest.approx(flipped_loss, rel=1e-6)
+    for name, want in flipped_gradients.items():
+        np.testing.assert_allclose(gradients[name], want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()),
+                                   err_msg=name)
 
 
 def _crd_adjoint(blocks: tuple[int, int] = (2, 2), perm: Sequence[int] = (0, 1, 3, 5, 2, 4),

@@ -39,7 +39,7 @@ from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.rewrites.affine import channel_affines
-from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im
+from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im, small_transposed_convs_as_col2im
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
 from worker_client.engine.session import open_session, placement, run_bound
 from worker_client.engine.sparse import SparsePlan, declared_dynamic_tables, find_sparse_tables, rewrite_sparse
@@ -223,18 +223,20 @@ class GradientEngine:
     def _for_placement(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """A model as this placement's session runs it (the gradient, forward or evaluation model): on the CPU,
         with the Convs that gain on onnxruntime's channel-blocked kernels moved there (rewrites/nchwc.py; only
-        Convs of static shapes), DepthToSpace as Col2Im (rewrites/col2im.py) and per-channel scales and shifts
+        Convs of static shapes), DepthToSpace and unit-stride ConvTransposes over small maps as Col2Im
+        (rewrites/col2im.py) and per-channel scales and shifts
         as BatchNormalization (rewrites/affine.py); a copy, so the cached gradient graph is left
         device-neutral."""
         if self._placement.cuda_index is not None:
             return model
         block = nchwc_block_size()
         ops = {n.op_type for n in model.graph.node}
-        if "DepthToSpace" not in ops and not (block and "Conv" in ops) and not ops & {"Mul", "Add", "Sub"}:
+        if not ops & {"DepthToSpace", "ConvTranspose"} and not (block and "Conv" in ops) and \
+                not ops & {"Mul", "Add", "Sub"}:
             return model
         cpu = onnx.ModelProto()
         cpu.CopyFrom(model)
-        changed = depth_to_space_as_col2im(cpu)
+        changed = depth_to_space_as_col2im(cpu) + small_transposed_convs_as_col2im(cpu)
         # before the blocked Convs, whose outputs onnx's shape inference cannot follow (their domain is
         # onnxruntime's): the affine pass matches static shapes only
         changed += channel_affines(cpu, self._threads[0])

@@ -68,7 +68,9 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
 - `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
 - `col2im`: DepthToSpace as a Col2Im of non-overlapping blocks (a CPU session's copy too: onnxruntime's
-  CPU DepthToSpace moves elements one by one);
+  CPU DepthToSpace moves elements one by one), and a unit-stride ConvTranspose over a map of at most 16
+  positions (a Conv's input adjoint there, which `conv` leaves unflipped) as one GEMM of all the images'
+  positions and a Col2Im;
 - `affine`: per-channel scales and shifts (a BatchNorm's, forward and adjoint) as one inference
   BatchNormalization (a CPU session's copy too: onnxruntime's CPU Mul and Add broadcast span by span);
 - `toolkit`: what the passes share (static shapes, constants, fresh names).
@@ -81,6 +83,7 @@ import onnx
 from worker_client.engine.rewrites.accumulators import hoist_scan_accumulators
 from worker_client.engine.rewrites.batch_norms import detach_batch_norm_statistics
 from worker_client.engine.rewrites.broadcasts import broadcast_in_readers
+from worker_client.engine.rewrites.col2im import small_map_transposed_conv
 from worker_client.engine.rewrites.conv import (
     assign_unique_scatters,
     explicit_auto_pads,
@@ -163,7 +166,8 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     explicit_transposed_conv_pads(model, adjoints=True)   # before anything reads a ConvTranspose's inferred shape
     gemm_large_kernel_convs(model)
     resize_window_spreads(model)
-    flip_unit_stride_transposed_convs(model)
+    small = small_map_transposed_conv(model)   # those a CPU session runs as a GEMM and a Col2Im (col2im.py)
+    flip_unit_stride_transposed_convs(model, lambda node: not small(node))
     split_strided_transposed_convs(model)
     route_max_pool_adjoints(model)
     assign_unique_scatters(model)

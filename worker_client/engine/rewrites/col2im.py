@@ -1,4 +1,4 @@
-"""DepthToSpace as Col2Im on the CPU.
+"""Col2Im on the CPU: DepthToSpace, and transposed convolutions over small maps.
 
 onnxruntime's CPU DepthToSpace moves its elements one by one through a 6-D transpose: 0.55 ms for a
 [32, 64, 16, 16] -> [32, 16, 32, 32] interleave at one thread, in the step of every model with a
@@ -7,12 +7,22 @@ rewrites/conv.py) or a strided Conv's input adjoint (the same). The same permuta
 18) whose blocks do not overlap -- block s x s at stride s, C * s * s columns per position -- which
 onnxruntime runs as a scatter of contiguous rows: 0.07 ms on the same tensor. CRD's channel order is
 Col2Im's (channel, then block row, then block column); DCR's (block first) is brought there by a
-Transpose of whole [H * W] planes first.
+Transpose of whole [H * W] planes first. Exact: every output element is one input element (added to zero).
 
-Exact: every output element is one input element (added to zero). The rewrite is applied to a CPU
-session's copy of a graph when it is opened, as the channel-blocked Convs are (rewrites/nchwc.py): the
-cached gradient graph keeps DepthToSpace, which every execution provider has, and is only differentiated
-in that form.
+A unit-stride ConvTranspose -- a Conv's input adjoint -- is elsewhere a Conv with the kernel's channel
+axes swapped and its taps reversed (`conv.flip_unit_stride_transposed_convs`). Over maps of at most
+SMALL_MAP_POSITIONS input positions (a CIFAR ResNet's last stage: 4 x 4) that Conv runs as one im2col and
+a GEMM of only that many columns per image, and the swap and reversal of its [512, 512, 3, 3] kernel,
+each step, cost another 3.4 ms. There the ConvTranspose is, by its definition, one GEMM of all the
+images' positions by the kernel as it is -- [N * h * w, O] @ [O, C * kh * kw] -- its columns moved to
+[N, C * kh * kw, h * w] and folded back by one Col2Im: [32, 512, 4, 4] by [512, 512, 3, 3] 14.5 -> 11.9
+ms at one thread ([32, 256, 8, 8], 64 positions: 11.3 -> 14.7, so not there). Equal to float32 rounding
+(the same products, summed in another order).
+
+Both rewrites are applied to a CPU session's copy of a graph when it is opened, as the channel-blocked
+Convs are (rewrites/nchwc.py): the cached gradient graph keeps DepthToSpace, which every execution
+provider has, and the small ConvTransposes (`conv.flip_unit_stride_transposed_convs` leaves the ones
+`small_map_transposed_conv` picks), which a CUDA session runs as they are.
 """
 
 from __future__ import annotations
@@ -20,12 +30,20 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+import math
+from collections.abc import Callable
+
 from worker_client.engine.rewrites.toolkit import Emitter, opset_of, rebuild, shapes_and_types
 
-__all__ = ["depth_to_space_as_col2im"]
+__all__ = ["SMALL_MAP_POSITIONS", "depth_to_space_as_col2im", "small_map_transposed_conv",
+           "small_transposed_convs_as_col2im"]
 
 #: The first opset with Col2Im.
 COL2IM_OPSET = 18
+#: A unit-stride ConvTranspose over at most this many input positions (h x w) runs as a GEMM and a Col2Im.
+SMALL_MAP_POSITIONS = 16
+#: Input index of the ConvTranspose's optional bias.
+_BIAS = 2
 
 
 def depth_to_space_as_col2im(model: onnx.ModelProto) -> int:
@@ -62,5 +80,72 @@ def depth_to_space_as_col2im(model: onnx.ModelProto) -> int:
             "Col2Im", [columns, emit.ints([height * block, width * block]), emit.ints([block, block])],
             list(node.output), name=node.name or node.output[0], strides=[block, block]))
         return nodes
+
+    return rebuild(model, emit, replace)
+
+
+def small_map_transposed_conv(model: onnx.ModelProto) -> Callable[[onnx.NodeProto], bool]:
+    """Which of the model's ConvTransposes a CPU session computes as a GEMM and a Col2Im (module docstring):
+    2-D, float32, bias-free, ungrouped, unit strides and dilations, no output padding or auto_pad, no
+    output_shape, each pad below the kernel, a kernel of more than one tap, static shapes, at most
+    SMALL_MAP_POSITIONS input positions; none below opset 18."""
+    if opset_of(model) < COL2IM_OPSET or not any(n.op_type == "ConvTranspose" for n in model.graph.node):
+        return lambda node: False
+    return _picker(*shapes_and_types(model))
+
+
+def _picker(shapes: dict[str, tuple[int, ...]], types: dict[str, int]) -> Callable[[onnx.NodeProto], bool]:
+    def small(node: onnx.NodeProto) -> bool:
+        if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx") or \
+                (len(node.input) > _BIAS and node.input[_BIAS]):
+            return False
+        x, w, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
+        if x is None or w is None or y is None or len(x) != 4 or len(w) != 4 or len(y) != 4 or \
+                any(types.get(name) != onnx.TensorProto.FLOAT for name in node.input[:2]):
+            return False
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        pads = list(attributes.get("pads", [0] * 4))
+        if attributes.get("group", 1) != 1 or list(attributes.get("strides", [1, 1])) != [1, 1] or \
+                list(attributes.get("dilations", [1, 1])) != [1, 1] or any(attributes.get("output_padding", [0])) or \
+                attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET") or "output_shape" in attributes or \
+                len(pads) != 4 or any(p < 0 or p >= k for p, k in zip(pads, [*w[2:], *w[2:]])):
+            return False
+        expected = [x[0], w[1], *(size + k - 1 - pads[axis] - pads[axis + 2]
+                                  for axis, (size, k) in enumerate(zip(x[2:], w[2:])))]
+        # a kernel of one tap has nothing to reverse: its Conv (a GEMM per image) costs no more
+        return x[1] == w[0] and list(y) == expected and math.prod(x[2:]) <= SMALL_MAP_POSITIONS and \
+            math.prod(w[2:]) > 1
+
+    return small
+
+
+def small_transposed_convs_as_col2im(model: onnx.ModelProto) -> int:
+    """Rewrite each ConvTranspose `small_map_transposed_conv` picks as a GEMM of all the images' positions by
+    the kernel and a Col2Im (module docstring), in place. Returns the number rewritten."""
+    if opset_of(model) < COL2IM_OPSET or not any(n.op_type == "ConvTranspose" for n in model.graph.node):
+        return 0
+    shapes, types = shapes_and_types(model)
+    small = _picker(shapes, types)
+    emit = Emitter(model, "small_convt")
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if not small(node):
+            return None
+        (batch, inputs, height, width), (_, outputs, kh, kw) = shapes[node.input[0]], shapes[node.input[1]]
+        positions, columns = height * width, outputs * kh * kw
+        pads = next((list(a.ints) for a in node.attribute if a.name == "pads"), [0] * 4)
+        flat, flat_name = emit.reshape(node.input[0], [batch, inputs, positions])
+        rows, moved_rows, kernel = emit.name(), emit.name(), emit.name()
+        product, folded, columns_first = emit.name(), emit.name(), emit.name()
+        return [flat,
+                helper.make_node("Transpose", [flat_name], [rows], name=rows, perm=[0, 2, 1]),   # [N, hw, O]
+                emit.reshape(rows, [batch * positions, inputs], out=moved_rows)[0],
+                emit.reshape(node.input[1], [inputs, columns], out=kernel)[0],
+                helper.make_node("MatMul", [moved_rows, kernel], [product], name=product),    # [N * hw, C * k]
+                emit.reshape(product, [batch, positions, columns], out=folded)[0],
+                helper.make_node("Transpose", [folded], [columns_first], name=columns_first, perm=[0, 2, 1]),
+                helper.make_node("Col2Im", [columns_first, emit.ints(list(shapes[node.output[0]][2:])),
+                                            emit.ints([kh, kw])], list(node.output),
+                                 name=node.name or node.output[0], pads=pads)]
 
     return rebuild(model, emit, replace)

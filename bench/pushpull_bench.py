@@ -31,6 +31,13 @@ then Pull streams), streams (Push then Pull). `--data-path channel,grpc` is our 
 gRPC's "across the wire" on one host. `--raw-tcp` adds a reference with no framework at all: a
 child process that receives the pushed bytes into a buffer and sends the tensor back over a
 plain TCP socket (sendmsg and recv_into on numpy buffers), system "raw-tcp".
+
+`--netns` (root, iproute2) measures across a network instead of loopback: `ps_bench.netns` builds two
+hosts on a switch, each link shaped to `--netns-rate` both ways (10 Gbit/s by default); the servers (our
+shard, the PyTorch RPC store, the raw echo) run on host 0 and the benchmark itself -- our client, the
+PyTorch RPC client -- is started again on host 1 (`--inside`, given by the first process: the server
+host's namespace, address and card, the client's card). Only the wire paths (channel, grpc, streams) and
+TCP transports run there; every line says ``"network": "netns veth tbf RATE"`` (``"loopback"`` without).
 """
 
 from __future__ import annotations
@@ -38,13 +45,17 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from ps_bench import harness, peers
+from ps_bench import harness, netns, peers
 from ps_common import data_channel as dc
+from ps_common.process import start_and_wait_ready
 from ps_bench.harness import TORCH, Proc, log
 from worker_client.client import PSClient
 
@@ -56,6 +67,68 @@ DATA_PATHS = ("push-pull", "channel", "grpc", "streams")
 SCOPES = {"push-pull": "one-host", "channel": "wire", "grpc": "wire", "streams": "wire"}
 #: The reference without a framework (a plain TCP echo of the bytes), and its child's ready line.
 RAW, RAW_READY = "raw-tcp", "RAW_READY "
+#: --netns: the longest the benchmark may run on its client host, seconds.
+NETNS_RUN_TIMEOUT = 4 * 3600.0
+
+
+@dataclass(frozen=True)
+class Sites:
+    """Where the benchmark's processes run: all on 127.0.0.1, or (`server_ns` set, under --netns) the servers in
+    that namespace at `server_address`, the clients here; the cards TensorPipe is told to use on each side."""
+
+    server_ns: str | None = None
+    server_address: str = "127.0.0.1"
+    server_device: str = "lo"
+    client_device: str = "lo"
+    network: str = "loopback"
+
+    def server_child(self, module: str, args: Sequence[object]) -> tuple[str, list[str]]:
+        """(module, args) of a `harness.Proc` running `module ARGS` on the server side."""
+        if self.server_ns is None:
+            return module, [str(a) for a in args]
+        return "ps_bench.netns", ["exec", self.server_ns, module, *[str(a) for a in args]]
+
+    def tensorpipe_env(self, side: str) -> dict[str, str]:
+        device = self.server_device if side == "server" else self.client_device
+        return {"TP_SOCKET_IFNAME": device, "GLOO_SOCKET_IFNAME": device}
+
+    def start_shard(self, flags: Sequence[str]) -> harness.Child:
+        if self.server_ns is None:
+            return harness.start_shard(flags)
+        module, args = self.server_child("ps_server", ["--host", self.server_address, "--port", "0", "--insecure",
+                                                       "--log-level", "WARNING", *flags])
+        return start_and_wait_ready(f"shard ({self.server_ns})", [sys.executable, "-P", "-m", module, *args],
+                                    harness.SHARD_READY, timeout=harness.SHARD_START_TIMEOUT, env=harness.child_env())
+
+    def to_json(self) -> str:
+        return json.dumps({"server_ns": self.server_ns, "server_address": self.server_address,
+                           "server_device": self.server_device, "client_device": self.client_device,
+                           "network": self.network})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Sites":
+        return cls(**json.loads(text))
+
+
+def inside_argv(argv: Sequence[str], net: netns.Network, *, server: int = 0, client: int = 1) -> list[str]:
+    """The command that runs this benchmark again on host `client` of `net`, its servers on host `server`:
+    `argv` without --netns and --netns-rate, and --inside saying where the servers are."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--netns":
+            continue
+        if arg == "--netns-rate":
+            skip = True
+            continue
+        if arg.startswith("--netns-rate="):
+            continue
+        kept.append(arg)
+    there, here = net.host(server), net.host(client)
+    sites = Sites(there.namespace, there.address, there.device, here.device, f"netns veth tbf {net.rate}")
+    return net.exec_argv(client, "ps_bench.pushpull_bench", [*kept, "--inside", sites.to_json()])
 
 
 def shape_for(size_mb: float) -> tuple[int, int]:
@@ -73,9 +146,9 @@ class Ours:
     Push and Pull past 256 KiB); "streams" is Push then Pull over gRPC.
     """
 
-    def __init__(self, data_path: str = "push-pull") -> None:
-        self.data_path = data_path
-        self.shard = harness.start_shard(["--mode", "async", "--optimizer", "sgd", "--lr", str(LR)])
+    def __init__(self, data_path: str = "push-pull", sites: Sites = Sites()) -> None:
+        self.data_path, self.sites = data_path, sites
+        self.shard = sites.start_shard(["--mode", "async", "--optimizer", "sgd", "--lr", str(LR)])
         self.client: PSClient | None = None
         self.shape: tuple[int, int] | None = None
 
@@ -118,7 +191,7 @@ class Ours:
 
     def restart(self) -> None:
         harness.stop_all([self.shard])
-        self.shard = harness.start_shard(["--mode", "async", "--optimizer", "sgd", "--lr", str(LR)])
+        self.shard = self.sites.start_shard(["--mode", "async", "--optimizer", "sgd", "--lr", str(LR)])
 
     def close(self) -> None:
         if self.client is not None:
@@ -132,10 +205,12 @@ class RawTcp:
     bytes of its own over one TCP connection (sendmsg, recv_into on numpy buffers), as a framework-free push and
     pull would."""
 
-    def __init__(self) -> None:
-        self.proc = Proc(f"{RAW} echo", "ps_bench.pushpull_bench", ["--raw-tcp-child"])
+    def __init__(self, sites: Sites = Sites()) -> None:
+        echo = sites.server_child("ps_bench.pushpull_bench",
+                                  ["--raw-tcp-child", "--raw-tcp-host", sites.server_address])
+        self.proc = Proc(f"{RAW} echo", *echo)
         port = int(self.proc.wait_for(RAW_READY, 60)["port"])
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+        self.sock = socket.create_connection((sites.server_address, port), timeout=120)
         dc.no_delay(self.sock)
 
     def timed(self, shape: tuple[int, int], rounds: int) -> float:
@@ -158,9 +233,9 @@ class RawTcp:
         harness.stop_all([self.proc])
 
 
-def raw_tcp_child() -> int:
-    """The echo side of RawTcp: one connection on 127.0.0.1, port 0 (said on stdout as RAW_READY {"port": N})."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
+def raw_tcp_child(host: str = "127.0.0.1") -> int:
+    """The echo side of RawTcp: one connection on `host`, port 0 (said on stdout as RAW_READY {"port": N})."""
+    with socket.create_server((host, 0)) as listener:
         listener.settimeout(60)
         print(RAW_READY + json.dumps({"port": listener.getsockname()[1]}), flush=True)
         conn, _ = listener.accept()
@@ -183,18 +258,19 @@ class Theirs:
     timed run and stopped after it: TensorPipe's shared-memory transport polls (about half a core per idle
     process here), so a peer left running between its runs would slow every other system measured meanwhile."""
 
-    def __init__(self, system: peers.System) -> None:
-        self.system = system
+    def __init__(self, system: peers.System, sites: Sites = Sites()) -> None:
+        self.system, self.sites = system, sites
         self.procs: list[Proc] = []
 
     def _start(self) -> None:
         port = harness.free_port()
-        transport = ["--transport", self.system.transport]
-        self.procs = [Proc(f"{self.system.label} store", "ps_bench.torch_rpc",
-                           ["store", "--port", port, "--lr", LR, *transport])]
+        common = ["--port", port, "--host", self.sites.server_address, "--transport", self.system.transport]
+        self.procs = [Proc(f"{self.system.label} store",
+                           *self.sites.server_child("ps_bench.torch_rpc", ["store", *common, "--lr", LR]),
+                           env=self.sites.tensorpipe_env("server"))]
         self.procs.append(Proc(f"{self.system.label} client", "ps_bench.torch_rpc",
-                               ["store-client", "--port", port, "--variant", self.system.variant, *transport],
-                               stdin=True))
+                               ["store-client", *common, "--variant", self.system.variant],
+                               env=self.sites.tensorpipe_env("client"), stdin=True))
         self.procs[1].wait_for("TORCH_PP ", 120)
 
     def timed(self, shape: tuple[int, int], rounds: int, timeout: float) -> float:
@@ -239,10 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-variants", default=",".join(peers.TORCH_VARIANTS), metavar="VARIANT/TRANSPORT[,...]",
                    help=f"PyTorch RPC's variants and transports, of {', '.join(peers.ALL_TORCH_VARIANTS)} or 'all' "
                         f"(default {','.join(peers.TORCH_VARIANTS)})")
+    p.add_argument("--netns", action="store_true",
+                   help="across a network: the servers on one host, the clients on another, network namespaces on "
+                        "a switch with each link shaped (root); the wire paths and TCP transports only")
+    p.add_argument("--netns-rate", default=netns.RATE, help=f"each link's tbf rate, both ways (default {netns.RATE})")
     p.add_argument("--raw-tcp-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--raw-tcp-host", default="127.0.0.1", help=argparse.SUPPRESS)
+    p.add_argument("--inside", default=None, help=argparse.SUPPRESS)   # Sites as JSON: run on the client host
     args = p.parse_args(argv)
     if args.raw_tcp_child:
-        return raw_tcp_child()
+        return raw_tcp_child(args.raw_tcp_host)
     sizes = [float(s) for s in args.sizes_mb.split(",")]
     paths = args.data_path.split(",")
     if args.repeats < 1 or args.rounds < 0 or any(s <= 0 for s in sizes):
@@ -253,6 +335,25 @@ def main(argv: list[str] | None = None) -> int:
         variants = peers.parse_list(args.torch_variants, peers.ALL_TORCH_VARIANTS, "--torch-variants")
     except ValueError as exc:
         p.error(str(exc))
+    if args.netns or args.inside:
+        if any(SCOPES[path] == "one-host" for path in paths):
+            p.error("--netns runs the wire paths only (shared memory does not cross hosts): --data-path "
+                    "channel, grpc or streams")
+        variants = [v for v in variants if not v.endswith("/shm")]
+    if args.netns:
+        why = netns.unavailable()
+        if why is not None:
+            p.error(f"--netns: {why}")
+        own = list(sys.argv[1:] if argv is None else argv)
+        with netns.network(hosts=2, rate=args.netns_rate, log=log) as net:
+            try:
+                return subprocess.run(inside_argv(own, net), timeout=NETNS_RUN_TIMEOUT, stdin=subprocess.DEVNULL,
+                                      env=harness.child_env()).returncode
+            except subprocess.TimeoutExpired:
+                log(f"pushpull_bench: the run on {net.host(1).namespace} took more than {NETNS_RUN_TIMEOUT:.0f} s: "
+                    "stopped")
+                return 1
+    sites = Sites.from_json(args.inside) if args.inside else Sites()
     with_torch = not args.no_torch and harness.torch_available()
     if not with_torch:
         log("pushpull_bench: " + ("--no-torch: " if args.no_torch else "torch is not importable in this environment "
@@ -263,12 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     raw: RawTcp | None = None
     try:
         for path in paths:
-            ours[path] = Ours(path)
+            ours[path] = Ours(path, sites)
         for pair in (variants if with_torch else []):
             variant, transport = pair.split("/")
             system = peers.System(TORCH, variant=variant, transport=transport)
-            theirs[system.label] = Theirs(system)
-        raw = RawTcp() if args.raw_tcp else None
+            theirs[system.label] = Theirs(system, sites)
+        raw = RawTcp(sites) if args.raw_tcp else None
         for size in sizes:
             shape = shape_for(size)
             nbytes = shape[0] * shape[1] * 4
@@ -289,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                     runs[name].append(systems[name]())
                 log(f"pushpull_bench: {size:g} MB, repeat {repeat + 1}/{args.repeats}: "
                     + ", ".join(f"{'onnx-ps ' + n if n in ours else n} {v[-1]:.3f} GB/s" for n, v in runs.items()))
-            extra = dict(size_mb=size, unit="GB/s", rounds=rounds, repeats=args.repeats, shape=list(shape))
+            extra = dict(size_mb=size, unit="GB/s", rounds=rounds, repeats=args.repeats, shape=list(shape),
+                         network=sites.network)
             for path in ours:
                 emit_median(harness.SYSTEM, runs[path], data_path=path, **extra)
             for label, peer in theirs.items():

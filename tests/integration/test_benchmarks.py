@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ps_bench import netns
+
 REQUIRED = {"system", "metric", "size_mb", "value", "unit"}
 #: Longest run of one tiny benchmark, in seconds (the test's own limit is above it).
 RUN_TIMEOUT = 60
@@ -61,6 +63,30 @@ def test_the_push_pull_benchmark_prints_gigabytes_per_second(tmp_path: Path) -> 
     assert [(r["system"], r["metric"], r["size_mb"], r["unit"]) for r in records] == [
         ("onnx-ps", "pushpull_gbps", 1.0, "GB/s")]
     assert records[0]["value"] > 0 and len(records[0]["runs"]) == 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(netns.unavailable() is not None, reason=f"--netns: {netns.unavailable()}")
+def test_the_push_pull_benchmark_measures_across_the_namespace_network_and_leaves_nothing(tmp_path: Path) -> None:
+    before = set(netns.parse_netns_list(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                                       timeout=30).stdout))
+    records, stderr = run_bench("ps_bench.pushpull_bench", "--netns", "--no-torch", "--sizes-mb", "1", "--rounds",
+                                "2", "--repeats", "1", "--data-path", "channel", "--raw-tcp", cwd=tmp_path)
+    assert "2 host namespaces" in stderr
+    assert {(r["system"], r["metric"]) for r in records} == {
+        ("onnx-ps", "pushpull_gbps"), ("raw-tcp", "pushpull_gbps"), ("onnx-ps/raw-tcp", "pushpull_ratio")}
+    assert all(r["network"] == "netns veth tbf 10gbit" and r["value"] > 0 for r in records), records
+    after = set(netns.parse_netns_list(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                                      timeout=30).stdout))
+    assert not {n for n in after - before if n.startswith(netns.NS_PREFIX)}, after - before
+
+
+def test_the_push_pull_benchmark_keeps_shared_memory_off_the_namespace_network(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-P", "-m", "ps_bench.pushpull_bench", "--netns", "--data-path",
+                           "push-pull"], cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 2, done.stderr
+    assert "--netns runs the wire paths only" in done.stderr and done.stdout == ""
 
 
 @pytest.mark.parametrize("variants, says", [("fused/udp", "fused/udp is not one of"), ("", "nothing is not one of")])

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ps_bench import netns
+from ps_bench import netns, pushpull_bench
 from ps_bench.netns import MAX_HOSTS, Host, Network, Placement
 
 
@@ -118,3 +118,24 @@ def test_the_bytes_a_veth_end_sent_are_read_from_ip_s_j() -> None:
     shown = '[{"ifname": "psb9h1", "stats64": {"rx": {"bytes": 5}, "tx": {"bytes": 1234567, "packets": 10}}}]'
     assert netns.parse_tx_bytes(shown) == 1234567
     assert netns.parse_tx_bytes("") == 0 and netns.parse_tx_bytes('[{"ifname": "x"}]') == 0
+
+
+def test_the_push_pull_benchmark_runs_itself_again_on_the_client_host_told_where_the_servers_are() -> None:
+    net = Network(77, rate="5gbit")
+    argv = pushpull_bench.inside_argv(["--netns", "--sizes-mb", "1", "--netns-rate", "5gbit", "--data-path",
+                                       "channel", "--netns-rate=2gbit"], net)
+    assert argv[:6] == [sys.executable, "-P", "-m", "ps_bench.netns", "exec", "onnxps-bench-77-h1"]
+    assert argv[6:11] == ["ps_bench.pushpull_bench", "--sizes-mb", "1", "--data-path", "channel"]
+    assert argv[11] == "--inside" and len(argv) == 13
+    sites = pushpull_bench.Sites.from_json(argv[12])
+    assert sites == pushpull_bench.Sites("onnxps-bench-77-h0", "10.77.0.1", "psb77h0", "psb77h1",
+                                         "netns veth tbf 5gbit")
+    # the servers start on host 0 through the trampoline; TensorPipe is told each side's card
+    assert sites.server_child("ps_bench.torch_rpc", ["store", "--port", 5]) == (
+        "ps_bench.netns", ["exec", "onnxps-bench-77-h0", "ps_bench.torch_rpc", "store", "--port", "5"])
+    assert sites.tensorpipe_env("server") == {"TP_SOCKET_IFNAME": "psb77h0", "GLOO_SOCKET_IFNAME": "psb77h0"}
+    assert sites.tensorpipe_env("client")["TP_SOCKET_IFNAME"] == "psb77h1"
+    here = pushpull_bench.Sites()   # loopback: everything here
+    assert here.server_child("ps_bench.pushpull_bench", ["--raw-tcp-child"]) == (
+        "ps_bench.pushpull_bench", ["--raw-tcp-child"])
+    assert here.network == "loopback" and here.server_address == "127.0.0.1"

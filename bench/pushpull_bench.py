@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--netns runs the wire paths only (shared memory does not cross hosts): --data-path "
                     "channel, grpc or streams")
         variants = [v for v in variants if not v.endswith("/shm")]
-    if args.netns:
+    if args.netns and not args.inside:   # (on the client host already: never a network inside the network)
         why = netns.unavailable()
         if why is not None:
             p.error(f"--netns: {why}")

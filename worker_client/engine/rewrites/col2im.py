@@ -16,8 +16,9 @@ a GEMM of only that many columns per image, and the swap and reversal of its [51
 each step, cost another 3.4 ms. There the ConvTranspose is, by its definition, one GEMM of all the
 images' positions by the kernel as it is -- [N * h * w, O] @ [O, C * kh * kw] -- its columns moved to
 [N, C * kh * kw, h * w] and folded back by one Col2Im: [32, 512, 4, 4] by [512, 512, 3, 3] 14.5 -> 11.9
-ms at one thread ([32, 256, 8, 8], 64 positions: 11.3 -> 14.7, so not there). Equal to float32 rounding
-(the same products, summed in another order).
+ms at one thread ([32, 256, 8, 8], 64 positions: 11.3 -> 14.7, so not there). A kernel of one tap keeps
+the flip: it has nothing to reverse, and its Conv costs no more. Equal to float32 rounding (the same
+products, summed in another order).
 
 Both rewrites are applied to a CPU session's copy of a graph when it is opened, as the channel-blocked
 Convs are (rewrites/nchwc.py): the cached gradient graph keeps DepthToSpace, which every execution
@@ -27,11 +28,11 @@ provider has, and the small ConvTransposes (`conv.flip_unit_stride_transposed_co
 
 from __future__ import annotations
 
-import onnx
-from onnx import helper
-
 import math
 from collections.abc import Callable
+
+import onnx
+from onnx import helper
 
 from worker_client.engine.rewrites.toolkit import Emitter, opset_of, rebuild, shapes_and_types
 

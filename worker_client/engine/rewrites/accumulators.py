@@ -42,8 +42,8 @@ from worker_client.engine.rewrites.toolkit import (
     SAME_DATA_OPS,
     Emitter,
     constants,
+    reader_counts,
     shapes_and_types,
-    subgraph_reads,
 )
 
 __all__ = ["hoist_scan_accumulators"]
@@ -98,13 +98,7 @@ def _hoist(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple
         return None
     b_shapes, b_types = shapes_and_types(wrapper)
     producers = {name: node for node in body.node for name in node.output}
-    readers: dict[str, int] = {}
-    for node in body.node:
-        for name in [*node.input, *subgraph_reads(node)]:
-            readers[name] = readers.get(name, 0) + 1
-    outputs = [value.name for value in body.output]
-    for name in outputs:
-        readers[name] = readers.get(name, 0) + 1
+    readers = reader_counts(body)
     # the per-step values already stacked outside: scanned inputs, and values the body hands out as scan
     # outputs (itself or through an Identity), each by the order of its steps
     stacks: dict[str, dict[int, str]] = {}

@@ -34,7 +34,7 @@ from worker_client.engine.rewrites.scans import (
     drop_dead_body_nodes,
     rebuild_around_scans,
 )
-from worker_client.engine.rewrites.toolkit import Emitter, replace_items, shapes_and_types, subgraph_reads
+from worker_client.engine.rewrites.toolkit import Emitter, reader_counts, replace_items, shapes_and_types
 
 __all__ = ["merge_gate_products"]
 
@@ -59,12 +59,7 @@ def _merge(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple
     b_shapes, b_types = shapes_and_types(wrapper)
     defined = body_names(body)
     producers = {name: node for node in body.node for name in node.output}
-    readers: dict[str, int] = {}
-    for node in body.node:
-        for name in [*node.input, *subgraph_reads(node)]:
-            readers[name] = readers.get(name, 0) + 1
-    for value in body.output:
-        readers[value.name] = readers.get(value.name, 0) + 1
+    readers = reader_counts(body)
 
     def product(name: str) -> tuple[onnx.NodeProto, onnx.NodeProto, str, str] | None:
         """(the Reshape, the MatMul, the gate's 2-D operand, the outer weight) of one term, else None."""

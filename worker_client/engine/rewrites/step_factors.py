@@ -20,7 +20,7 @@ from __future__ import annotations
 import onnx
 
 from worker_client.engine.rewrites.scans import body_of, main_scans, scan_layout
-from worker_client.engine.rewrites.toolkit import replace_items, subgraph_reads
+from worker_client.engine.rewrites.toolkit import reader_counts, replace_items, subgraph_reads
 
 __all__ = ["regroup_step_factors"]
 
@@ -42,34 +42,7 @@ def _stateful(body: onnx.GraphProto, states: int) -> set[str]:
 
 def _regroup(body: onnx.GraphProto, states: int) -> int:
     regrouped = 0
-    while True:
-        stateful = _stateful(body, states)
-        readers: dict[str, int] = {}
-        for node in body.node:
-            for name in {*node.input, *subgraph_reads(node)}:
-                readers[name] = readers.get(name, 0) + 1
-        for value in body.output:
-            readers[value.name] = readers.get(value.name, 0) + 1
-        producers = {name: node for node in body.node for name in node.output}
-        found = None
-        for outer in body.node:
-            if outer.op_type != "Mul" or outer.domain not in ("", "ai.onnx") or len(outer.input) != 2:
-                continue
-            for side in (0, 1):
-                inner = producers.get(outer.input[side])
-                factor = outer.input[1 - side]
-                if inner is None or inner.op_type != "Mul" or inner.domain not in ("", "ai.onnx") or \
-                        readers.get(inner.output[0]) != 1 or factor in stateful:
-                    continue
-                kept = [name for name in inner.input if name in stateful]
-                if len(kept) != 1:
-                    continue     # both operands read state, or neither (then the stateless pass takes it whole)
-                found = (outer, side, inner, kept[0], next(n for n in inner.input if n != kept[0]), factor)
-                break
-            if found:
-                break
-        if found is None:
-            return regrouped
+    while (found := _next_pair(body, states)) is not None:
         outer, side, inner, state, first, second = found
         # the inner Mul becomes the factors' product (its output has no other reader); it is already ahead
         # of the outer Mul, and both factors are defined ahead of the outer Mul: move it just before it
@@ -82,3 +55,26 @@ def _regroup(body: onnx.GraphProto, states: int) -> int:
         nodes.insert(position, inner)
         replace_items(body.node, nodes)
         regrouped += 1
+    return regrouped
+
+
+def _next_pair(body: onnx.GraphProto, states: int) -> tuple[onnx.NodeProto, int, onnx.NodeProto, str, str, str] | None:
+    """The first Mul(Mul(s, a), b) of the body to regroup: (the outer Mul, the side its inner Mul is on, the
+    inner Mul, s, a, b), or None."""
+    stateful = _stateful(body, states)
+    readers = reader_counts(body)
+    producers = {name: node for node in body.node for name in node.output}
+    for outer in body.node:
+        if outer.op_type != "Mul" or outer.domain not in ("", "ai.onnx") or len(outer.input) != 2:
+            continue
+        for side in (0, 1):
+            inner = producers.get(outer.input[side])
+            factor = outer.input[1 - side]
+            if inner is None or inner.op_type != "Mul" or inner.domain not in ("", "ai.onnx") or \
+                    readers[inner.output[0]] != 1 or factor in stateful:
+                continue
+            kept = [name for name in inner.input if name in stateful]
+            # exactly one operand reads state (with neither, the stateless pass takes the product whole)
+            if len(kept) == 1:
+                return outer, side, inner, kept[0], next(n for n in inner.input if n != kept[0]), factor
+    return None

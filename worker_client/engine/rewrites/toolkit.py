@@ -85,8 +85,11 @@ def reduction_axes(node: onnx.NodeProto, known: dict[str, np.ndarray]) -> list[i
 
 
 def reader_counts(graph: onnx.GraphProto) -> Counter[str]:
-    """How many times each value is read: by the graph's nodes, and once more for being a graph output."""
+    """How many times each value is read: by the graph's nodes (once more for each node whose subgraphs read
+    it: a Scan body capturing it), and once more for being a graph output."""
     readers = Counter(name for node in graph.node for name in node.input)
+    for node in graph.node:
+        readers.update(subgraph_reads(node))
     readers.update(value.name for value in graph.output)
     return readers
 

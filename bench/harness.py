@@ -3,7 +3,8 @@
 Every child is started with ``python -P`` (the working directory stays off ``sys.path``),
 in a session of its own, its stdout and stderr merged and drained by a thread, and stopped
 by its PID only (`ps_common.process.stop`: SIGTERM, then SIGKILL). Every wait is bounded.
-Shards are started with `ps_common.process.start_and_wait_ready` on 127.0.0.1, port 0.
+Shards are started with `ps_common.process.start_and_wait_ready` on 127.0.0.1, port 0 (or, on a host of
+`ps_bench.netns`, on that host's address).
 
 Measurements go to stdout as one JSON object a line: ``{"system", "metric", "size_mb",
 "value", "unit", ...}``; everything for people goes to stderr.
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
+from ps_bench import netns
 from ps_common.process import ChildProcess as Child
 from ps_common.process import start_and_wait_ready, stop
 
@@ -176,12 +178,16 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def start_shard(flags: Sequence[str], *, module: str = "ps_server", env: Mapping[str, str] | None = None) -> Child:
-    """One shard process (`python -P -m ps_server FLAGS --port 0`), after its READY line; `.ready["address"]`."""
-    argv = [sys.executable, "-P", "-m", module, "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING",
-            *flags]
-    return start_and_wait_ready(f"shard ({module})", argv, SHARD_READY, timeout=SHARD_START_TIMEOUT,
-                                env=child_env(env))
+def start_shard(flags: Sequence[str], *, module: str = "ps_server", env: Mapping[str, str] | None = None,
+                namespace: str | None = None, host: str = "127.0.0.1", name: str | None = None) -> Child:
+    """One shard process (`python -P -m ps_server FLAGS --port 0`), after its READY line; `.ready["address"]`.
+    With `namespace` (a host of `ps_bench.netns`), started there through its trampoline and bound to `host`,
+    that host's address, in plaintext (`--insecure`: off loopback, on the benchmark's private network)."""
+    args = ["--host", host, "--port", "0", "--log-level", "WARNING", *flags]
+    started = [module, *args] if namespace is None else netns.trampoline(namespace, module, ["--insecure", *args])
+    where = module if namespace is None else namespace
+    return start_and_wait_ready(name or f"shard ({where})", [sys.executable, "-P", "-m", *started], SHARD_READY,
+                                timeout=SHARD_START_TIMEOUT, env=child_env(env))
 
 
 class Proc:

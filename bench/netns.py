@@ -164,8 +164,13 @@ class Network:
 
     def exec_argv(self, index: int, module: str, args: Sequence[object]) -> list[str]:
         """``python -P -m ps_bench.netns exec NS MODULE ARGS``: `module` run on host `index`."""
-        return [sys.executable, "-P", "-m", __name__, "exec", self.host(index).namespace, module,
-                *[str(a) for a in args]]
+        return [sys.executable, "-P", "-m", *trampoline(self.host(index).namespace, module, args)]
+
+
+def trampoline(namespace: str, module: str, args: Sequence[object]) -> list[str]:
+    """``ps_bench.netns exec NAMESPACE MODULE ARGS``: what `python -P -m` (or `harness.Proc`, given the first
+    word as its module and the rest as its arguments) runs to start `module` in `namespace`."""
+    return [__name__, "exec", namespace, module, *[str(a) for a in args]]
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,6 @@ import numpy as np
 
 from ps_bench import harness, netns, peers
 from ps_common import data_channel as dc
-from ps_common.process import start_and_wait_ready
 from ps_bench.harness import TORCH, Proc, log
 from worker_client.client import PSClient
 
@@ -86,19 +85,15 @@ class Sites:
         """(module, args) of a `harness.Proc` running `module ARGS` on the server side."""
         if self.server_ns is None:
             return module, [str(a) for a in args]
-        return "ps_bench.netns", ["exec", self.server_ns, module, *[str(a) for a in args]]
+        started = netns.trampoline(self.server_ns, module, args)
+        return started[0], started[1:]
 
     def tensorpipe_env(self, side: str) -> dict[str, str]:
         device = self.server_device if side == "server" else self.client_device
         return {"TP_SOCKET_IFNAME": device, "GLOO_SOCKET_IFNAME": device}
 
     def start_shard(self, flags: Sequence[str]) -> harness.Child:
-        if self.server_ns is None:
-            return harness.start_shard(flags)
-        module, args = self.server_child("ps_server", ["--host", self.server_address, "--port", "0", "--insecure",
-                                                       "--log-level", "WARNING", *flags])
-        return start_and_wait_ready(f"shard ({self.server_ns})", [sys.executable, "-P", "-m", module, *args],
-                                    harness.SHARD_READY, timeout=harness.SHARD_START_TIMEOUT, env=harness.child_env())
+        return harness.start_shard(flags, namespace=self.server_ns, host=self.server_address)
 
     def to_json(self) -> str:
         return json.dumps({"server_ns": self.server_ns, "server_address": self.server_address,

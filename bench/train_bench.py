@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import Any
 
 from ps_common.modes import MODES
-from ps_common.process import start_and_wait_ready
 from ps_bench import harness, mlp, netns, peers, tf_ps
 from ps_bench.harness import SYSTEM, TORCH, Proc, emit, log
 from ps_bench.netns import Network, Placement
@@ -144,10 +143,8 @@ def start_shards(case: Case, *, module: str = "ps_server", env: dict[str, str] |
                 shards.append(harness.start_shard(flags, module=module, env=env))
             else:
                 host = case.net.host(case.placement.shard(i))
-                argv = case.net.exec_argv(host.index, module, ["--host", host.address, "--port", "0", "--insecure",
-                                                               "--log-level", "WARNING", *flags])
-                shards.append(start_and_wait_ready(f"shard {i} ({host.namespace})", argv, harness.SHARD_READY,
-                                                   timeout=harness.SHARD_START_TIMEOUT, env=harness.child_env(env)))
+                shards.append(harness.start_shard(flags, module=module, env=env, namespace=host.namespace,
+                                                  host=host.address, name=f"shard {i} ({host.namespace})"))
     except BaseException:
         harness.stop_all(shards)
         raise
@@ -158,7 +155,8 @@ def proc(case: Case, name: str, host: int, module: str, args: list, env: dict[st
     """A child running `module`: here, or on host `host` of the namespace network."""
     if case.net is None:
         return Proc(name, module, args, env=env)
-    return Proc(name, "ps_bench.netns", ["exec", case.net.host(host).namespace, module, *args], env=env)
+    started = netns.trampoline(case.net.host(host).namespace, module, args)
+    return Proc(name, started[0], started[1:], env=env)
 
 
 def address(case: Case, host: int) -> str:

@@ -16,3 +16,16 @@ def scan_model(scan: onnx.NodeProto, inputs: list[onnx.ValueInfoProto]) -> onnx.
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = IR_VERSION
     return model
+
+
+def body_ops(model: onnx.ModelProto) -> list[str]:
+    """The op types of the body of the model's (first) Scan, in order."""
+    scan = next(n for n in model.graph.node if n.op_type == "Scan")
+    return [n.op_type for n in next(a.g for a in scan.attribute if a.name == "body").node]
+
+
+def reverse_op_counts(model: onnx.ModelProto, op_type: str) -> list[int]:
+    """How many `op_type` nodes each reverse sweep's body holds (onnx-ad names those bodies "...adjoint...")."""
+    bodies = [next(a.g for a in scan.attribute if a.name == "body")
+              for scan in model.graph.node if scan.op_type == "Scan"]
+    return [sum(n.op_type == op_type for n in body.node) for body in bodies if "adjoint" in body.name]

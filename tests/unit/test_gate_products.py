@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
-from tests.helpers.scan_models import scan_model
+from tests.helpers.scan_models import body_ops, reverse_op_counts, scan_model
 from worker_client.engine.rewrites.gate_products import merge_gate_products
 
 _F = TensorProto.FLOAT
@@ -72,16 +72,11 @@ def _run(model: onnx.ModelProto) -> list[np.ndarray]:
     return session.run(None, feeds)
 
 
-def _body_ops(model: onnx.ModelProto) -> list[str]:
-    scan = next(n for n in model.graph.node if n.op_type == "Scan")
-    return [n.op_type for n in next(a.g for a in scan.attribute if a.name == "body").node]
-
-
 def test_the_gates_products_summed_are_one_product_of_the_gates_side_by_side() -> None:
     model = _model()
     before = _run(model)
     assert merge_gate_products(model) == GATES - 1
-    ops = _body_ops(model)
+    ops = body_ops(model)
     assert ops.count("MatMul") == 1 and "Sum" not in ops and ops.count("Concat") == 1, ops
     assert [n.op_type for n in model.graph.node] == ["Concat", "Scan"]     # the weights stacked once, outside
     for a, b in zip(before, _run(model)):
@@ -93,7 +88,7 @@ def test_a_sums_other_terms_are_added_to_the_one_product() -> None:
     model = _model(plain_term=True)
     before = _run(model)
     assert merge_gate_products(model) == GATES - 2
-    ops = _body_ops(model)
+    ops = body_ops(model)
     assert ops.count("MatMul") == 1 and "Sum" not in ops and ops.count("Add") == 2, ops
     for a, b in zip(before, _run(model)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
@@ -105,9 +100,9 @@ def test_only_products_of_body_values_by_outer_weights_into_one_shape_are_merged
     """Weights computed in the body, or products reshaped to different shapes: nothing merged. A product with the
     weight first, or one also read elsewhere, stays beside the merged product of the others."""
     model = _model(**{broken: True})
-    before_ops, before = _body_ops(model), _run(model) if broken == "read_twice" else None   # the others: no valid run
+    before_ops, before = body_ops(model), _run(model) if broken == "read_twice" else None   # the others: no valid run
     assert merge_gate_products(model) == merged
-    ops = _body_ops(model)
+    ops = body_ops(model)
     if not merged:
         assert ops == before_ops
         return
@@ -124,9 +119,7 @@ def test_an_lstms_reverse_steps_make_one_product_each_and_its_gradients_match_to
     engine, plain = lstm_engines(tmp_path, monkeypatch, "merge_gate_products")
 
     def reverse_products(built) -> list[int]:
-        return [sum(n.op_type == "MatMul" for n in body.node)
-                for scan in built._graph.model.graph.node if scan.op_type == "Scan"
-                for body in [next(a.g for a in scan.attribute if a.name == "body")] if "adjoint" in body.name]
+        return reverse_op_counts(built._graph.model, "MatMul")
 
     assert reverse_products(plain) and all(count == 4 for count in reverse_products(plain)), reverse_products(plain)
     assert all(count == 1 for count in reverse_products(engine)), reverse_products(engine)

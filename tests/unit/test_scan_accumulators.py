@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
+from tests.helpers.scan_models import body_ops, reverse_op_counts
 from worker_client import GradientEngine
 from worker_client.engine.rewrites import accumulators
 from worker_client.engine.rewrites.accumulators import hoist_scan_accumulators
@@ -58,11 +59,6 @@ def _run(model: onnx.ModelProto) -> list[np.ndarray]:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = _feeds()
     return session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
-
-
-def _body_ops(model: onnx.ModelProto) -> list[str]:
-    scan = next(n for n in model.graph.node if n.op_type == "Scan")
-    return [n.op_type for n in next(a.g for a in scan.attribute if a.name == "body").node]
 
 
 def _states(model: onnx.ModelProto) -> int:
@@ -117,7 +113,7 @@ def test_an_accumulated_product_is_one_product_after_the_scan(left_transposed: b
     body = _gradient_like_body(left_transposed, right_transposed, [ROWS, COLS, 1])
     model = _model(body, ["init3"], ["A", "B"], ["acc", "gs"], directions=[direction, direction])
     _hoisted_equal(model, 1)
-    assert "MatMul" not in _body_ops(model)
+    assert "MatMul" not in body_ops(model)
     producer = next(n for n in model.graph.node if "acc" in n.output)
     assert producer.op_type == "Add"        # the initial value added to the product of the stacked steps
 
@@ -181,9 +177,7 @@ def test_an_lstms_recurrent_weight_gradient_is_one_product_per_gate_and_matches_
     engine, plain = lstm_engines(tmp_path, monkeypatch, "hoist_scan_accumulators")
 
     def reverse_products(built: GradientEngine) -> int:
-        return sum(sum(n.op_type == "MatMul" for n in next(a.g for a in scan.attribute if a.name == "body").node)
-                   for scan in built._graph.model.graph.node if scan.op_type == "Scan" and
-                   "adjoint" in next(a.g for a in scan.attribute if a.name == "body").name)
+        return sum(reverse_op_counts(built._graph.model, "MatMul"))
 
     # four gates: 4 accumulated products gone, and the 4 products of the hidden state's adjoint one (gate_products)
     assert reverse_products(plain) - reverse_products(engine) == 4 and reverse_products(engine) > 0

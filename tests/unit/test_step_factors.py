@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
-from tests.helpers.scan_models import scan_model
+from tests.helpers.scan_models import body_ops, reverse_op_counts, scan_model
 from worker_client.engine.rewrites.stateless import batch_stateless_steps
 from worker_client.engine.rewrites.step_factors import regroup_step_factors
 
@@ -56,11 +56,6 @@ def _close(got: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * float(np.abs(expected).max()))
 
 
-def _body_ops(model: onnx.ModelProto) -> list[str]:
-    scan = next(n for n in model.graph.node if n.op_type == "Scan")
-    return [n.op_type for n in next(a.g for a in scan.attribute if a.name == "body").node]
-
-
 @pytest.mark.parametrize("products", [
     [("s", "a", "sa"), ("sa", "b", "sab")],      # (s * a) * b
     [("a", "s", "sa"), ("b", "sa", "sab")],      # (a * s) * b, the other operand orders
@@ -71,7 +66,7 @@ def test_a_state_times_two_factors_keeps_one_mul_in_the_body(products: list[tupl
     before = _run(model)
     assert regroup_step_factors(model) == 1
     assert batch_stateless_steps(model) == 1      # the factors' product, for all steps before the Scan
-    assert _body_ops(model) == ["Mul", "Add"]
+    assert body_ops(model) == ["Mul", "Add"]
     assert [n.op_type for n in model.graph.node] == ["Mul", "Scan"]
     for a, b in zip(before, _run(model)):
         _close(b, a)
@@ -82,7 +77,7 @@ def test_a_chain_of_three_factors_gathers_them_one_by_one() -> None:
     before = _run(model)
     assert regroup_step_factors(model) == 2
     batch_stateless_steps(model)
-    assert _body_ops(model) == ["Mul", "Add"]
+    assert body_ops(model) == ["Mul", "Add"]
     for a, b in zip(before, _run(model)):
         _close(b, a)
 
@@ -97,9 +92,9 @@ def test_a_chain_of_three_factors_gathers_them_one_by_one() -> None:
 def test_products_that_are_read_elsewhere_or_not_of_one_state_stay(products: list[tuple[str, str, str]],
                                                                    outputs: list[str]) -> None:
     model = _model(products, outputs)
-    ops, before = _body_ops(model), _run(model)
+    ops, before = body_ops(model), _run(model)
     assert regroup_step_factors(model) == 0
-    assert _body_ops(model) == ops
+    assert body_ops(model) == ops
     for a, b in zip(before, _run(model)):
         np.testing.assert_array_equal(b, a)
 
@@ -111,9 +106,7 @@ def test_an_lstms_reverse_steps_lose_their_second_factors_and_its_gradients_matc
     engine, plain = lstm_engines(tmp_path, monkeypatch, "regroup_step_factors")
 
     def reverse_muls(built) -> list[int]:
-        return [sum(n.op_type == "Mul" for n in body.node)
-                for scan in built._graph.model.graph.node if scan.op_type == "Scan"
-                for body in [next(a.g for a in scan.attribute if a.name == "body")] if "adjoint" in body.name]
+        return reverse_op_counts(built._graph.model, "Mul")
 
     regrouped, plain_muls = reverse_muls(engine), reverse_muls(plain)
     assert plain_muls and len(regrouped) == len(plain_muls)

@@ -22,7 +22,11 @@ from worker_client.engine.rewrites.col2im import (
     depth_to_space_as_col2im,
     small_transposed_convs_as_col2im,
 )
-from worker_client.engine.rewrites.conv import flip_unit_stride_transposed_convs, split_strided_transposed_convs
+from worker_client.engine.rewrites.conv import (
+    flip_unit_stride_transposed_convs,
+    phases_gain,
+    split_strided_transposed_convs,
+)
 from worker_client.engine.rewrites.layout import space_to_depth_transposes
 from worker_client.engine.rewrites.nchwc import NCHWC_DOMAIN, block_convs, nchwc_block_size
 from worker_client.engine.rewrites.scatter import concat_padded_pieces, concat_piecewise_scatters
@@ -180,6 +184,55 @@ def test_strided_transposed_convs_the_split_does_not_cover_are_left_alone(
              "w": rng.standard_normal((5, channels, kernel, kernel)).astype(np.float32)}
     count, _ = _rewritten_agrees(model, split_strided_transposed_convs, feeds)
     assert count == 0
+
+
+@pytest.mark.parametrize("x, w, attributes, split", [
+    ([32, 512, 4, 4], [512, 256, 3, 3], {"pads": [1] * 4, "output_padding": [1, 1]}, False),  # ResNet's last stage
+    ([32, 256, 8, 8], [256, 128, 3, 3], {"pads": [1] * 4, "output_padding": [1, 1]}, False),
+    ([32, 128, 16, 16], [128, 3, 4, 4], {"pads": [1] * 4}, False),      # 3 output channels: no block fits
+    ([32, 30, 16, 16], [30, 16, 3, 3], {"pads": [1] * 4}, False),       # inputs not in the blocks' steps of 4
+    ([32, 128, 16, 16], [128, 64, 3, 3], {"pads": [1] * 4}, True),      # the phase Convs run blocked
+    ([32, 64, 8, 8], [64, 128, 3, 3], {"pads": [1] * 4}, True),         # more output channels than input ones
+    ([32, 256, 4, 4], [256, 128, 2, 2], {}, True),                      # kernel = stride: one 1 x 1 Conv
+    ([32, 64, 8], [64, 32, 3], {"pads": [1, 1]}, True),                 # one axis
+])
+def test_phases_gain_splits_only_where_the_phase_convs_beat_the_transposed_conv(
+        x: list[int], w: list[int], attributes: dict, split: bool) -> None:
+    spatial = len(x) - 2
+    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="adjoint", strides=[2] * spatial,
+                            **attributes)
+    model = _model([node], {"g": x, "w": w}, ["y"])
+    assert phases_gain(model)(node) is split
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert split_strided_transposed_convs(rewritten, phases_gain(rewritten)) == int(split)
+
+
+def test_a_strided_conv_over_a_small_map_keeps_its_transposed_conv_adjoint_and_its_gradients_hold(
+        tmp_path: Path, monkeypatch) -> None:
+    """A stride-2 Conv that widens 16 to 32 channels over a 4 x 4 map (past a Conv whose input adjoint it
+    needs): its input adjoint stays onnxruntime's ConvTranspose (`phases_gain`), and the gradients are those
+    of the engine that splits it into phase Convs."""
+    rng = np.random.default_rng(22)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])]
+    graph = helper.make_graph(
+        nodes, "down", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32, 4, 4])],
+        [numpy_helper.from_array(rng.standard_normal((16, 4, 3, 3)).astype(np.float32), "w1"),
+         numpy_helper.from_array(rng.standard_normal((32, 16, 3, 3)).astype(np.float32) * 0.1, "w2")])
+    batch = {"x": rng.standard_normal((4, 4, 8, 8)).astype(np.float32),
+             "labels": rng.standard_normal((4, 32, 4, 4)).astype(np.float32)}
+    engine, plain = _with_and_without(graph, tmp_path, monkeypatch, rewrites, "phases_gain", None)   # split all
+    kept = [n for n in engine._graph.model.graph.node if n.op_type == "ConvTranspose"]
+    assert len(kept) == 1 and next(a.ints for a in kept[0].attribute if a.name == "strides") == [2, 2]
+    assert "ConvTranspose" not in {n.op_type for n in plain._graph.model.graph.node}
+    loss, gradients = engine.gradients(engine.parameters(), batch)
+    plain_loss, plain_gradients = plain.gradients(plain.parameters(), batch)
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    for name in ("w1", "w2"):
+        np.testing.assert_allclose(gradients[name], plain_gradients[name], rtol=1e-4, atol=1e-5)
 
 
 def _scatter_sum(indices: Sequence[int], *, index_shape: tuple[int, ...] = (1,),
@@ -505,15 +558,16 @@ def test_the_cpu_sessions_run_the_blocked_convs_and_give_what_the_plain_ones_giv
 
 
 def _with_and_without(graph: onnx.GraphProto, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module,
-                      rewrite: str) -> tuple[GradientEngine, GradientEngine]:
-    """The engine (batch 4, mse) of `graph` as built, and built with `module.<rewrite>` doing nothing."""
+                      rewrite: str, nothing: object = 0) -> tuple[GradientEngine, GradientEngine]:
+    """The engine (batch 4, mse) of `graph` as built, and built with `module.<rewrite>` doing nothing (returning
+    `nothing`)."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 9
     path = tmp_path / "model.onnx"
     onnx.save(model, path)
     engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "with")
     with monkeypatch.context() as patched:
-        patched.setattr(module, rewrite, lambda *args, **kwargs: 0)
+        patched.setattr(module, rewrite, lambda *args, **kwargs: nothing)
         plain = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "without")
     return engine, plain
 

@@ -90,6 +90,7 @@ from worker_client.engine.rewrites.conv import (
     explicit_transposed_conv_pads,
     flip_unit_stride_transposed_convs,
     gemm_large_kernel_convs,
+    phases_gain,
     resize_window_spreads,
     route_max_pool_adjoints,
     split_strided_transposed_convs,
@@ -168,7 +169,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     resize_window_spreads(model)
     small = small_map_transposed_conv(model)   # those a CPU session runs as a GEMM and a Col2Im (col2im.py)
     flip_unit_stride_transposed_convs(model, lambda node: not small(node))
-    split_strided_transposed_convs(model)
+    split_strided_transposed_convs(model, phases_gain(model))   # the others run as onnxruntime's ConvTranspose
     route_max_pool_adjoints(model)
     assign_unique_scatters(model)
     concat_piecewise_scatters(model)

@@ -11,11 +11,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from worker_client.engine.rewrites.nchwc import INPUT_CHANNEL_STEP, MAX_PADDED_WORK, MIN_POSITIONS
 from worker_client.engine.rewrites.toolkit import Emitter, auto_pads, constants, shapes_and_types, static_shapes
 
 __all__ = ["assign_unique_scatters", "explicit_auto_pads", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
-           "gemm_large_kernel_convs", "resize_window_spreads", "route_max_pool_adjoints",
+           "gemm_large_kernel_convs", "phases_gain", "resize_window_spreads", "route_max_pool_adjoints",
            "split_strided_transposed_convs"]
+
+#: The widest channel block of onnxruntime's blocked Conv kernels (AVX-512; AVX2's is 8): what pads a phase
+#: Conv's channels by more than a third here keeps it on the plain kernel under any block (`phases_gain`).
+_WIDEST_BLOCK = 16
 
 #: Slice's end for a negative step that runs past index 0.
 _BEFORE_START = int(np.iinfo(np.int64).min)
@@ -587,13 +592,49 @@ def _head_pads(attributes: dict[str, Any], x: tuple[int, ...], kernel: list[int]
     return heads
 
 
+def phases_gain(model: onnx.ModelProto) -> Callable[[onnx.NodeProto], bool]:
+    """Which of the model's strided ConvTransposes -- strided Convs' input adjoints -- run faster as phase Convs
+    (`split_strided_transposed_convs`) than as onnxruntime's own ConvTranspose (one GEMM of the kernel by each
+    image and a col2im), for `rewrite_adjoints` to split; the others are left as they are.
+
+    The phases gain where their Convs run on onnxruntime's channel-blocked kernels (rewrites/nchwc.py: a map of
+    at least MIN_POSITIONS positions, input channels a multiple of 4, output channels that a block of 16 pads by
+    a third at most), and where the ConvTranspose has more output channels than input ones; elsewhere each
+    phase is an im2col and a GEMM of a few taps per image, and the ConvTranspose's one GEMM per image is the
+    better shape. One thread, batch 32, median ms (ConvTranspose / phases): [32, 512, 4, 4] by [512, 256, 3, 3]
+    12.2 / 12.7 (two threads 6.4 / 9.4), [32, 256, 8, 8] by [256, 128, 3, 3] 7.3 / 8.2, [32, 64, 8, 8] by [64,
+    32, 4, 4] 1.07 / 1.48, [32, 128, 16, 16] by [128, 3, 4, 4] 0.72 / 4.90 (3 output channels: no block);
+    blocked, [32, 128, 16, 16] by [128, 64, 3, 3] 7.6 / 7.6 (two threads 4.6 / 4.0), [32, 32, 16, 16] by [32,
+    16, 3, 3] 0.79 / 0.65; more output channels, [32, 64, 8, 8] by [64, 128, 3, 3] 2.5 / 2.2. A kernel that is
+    its stride (one 1 x 1 Conv, `_block_conv`) and maps of one or three axes are always split, as before."""
+    shapes = static_shapes(model)
+
+    def padded(channels: int) -> int:
+        return -(-channels // _WIDEST_BLOCK) * _WIDEST_BLOCK
+
+    def gain(node: onnx.NodeProto) -> bool:
+        x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
+        if x is None or w is None or len(x) != 4 or len(w) != 4:
+            return True
+        attributes = _attributes(node)
+        if list(attributes.get("strides", [1, 1])) == list(w[2:]) and not any(attributes.get("pads", [0])):
+            return True
+        inputs, outputs = w[0], w[1]
+        blocked = inputs % INPUT_CHANNEL_STEP == 0 and x[2] * x[3] >= MIN_POSITIONS and \
+            padded(inputs) * padded(outputs) <= MAX_PADDED_WORK * inputs * outputs
+        return blocked or outputs > inputs
+
+    return gain
+
+
 def split_strided_transposed_convs(model: onnx.ModelProto,
                                    only: Callable[[onnx.NodeProto], bool] | None = None) -> int:
     """Rewrite each ungrouped strided ConvTranspose as one Conv per output phase, in place.
 
     The input adjoint of a strided Conv (a ResNet's downsampling convs) is a strided
-    ConvTranspose, which onnxruntime runs as slowly as the unit-stride one
-    (`flip_unit_stride_transposed_convs`). Along an axis of stride s, output s*m + a only ever
+    ConvTranspose, which onnxruntime runs as one GEMM per image and a col2im: slower than these
+    phase Convs where they run on its channel-blocked kernels (`phases_gain` says where;
+    `rewrite_adjoints` splits only those). Along an axis of stride s, output s*m + a only ever
     meets the kernel taps k = (a + head) mod s (+ s, + 2s ...), so each phase (one a per axis)
     is a unit-stride convolution of the input with that sub-kernel, swapped and reversed; the
     phases are stacked and interleaved -- by DepthToSpace for a 2-D map of equal strides, by a

@@ -31,6 +31,7 @@ from worker_client.engine.rewrites.layout import space_to_depth_transposes
 from worker_client.engine.rewrites.nchwc import NCHWC_DOMAIN, block_convs, nchwc_block_size
 from worker_client.engine.rewrites.scatter import concat_padded_pieces, concat_piecewise_scatters
 from worker_client.engine.rewrites.toolkit import static_shapes
+from worker_client.engine.rewrites.transposed import RESTORED_KEY
 from worker_client.engine.training_mode import training_form
 
 OPSET = 18
@@ -210,21 +211,22 @@ def test_phases_gain_splits_only_where_the_phase_convs_beat_the_transposed_conv(
 
 def test_a_strided_conv_over_a_small_map_keeps_its_transposed_conv_adjoint_and_its_gradients_hold(
         tmp_path: Path, monkeypatch) -> None:
-    """A stride-2 Conv that widens 16 to 32 channels over a 4 x 4 map (past a Conv whose input adjoint it
-    needs): its input adjoint stays onnxruntime's ConvTranspose (`phases_gain`), and the gradients are those
-    of the engine that splits it into phase Convs."""
+    """A stride-2 Conv that widens 16 to 32 channels to a 6 x 6 map (past a Conv whose input adjoint it needs;
+    36 positions, more than a GEMM and a Col2Im take): its input adjoint stays onnxruntime's ConvTranspose
+    (`phases_gain`), and the gradients are those of the engine that splits it into phase Convs."""
     rng = np.random.default_rng(22)
     nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["h"], ["r"]),
              helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])]
     graph = helper.make_graph(
-        nodes, "down", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32, 4, 4])],
+        nodes, "down", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 12, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32, 6, 6])],
         [numpy_helper.from_array(rng.standard_normal((16, 4, 3, 3)).astype(np.float32), "w1"),
          numpy_helper.from_array(rng.standard_normal((32, 16, 3, 3)).astype(np.float32) * 0.1, "w2")])
-    batch = {"x": rng.standard_normal((4, 4, 8, 8)).astype(np.float32),
-             "labels": rng.standard_normal((4, 32, 4, 4)).astype(np.float32)}
-    engine, plain = _with_and_without(graph, tmp_path, monkeypatch, rewrites, "phases_gain", None)   # split all
+    batch = {"x": rng.standard_normal((4, 4, 12, 12)).astype(np.float32),
+             "labels": rng.standard_normal((4, 32, 6, 6)).astype(np.float32)}
+    engine, plain = _with_and_without(graph, tmp_path, monkeypatch, rewrites, "phases_gain",
+                                      lambda node: True)   # split all
     kept = [n for n in engine._graph.model.graph.node if n.op_type == "ConvTranspose"]
     assert len(kept) == 1 and next(a.ints for a in kept[0].attribute if a.name == "strides") == [2, 2]
     assert "ConvTranspose" not in {n.op_type for n in plain._graph.model.graph.node}
@@ -619,15 +621,51 @@ def test_a_trainable_strided_transposed_conv_runs_col2im_on_the_cpu_and_its_grad
     np.testing.assert_allclose(gradients["w"], plain_gradients["w"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("x, kernel, pads", [
-    ([2, 5, 4, 4], [3, 3], [1, 1, 1, 1]),       # a CIFAR ResNet's last stage: a 3 x 3 Conv's input adjoint
-    ([2, 5, 3, 4], [3, 2], [0, 1, 2, 0]),       # uneven pads, a non-square kernel
-    ([2, 5, 2, 2], [2, 2], [0, 0, 0, 0]),       # no padding: the output grows by the kernel
+@pytest.mark.parametrize("side, restored_as", [
+    (8, "ConvTranspose"),     # 64 positions, 3 output channels: onnxruntime's ConvTranspose
+    (4, "Col2Im"),            # 16 positions: a GEMM and a Col2Im on the CPU
+])
+def test_a_trained_strided_transposed_conv_whose_phases_do_not_gain_is_computed_whole_after_differentiation(
+        tmp_path: Path, monkeypatch, side: int, restored_as: str) -> None:
+    """A decoder's last layer (4 x 4 kernel at stride 2, to 3 channels) with a trainable weight: split into phase
+    Convs for onnx-ad, then its forward value computed by the ConvTranspose again (`restore_transposed_convs`);
+    no phase Conv is left, the metadata that carried it is gone, and the gradients are those of the phases."""
+    rng = np.random.default_rng(23)
+    nodes = [helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], strides=[2, 2], pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(
+        nodes, "decode", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, side, side])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3, 2 * side, 2 * side])],
+        [numpy_helper.from_array(rng.standard_normal((8, 3, 4, 4)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "b")])
+    batch = {"x": rng.standard_normal((4, 8, side, side)).astype(np.float32),
+             "labels": rng.standard_normal((4, 3, 2 * side, 2 * side)).astype(np.float32)}
+    engine, plain = _with_and_without(graph, tmp_path, monkeypatch, rewrites, "restore_transposed_convs")
+    cached = engine._graph.model
+    assert [n.op_type for n in cached.graph.node].count("ConvTranspose") == 1
+    assert not [p for p in cached.metadata_props if p.key == RESTORED_KEY]
+    convs = [sum(n.op_type == "Conv" for n in model.graph.node) for model in (cached, plain._graph.model)]
+    assert convs[0] < convs[1], convs     # the phase Convs of the forward value are gone
+    running = [n.op_type for n in engine._for_placement(cached).graph.node]
+    assert restored_as in running
+    loss, gradients = engine.gradients(engine.parameters(), batch)
+    plain_loss, plain_gradients = plain.gradients(plain.parameters(), batch)
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(gradients[name], plain_gradients[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("x, kernel, pads, strided", [
+    ([2, 5, 4, 4], [3, 3], [1, 1, 1, 1], {}),       # a CIFAR ResNet's last stage: a 3 x 3 Conv's input adjoint
+    ([2, 5, 3, 4], [3, 2], [0, 1, 2, 0], {}),       # uneven pads, a non-square kernel
+    ([2, 5, 2, 2], [2, 2], [0, 0, 0, 0], {}),       # no padding: the output grows by the kernel
+    ([2, 5, 4, 4], [3, 3], [1, 1, 1, 1], {"strides": [2, 2], "output_padding": [1, 1]}),  # a downsampling's
+    ([2, 5, 4, 4], [4, 4], [1, 1, 1, 1], {"strides": [2, 2]}),       # a decoder's 4 x 4 upsampling
+    ([2, 5, 3, 4], [3, 2], [0, 1, 1, 0], {"strides": [3, 2], "output_padding": [2, 0]}),
 ])
 def test_a_transposed_conv_over_a_small_map_becomes_a_gemm_and_a_col2im_on_the_cpu(
-        x: list[int], kernel: list[int], pads: list[int]) -> None:
+        x: list[int], kernel: list[int], pads: list[int], strided: dict) -> None:
     rng = np.random.default_rng(21)
-    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="adjoint", pads=pads)
+    node = helper.make_node("ConvTranspose", ["g", "w"], ["y"], name="adjoint", pads=pads, **strided)
     w = [x[1], 3, *kernel]
     model = _model([node], {"g": x, "w": w}, ["y"])
     feeds = {"g": rng.standard_normal(x).astype(np.float32), "w": rng.standard_normal(w).astype(np.float32)}
@@ -637,13 +675,13 @@ def test_a_transposed_conv_over_a_small_map_becomes_a_gemm_and_a_col2im_on_the_c
     assert "ConvTranspose" not in ops and ops.count("MatMul") == 1 and ops.count("Col2Im") == 1, ops
 
 
-@pytest.mark.parametrize("change", ["larger_map", "strided", "grouped", "dilated", "bias", "output_shape",
+@pytest.mark.parametrize("change", ["larger_map", "grouped", "dilated", "bias", "output_shape",
                                     "opset_17", "doubles", "one_tap"])
 def test_transposed_convs_the_gemm_and_col2im_do_not_cover_are_left_alone(change: str) -> None:
     side = 5 if change == "larger_map" else 4           # 25 positions: more than SMALL_MAP_POSITIONS
     assert side * side > SMALL_MAP_POSITIONS or change != "larger_map"
     attributes: dict = {"pads": [0, 0, 0, 0] if change == "one_tap" else [1, 1, 1, 1]}   # one tap: nothing to flip
-    attributes |= {"strided": {"strides": [2, 2]}, "grouped": {"group": 5}, "dilated": {"dilations": [2, 2]},
+    attributes |= {"grouped": {"group": 5}, "dilated": {"dilations": [2, 2]},
                    "output_shape": {"output_shape": [4, 4]}}.get(change, {})
     channels = 1 if change == "grouped" else 3
     inputs = ["g", "w", "b"] if change == "bias" else ["g", "w"]

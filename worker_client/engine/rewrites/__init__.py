@@ -6,7 +6,8 @@ docstrings say which slow path it avoids and why the replacement is exact, or, w
 arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
 
 - `transposed`: ConvTransposes with a trainable weight as Convs with the kernel swapped and
-  reversed (on the forward graph: onnx-ad has no weight adjoint for ConvTranspose);
+  reversed (on the forward graph: onnx-ad has no weight adjoint for ConvTranspose), and, after
+  differentiation, the forward value of those whose phase Convs are the slower as the ConvTranspose again;
 - `grouped`: grouped and depthwise Convs whose weight trains keep their kernel, their weight
   detached from onnx-ad (on the forward graph) and its adjoint written by the engine after
   differentiation (onnx-ad has no weight adjoint for group > 1); one whose weight is computed in
@@ -68,9 +69,9 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
 - `nchwc`: Convs with fed weights on onnxruntime's channel-blocked CPU kernels (applied to a CPU
   session's copy of the graph when it is opened, never to the cached graph: the layout is the CPU's);
 - `col2im`: DepthToSpace as a Col2Im of non-overlapping blocks (a CPU session's copy too: onnxruntime's
-  CPU DepthToSpace moves elements one by one), and a unit-stride ConvTranspose over a map of at most 16
-  positions (a Conv's input adjoint there, which `conv` leaves unflipped) as one GEMM of all the images'
-  positions and a Col2Im;
+  CPU DepthToSpace moves elements one by one), and a ConvTranspose over a map of at most 16 positions,
+  strided or not (a Conv's input adjoint there, which `conv` leaves unflipped and unsplit) as one GEMM of
+  all the images' positions and a Col2Im;
 - `affine`: per-channel scales and shifts (a BatchNorm's, forward and adjoint) as one inference
   BatchNormalization (a CPU session's copy too: onnxruntime's CPU Mul and Add broadcast span by span);
 - `toolkit`: what the passes share (static shapes, constants, fresh names).
@@ -113,7 +114,7 @@ from worker_client.engine.rewrites.sequences import split_constant_sequences
 from worker_client.engine.rewrites.stateless import batch_stateless_steps
 from worker_client.engine.rewrites.step_factors import regroup_step_factors
 from worker_client.engine.rewrites.sums import sums_as_adds
-from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs
+from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs, restore_transposed_convs
 
 __all__ = ["rewrite_adjoints", "rewrite_forward"]
 
@@ -164,12 +165,14 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     """The differentiated model, rewritten in place and returned; the passes run in order."""
     from worker_client.engine.differentiate import GRAD_PREFIX   # here: differentiate imports this package
     fold_shape_queries(model)           # everything static, so the passes below apply
+    restore_transposed_convs(model)     # before the passes that read a ConvTranspose's shapes
     explicit_transposed_conv_pads(model, adjoints=True)   # before anything reads a ConvTranspose's inferred shape
     gemm_large_kernel_convs(model)
     resize_window_spreads(model)
     small = small_map_transposed_conv(model)   # those a CPU session runs as a GEMM and a Col2Im (col2im.py)
     flip_unit_stride_transposed_convs(model, lambda node: not small(node))
-    split_strided_transposed_convs(model, phases_gain(model))   # the others run as onnxruntime's ConvTranspose
+    gain = phases_gain(model)           # the others run as onnxruntime's ConvTranspose, or a GEMM and a Col2Im
+    split_strided_transposed_convs(model, lambda node: gain(node) and not small(node))
     route_max_pool_adjoints(model)
     assign_unique_scatters(model)
     concat_piecewise_scatters(model)

@@ -17,8 +17,13 @@ each step, cost another 3.4 ms. There the ConvTranspose is, by its definition, o
 images' positions by the kernel as it is -- [N * h * w, O] @ [O, C * kh * kw] -- its columns moved to
 [N, C * kh * kw, h * w] and folded back by one Col2Im: [32, 512, 4, 4] by [512, 512, 3, 3] 14.5 -> 11.9
 ms at one thread ([32, 256, 8, 8], 64 positions: 11.3 -> 14.7, so not there). A kernel of one tap keeps
-the flip: it has nothing to reverse, and its Conv costs no more. Equal to float32 rounding (the same
-products, summed in another order).
+the flip: it has nothing to reverse, and its Conv costs no more. A strided one over such a map -- a
+downsampling Conv's input adjoint, a decoder's upsampling whose forward value `transposed.restore_transposed_convs`
+computes whole -- is the same GEMM and a Col2Im at that stride (output padding the rows no block reaches),
+where onnxruntime's ConvTranspose makes one GEMM of 16 columns per image and the phase Convs one per phase:
+[32, 512, 4, 4] by [512, 256, 3, 3] at stride 2, 12.2 ms as a ConvTranspose, 12.9 as phases, 6.5 so (two
+threads 7.0, 13.2, 4.5); [32, 128, 4, 4] by [128, 64, 4, 4], 1.65, 1.59, 0.83. Equal to float32 rounding
+(the same products, summed in another order).
 
 Both rewrites are applied to a CPU session's copy of a graph when it is opened, as the channel-blocked
 Convs are (rewrites/nchwc.py): the cached gradient graph keeps DepthToSpace, which every execution
@@ -41,7 +46,7 @@ __all__ = ["SMALL_MAP_POSITIONS", "depth_to_space_as_col2im", "small_map_transpo
 
 #: The first opset with Col2Im.
 COL2IM_OPSET = 18
-#: A unit-stride ConvTranspose over at most this many input positions (h x w) runs as a GEMM and a Col2Im.
+#: A ConvTranspose over at most this many input positions (h x w) runs as a GEMM and a Col2Im.
 SMALL_MAP_POSITIONS = 16
 #: Input index of the ConvTranspose's optional bias.
 _BIAS = 2
@@ -87,7 +92,7 @@ def depth_to_space_as_col2im(model: onnx.ModelProto) -> int:
 
 def small_map_transposed_conv(model: onnx.ModelProto) -> Callable[[onnx.NodeProto], bool]:
     """Which of the model's ConvTransposes a CPU session computes as a GEMM and a Col2Im (module docstring):
-    2-D, float32, bias-free, ungrouped, unit strides and dilations, no output padding or auto_pad, no
+    2-D, float32, bias-free, ungrouped, unit dilations, any strides with output padding below them, no auto_pad, no
     output_shape, each pad below the kernel, a kernel of more than one tap, static shapes, at most
     SMALL_MAP_POSITIONS input positions; none below opset 18."""
     if opset_of(model) < COL2IM_OPSET or not any(n.op_type == "ConvTranspose" for n in model.graph.node):
@@ -106,13 +111,16 @@ def _picker(shapes: dict[str, tuple[int, ...]], types: dict[str, int]) -> Callab
             return False
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         pads = list(attributes.get("pads", [0] * 4))
-        if attributes.get("group", 1) != 1 or list(attributes.get("strides", [1, 1])) != [1, 1] or \
-                list(attributes.get("dilations", [1, 1])) != [1, 1] or any(attributes.get("output_padding", [0])) or \
+        strides = list(attributes.get("strides", [1, 1]))
+        extra = list(attributes.get("output_padding", [0, 0]))
+        if attributes.get("group", 1) != 1 or len(strides) != 2 or min(strides) < 1 or len(extra) != 2 or \
+                any(not 0 <= e < s for e, s in zip(extra, strides)) or \
+                list(attributes.get("dilations", [1, 1])) != [1, 1] or \
                 attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET") or "output_shape" in attributes or \
                 len(pads) != 4 or any(p < 0 or p >= k for p, k in zip(pads, [*w[2:], *w[2:]])):
             return False
-        expected = [x[0], w[1], *(size + k - 1 - pads[axis] - pads[axis + 2]
-                                  for axis, (size, k) in enumerate(zip(x[2:], w[2:])))]
+        expected = [x[0], w[1], *((size - 1) * s + k - pads[axis] - pads[axis + 2] + e
+                                  for axis, (size, k, s, e) in enumerate(zip(x[2:], w[2:], strides, extra)))]
         # a kernel of one tap has nothing to reverse: its Conv (a GEMM per image) costs no more
         return x[1] == w[0] and list(y) == expected and math.prod(x[2:]) <= SMALL_MAP_POSITIONS and \
             math.prod(w[2:]) > 1
@@ -135,6 +143,7 @@ def small_transposed_convs_as_col2im(model: onnx.ModelProto) -> int:
         (batch, inputs, height, width), (_, outputs, kh, kw) = shapes[node.input[0]], shapes[node.input[1]]
         positions, columns = height * width, outputs * kh * kw
         pads = next((list(a.ints) for a in node.attribute if a.name == "pads"), [0] * 4)
+        strides = next((list(a.ints) for a in node.attribute if a.name == "strides"), [1, 1])
         flat, flat_name = emit.reshape(node.input[0], [batch, inputs, positions])
         rows, moved_rows, kernel = emit.name(), emit.name(), emit.name()
         product, folded, columns_first = emit.name(), emit.name(), emit.name()
@@ -147,6 +156,6 @@ def small_transposed_convs_as_col2im(model: onnx.ModelProto) -> int:
                 helper.make_node("Transpose", [folded], [columns_first], name=columns_first, perm=[0, 2, 1]),
                 helper.make_node("Col2Im", [columns_first, emit.ints(list(shapes[node.output[0]][2:])),
                                             emit.ints([kh, kw])], list(node.output),
-                                 name=node.name or node.output[0], pads=pads)]
+                                 name=node.name or node.output[0], pads=pads, strides=strides)]
 
     return rebuild(model, emit, replace)

@@ -17,6 +17,14 @@ others a user brings -- a model the engine was not tuned on is where a slow adjo
                SiLU, BatchNorm, widths 16-24-40
 ``bilstm``     token embedding, one bidirectional LSTM (hidden 96) over 40 tokens, its states averaged
 ``pixelshuffle`` super-resolution style: 3 x 3 Convs to 3 x 2 x 2 channels and a PixelShuffle by 2; mean squared error
+``convnext``   ConvNeXt-style blocks: a 4 x 4 patch stem, depthwise 7 x 7 Convs, LayerNorm and GELU MLPs channels-last
+``groupnorm``  3 x 3 Convs (strided every other) with GroupNorm(8) and SiLU, as diffusion and detection nets have them
+``gpt``        a causal 2-layer pre-norm transformer (d 128, 64 tokens) predicting the next of 2,000 tokens
+``densenet``   DenseNet-style: six BatchNorm-ReLU-Conv layers, each concatenating 16 channels to its input
+``tcn``        a temporal convolution network: six Conv1d layers dilated 1 to 32 over 2,000 samples, leaky ReLU
+``mixer``      MLP-Mixer: 4 x 4 patches, token- and channel-mixing MLPs with LayerNorm and GELU
+``autoencoder`` strided 4 x 4 Convs down, InstanceNorm, strided 4 x 4 ConvTransposes back up, Tanh; mean squared error
+``generator``  DCGAN-style: a Linear to 128 x 4 x 4, three strided 4 x 4 ConvTransposes with BatchNorm to 3 x 32 x 32
 
 ``case(name, batch, folder) -> (onnx path, module, input, labels, loss)`` builds the model with
 fixed weights, exports it with the documented recipe (docs/models.md, "Exporter recipes") into
@@ -194,6 +202,126 @@ def _pixelshuffle() -> nn.Module:
                          nn.PixelShuffle(2))
 
 
+class _ConvNeXtBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = nn.LayerNorm(channels)
+        self.expand = nn.Linear(channels, 4 * channels)
+        self.project = nn.Linear(4 * channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.depthwise(x).permute(0, 2, 3, 1)                     # channels last, as ConvNeXt writes it
+        y = self.project(nn.functional.gelu(self.expand(self.norm(y))))
+        return x + y.permute(0, 3, 1, 2)
+
+
+class _ConvNeXt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 64, 4, stride=4), _ConvNeXtBlock(64), nn.Conv2d(64, 128, 2, stride=2),
+                                  _ConvNeXtBlock(128))
+        self.norm = nn.LayerNorm(128)
+        self.out = nn.Linear(128, 10)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.body(image).mean((2, 3))))
+
+
+def _groupnorm() -> nn.Module:
+    layers: list[nn.Module] = []
+    for inputs, outputs in ((3, 32), (32, 64), (64, 128)):
+        layers += [nn.Conv2d(inputs, outputs, 3, padding=1), nn.GroupNorm(8, outputs), nn.SiLU(),
+                   nn.Conv2d(outputs, outputs, 3, stride=2, padding=1), nn.GroupNorm(8, outputs), nn.SiLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), _Flat(), nn.Linear(128, 10))
+
+
+class _GPT(nn.Module):
+    def __init__(self, vocabulary: int = 2000, width: int = 128, length: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        self.position = nn.Parameter(torch.randn(length, width) * 0.02)
+        self.layers = nn.ModuleList([_encoder(width, 4, 4 * width, 1).layers[0] for _ in range(2)])
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, vocabulary)
+        self.register_buffer("causal", torch.triu(torch.full((length, length), float("-inf")), 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        states = self.embed(ids) + self.position
+        for layer in self.layers:
+            states = layer(states, src_mask=self.causal)
+        return self.out(self.norm(states[:, -1]))                   # the next token after the window
+
+
+class _Dense(nn.Module):
+    def __init__(self, growth: int = 16, layers: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.MaxPool2d(2))
+        self.layers = nn.ModuleList([
+            nn.Sequential(nn.BatchNorm2d(32 + k * growth), nn.ReLU(), nn.Conv2d(32 + k * growth, growth, 3, padding=1))
+            for k in range(layers)])
+        self.out = nn.Linear(32 + layers * growth, 10)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.stem(image)
+        for layer in self.layers:
+            x = torch.cat([x, layer(x)], 1)
+        return self.out(x.mean((2, 3)))
+
+
+class _TCN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Conv1d(1 if k == 0 else 32, 32, 3, dilation=2 ** k, padding=2 ** k)
+                                     for k in range(6)])
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, signal: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            signal = nn.functional.leaky_relu(layer(signal), 0.1)
+        return self.out(signal.amax(2))
+
+
+class _Mixer(nn.Module):
+    def __init__(self, patches: int = 64, width: int = 128, depth: int = 3) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, width, 4, stride=4)
+
+        def mlp(size: int, hidden: int) -> nn.Module:
+            return nn.Sequential(nn.Linear(size, hidden), nn.GELU(), nn.Linear(hidden, size))
+
+        self.tokens = nn.ModuleList([mlp(patches, 2 * patches) for _ in range(depth)])
+        self.channels = nn.ModuleList([mlp(width, 4 * width) for _ in range(depth)])
+        self.norms = nn.ModuleList([nn.LayerNorm(width) for _ in range(2 * depth)])
+        self.out = nn.Linear(width, 10)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.patch(image).flatten(2).transpose(1, 2)
+        for k, (tokens, channels) in enumerate(zip(self.tokens, self.channels)):
+            x = x + tokens(self.norms[2 * k](x).transpose(1, 2)).transpose(1, 2)
+            x = x + channels(self.norms[2 * k + 1](x))
+        return self.out(x.mean(1))
+
+
+def _autoencoder() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 32, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(32, 64, 4, 2, 1),
+                         nn.InstanceNorm2d(64, affine=True), nn.LeakyReLU(0.2),
+                         nn.ConvTranspose2d(64, 32, 4, 2, 1), nn.ReLU(), nn.ConvTranspose2d(32, 3, 4, 2, 1), nn.Tanh())
+
+
+class _Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = nn.Linear(100, 128 * 4 * 4)
+        self.body = nn.Sequential(
+            nn.BatchNorm2d(128), nn.ReLU(), nn.ConvTranspose2d(128, 64, 4, 2, 1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.ConvTranspose2d(64, 32, 4, 2, 1), nn.BatchNorm2d(32), nn.ReLU(), nn.ConvTranspose2d(32, 3, 4, 2, 1),
+            nn.Tanh())
+
+    def forward(self, noise: torch.Tensor) -> torch.Tensor:
+        return self.body(self.project(noise).view(-1, 128, 4, 4))
+
+
 def _images(batch: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(batch, 3, 32, 32, generator=generator)
 
@@ -216,6 +344,14 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "effnet": (_effnet, _images, "cross_entropy"),
     "bilstm": (_BiLSTM, _tokens(1000, 40), "cross_entropy"),
     "pixelshuffle": (_pixelshuffle, _images, "mse"),
+    "convnext": (_ConvNeXt, _images, "cross_entropy"),
+    "groupnorm": (_groupnorm, _images, "cross_entropy"),
+    "gpt": (_GPT, _tokens(2000, 64), "cross_entropy"),
+    "densenet": (_Dense, _images, "cross_entropy"),
+    "tcn": (_TCN, lambda batch, generator: torch.randn(batch, 1, 2000, generator=generator), "cross_entropy"),
+    "mixer": (_Mixer, _images, "cross_entropy"),
+    "autoencoder": (_autoencoder, _images, "mse"),
+    "generator": (_Generator, lambda batch, generator: torch.randn(batch, 100, generator=generator), "mse"),
 }
 
 

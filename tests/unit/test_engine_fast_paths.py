@@ -574,6 +574,39 @@ def _with_and_without(graph: onnx.GraphProto, tmp_path: Path, monkeypatch: pytes
     return engine, plain
 
 
+def test_the_cpu_sessions_copy_keeps_no_initializer_nothing_reads(tmp_path: Path) -> None:
+    """The CPU rewrites replace nodes (a BatchNorm adjoint's per-channel arithmetic) whose shape constants then
+    go unread; onnxruntime would log a warning for each one every time a session opens (forty for ResNet-18),
+    so the copy is pruned."""
+    rng = np.random.default_rng(24)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["y", "new_mean", "new_var"],
+                              training_mode=1),
+             helper.make_node("Relu", ["y"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["z"], pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(
+        nodes, "norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16, 16, 16])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 16, 16, 16])],
+        [numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32), "w2"),
+         numpy_helper.from_array(np.ones(16, np.float32), "gamma"),
+         numpy_helper.from_array(np.zeros(16, np.float32), "beta"),
+         numpy_helper.from_array(np.zeros(16, np.float32), "mean"),
+         numpy_helper.from_array(np.ones(16, np.float32), "var")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.save(model, tmp_path / "model.onnx")
+    engine = GradientEngine(tmp_path / "model.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+    cpu = engine._for_placement(engine._graph.model)
+    assert cpu is not engine._graph.model      # rewritten for the CPU
+    read = {name for node in cpu.graph.node for name in node.input} | {value.name for value in cpu.graph.output}
+    assert [tensor.name for tensor in cpu.graph.initializer if tensor.name not in read] == []
+    batch = {"x": rng.standard_normal((4, 16, 16, 16)).astype(np.float32),
+             "labels": rng.standard_normal((4, 16, 16, 16)).astype(np.float32)}
+    loss, gradients = engine.gradients({**engine.parameters(), **engine.state()}, batch)
+    assert np.isfinite(loss) and {"w", "w2", "gamma", "beta"} <= set(gradients)
+
+
 @pytest.mark.parametrize("mode, block", [("CRD", 2), ("DCR", 2), ("CRD", 3), ("DCR", 3)])
 def test_a_depth_to_space_becomes_one_col2im_on_the_cpu(mode: str, block: int) -> None:
     rng = np.random.default_rng(15)

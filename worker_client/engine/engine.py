@@ -41,6 +41,7 @@ from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.rewrites.affine import channel_affines
 from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im, small_transposed_convs_as_col2im
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
+from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.session import open_session, placement, run_bound
 from worker_client.engine.sparse import SparsePlan, declared_dynamic_tables, find_sparse_tables, rewrite_sparse
 from worker_client.engine.support import warn_caller
@@ -242,7 +243,10 @@ class GradientEngine:
         changed += channel_affines(cpu, self._threads[0])
         if block and "Conv" in ops:
             changed += block_convs(cpu, block)
-        return cpu if changed else model
+        if not changed:
+            return model
+        prune(cpu)   # the shape constants of the nodes replaced: onnxruntime logs a warning for each unread one
+        return cpu
 
     def _gradient_graph(self, loss: LossSpec) -> GradientGraph:
         """The stages that turn the lifted model into the gradient model, in order (run

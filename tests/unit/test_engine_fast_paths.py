@@ -3,6 +3,7 @@ kernels, and Dropout masks drawn and fed over the keep rate."""
 
 from __future__ import annotations
 
+import itertools
 import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -660,16 +661,19 @@ def test_a_trainable_strided_transposed_conv_runs_col2im_on_the_cpu_and_its_grad
 ])
 def test_a_trained_strided_transposed_conv_whose_phases_do_not_gain_is_computed_whole_after_differentiation(
         tmp_path: Path, monkeypatch, side: int, restored_as: str) -> None:
-    """A decoder's last layer (4 x 4 kernel at stride 2, to 3 channels) with a trainable weight: split into phase
-    Convs for onnx-ad, then its forward value computed by the ConvTranspose again (`restore_transposed_convs`);
-    no phase Conv is left, the metadata that carried it is gone, and the gradients are those of the phases."""
+    """A decoder's last layer (4 x 4 kernel at stride 2, to 3 channels) whose weight is computed from a trainable
+    one (so its adjoint cannot be written from a detached input): split into phase Convs for onnx-ad, then its
+    forward value computed by the ConvTranspose again (`restore_transposed_convs`); no phase Conv is left, the
+    metadata that carried it is gone, and the gradients are those of the phases."""
     rng = np.random.default_rng(23)
-    nodes = [helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], strides=[2, 2], pads=[1, 1, 1, 1])]
+    nodes = [helper.make_node("Mul", ["w", "two"], ["w2"]),
+             helper.make_node("ConvTranspose", ["x", "w2", "b"], ["y"], strides=[2, 2], pads=[1, 1, 1, 1])]
     graph = helper.make_graph(
         nodes, "decode", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, side, side])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3, 2 * side, 2 * side])],
         [numpy_helper.from_array(rng.standard_normal((8, 3, 4, 4)).astype(np.float32), "w"),
-         numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "b")])
+         numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "b"),
+         numpy_helper.from_array(np.array(2, np.float32), "two")])
     batch = {"x": rng.standard_normal((4, 8, side, side)).astype(np.float32),
              "labels": rng.standard_normal((4, 3, 2 * side, 2 * side)).astype(np.float32)}
     engine, plain = _with_and_without(graph, tmp_path, monkeypatch, rewrites, "restore_transposed_convs")
@@ -685,6 +689,61 @@ def test_a_trained_strided_transposed_conv_whose_phases_do_not_gain_is_computed_
     assert loss == pytest.approx(plain_loss, rel=1e-6)
     for name in ("w", "b"):
         np.testing.assert_allclose(gradients[name], plain_gradients[name], rtol=1e-4, atol=1e-5)
+
+
+def _transposed_conv_weight_gradient(x: np.ndarray, dy: np.ndarray, kernel: list[int], stride: int,
+                                     pads: list[int]) -> np.ndarray:
+    """dW[c, o, a, b] = sum over n, i, j of x[n, c, i, j] * dY[n, o, s * i + a - pad, s * j + b - pad] (numpy)."""
+    batch, channels, height, width = x.shape
+    grad = np.zeros((channels, dy.shape[1], *kernel))
+    for a, b, i, j in itertools.product(range(kernel[0]), range(kernel[1]), range(height), range(width)):
+        row, column = stride * i + a - pads[0], stride * j + b - pads[1]
+        if 0 <= row < dy.shape[2] and 0 <= column < dy.shape[3]:
+            grad[:, :, a, b] += x[:, :, i, j].T.astype(np.float64) @ dy[:, :, row, column]
+    return grad
+
+
+@pytest.mark.parametrize("side, kernel, stride, attributes", [
+    (4, 4, 2, {"pads": [1, 1, 1, 1]}),                               # a DCGAN generator's upsampling
+    (8, 4, 2, {"pads": [1, 1, 1, 1]}),
+    (5, 3, 2, {"pads": [1, 1, 1, 1], "output_padding": [1, 1]}),    # a ResNet-style decoder's
+    (3, 3, 3, {"pads": [0, 1, 2, 0]}),                               # stride 3, uneven pads
+    (4, 2, 2, {}),                                                   # kernel = stride
+])
+def test_a_trained_strided_transposed_conv_keeps_its_op_and_gets_its_weight_adjoint_from_the_engine(
+        tmp_path: Path, side: int, kernel: int, stride: int, attributes: dict) -> None:
+    """A strided ConvTranspose whose weight trains is detached from onnx-ad (which has no weight adjoint for it)
+    and keeps its own op; its weight gradient is written from its input and its output's adjoint by phase
+    planes and one GEMM (`grouped._transposed_weight_adjoint`). Against the definition, in numpy."""
+    rng = np.random.default_rng(25)
+    x_shape, w_shape = [4, 6, side, side], [6, 3, kernel, kernel]
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], strides=[stride, stride], **attributes)
+    probe = _model([node], {"x": x_shape, "w": w_shape, "b": [3]}, ["y"])
+    weight = rng.standard_normal(w_shape).astype(np.float32)
+    bias = rng.standard_normal(3).astype(np.float32)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    y_shape = list(_run(probe, {"x": x, "w": weight, "b": bias})[0].shape)
+    graph = helper.make_graph(
+        [node], "decode", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", *x_shape[1:]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", *y_shape[1:]])],
+        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.save(model, tmp_path / "model.onnx")
+    engine = GradientEngine(tmp_path / "model.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+    cached = engine._graph.model
+    ops = [n.op_type for n in cached.graph.node]
+    assert ops.count("ConvTranspose") == 1 and "SpaceToDepth" in ops and ops.count("Gemm") == 1, ops
+    assert not [v for v in cached.graph.input if v.name.startswith(("grouped_conv_", "batch_norm_stand_in"))]
+    labels = rng.standard_normal([4, *y_shape[1:]]).astype(np.float32)
+    loss, gradients = engine.gradients(engine.parameters(), {"x": x, "labels": labels})
+    y = _run(probe, {"x": x, "w": weight, "b": bias})[0].astype(np.float64)
+    dy = 2 * (y - labels) / y.size
+    assert loss == pytest.approx(float(np.mean((y - labels) ** 2)), rel=1e-5)
+    pads = attributes.get("pads", [0, 0, 0, 0])
+    expected = _transposed_conv_weight_gradient(x, dy, [kernel, kernel], stride, pads)
+    np.testing.assert_allclose(gradients["w"], expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(gradients["b"], dy.sum(axis=(0, 2, 3)), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("x, kernel, pads, strided", [

@@ -35,9 +35,11 @@ ENGINE_FORMS = {
                           "(training_mode.py)",
     "Dropout": "reverse rule (inference form); training mode rewritten to a fed mask "
                "(training_mode.py)",
-    "ConvTranspose": "reverse rule for its input; with a trainable weight, first rewritten as "
-                     "Convs with the kernel swapped and reversed, one per group and output "
-                     "phase (rewrites/transposed.py)",
+    "ConvTranspose": "reverse rule for its input; with a trainable weight, a strided 2-D one "
+                     "(ungrouped, undilated, equal strides) keeps its op and the engine writes its "
+                     "weight adjoint (rewrites/grouped.py); any other first rewritten as Convs with "
+                     "the kernel swapped and reversed, one per group and output phase "
+                     "(rewrites/transposed.py)",
     "Slice": "reverse rule; with a step other than 1, first rewritten as a step-1 Slice, a "
              "Reshape and a column (a negative step: a Gather) (rewrites/indexing.py)",
     "Pad": "reverse rule (constant mode, pads of 0 or more); edge, reflect and wrap first "

@@ -8,9 +8,9 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
 - `transposed`: ConvTransposes with a trainable weight as Convs with the kernel swapped and
   reversed (on the forward graph: onnx-ad has no weight adjoint for ConvTranspose), and, after
   differentiation, the forward value of those whose phase Convs are the slower as the ConvTranspose again;
-- `grouped`: grouped and depthwise Convs whose weight trains keep their kernel, their weight
-  detached from onnx-ad (on the forward graph) and its adjoint written by the engine after
-  differentiation (onnx-ad has no weight adjoint for group > 1); one whose weight is computed in
+- `grouped`: grouped and depthwise Convs, and strided ConvTransposes, whose weight trains keep their
+  kernel, their weight detached from onnx-ad (on the forward graph) and its adjoint written by the
+  engine after differentiation (onnx-ad has no weight adjoint for either); one whose weight is computed in
   the graph, as a batched MatMul over the kernel windows;
 - `indexing`: Slices with a step other than 1 and Pads in mode edge, reflect or wrap as
   step-1 Slices, Reshapes and Gathers (on the forward graph, after the two above, which write
@@ -130,8 +130,8 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     changed += split_constant_sequences(model)
     changed += explicit_auto_pads(model)
     changed += explicit_transposed_conv_pads(model, adjoints=False)
+    changed += detach_grouped_weights(model)   # first: a strided ConvTranspose it detaches keeps its own op
     changed += convolve_trained_transposed_convs(model)
-    changed += detach_grouped_weights(model)
     changed += detach_batch_norm_statistics(model)
     changed += expand_grouped_convs(model)
     changed += index_without_steps_or_copying_pads(model)

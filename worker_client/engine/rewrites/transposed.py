@@ -1,5 +1,9 @@
 """Rewrite of the forward graph, before differentiation: transposed convolutions whose weight trains, as Convs.
 
+(A strided 2-D one whose weight is a graph input is detached before this pass and keeps its op:
+grouped.py writes its weight adjoint. What is left here: unit strides, a computed weight, groups,
+unequal strides, dilations.)
+
 onnx-ad differentiates a ConvTranspose with respect to its input only ("not differentiated
 with respect to its weight"), so a decoder, an autoencoder or a GAN generator exported from
 torch's `ConvTranspose2d` could not train. A transposed convolution is a convolution of its
@@ -32,6 +36,7 @@ from worker_client.engine.rewrites.conv import (
     phases_gain,
     split_strided_transposed_convs,
 )
+from worker_client.engine.rewrites.grouped import DETACHED_PREFIX
 from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, rebuild, static_shapes
 
 __all__ = ["RESTORED_KEY", "convolve_trained_transposed_convs", "restore_transposed_convs"]
@@ -51,8 +56,8 @@ def convolve_trained_transposed_convs(model: onnx.ModelProto) -> int:
     """Rewrite every ConvTranspose whose weight is not a constant as Convs, in place (module docstring).
     Returns the number rewritten."""
     fixed = constants(model)
-    trained = {node.output[0] for node in model.graph.node
-               if node.op_type == "ConvTranspose" and node.input[1] not in fixed}
+    trained = {node.output[0] for node in model.graph.node if node.op_type == "ConvTranspose" and
+               node.input[1] not in fixed and not node.input[1].startswith(DETACHED_PREFIX)}
     if not trained:
         return 0
     _split_biases(model, trained)

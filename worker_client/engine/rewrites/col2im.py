@@ -18,8 +18,8 @@ images' positions by the kernel as it is -- [N * h * w, O] @ [O, C * kh * kw] --
 [N, C * kh * kw, h * w] and folded back by one Col2Im: [32, 512, 4, 4] by [512, 512, 3, 3] 14.5 -> 11.9
 ms at one thread ([32, 256, 8, 8], 64 positions: 11.3 -> 14.7, so not there). A kernel of one tap keeps
 the flip: it has nothing to reverse, and its Conv costs no more. A strided one over such a map -- a
-downsampling Conv's input adjoint, a decoder's upsampling whose forward value `transposed.restore_transposed_convs`
-computes whole -- is the same GEMM and a Col2Im at that stride (output padding the rows no block reaches),
+downsampling Conv's input adjoint, a decoder's trained upsampling, which keeps its op (grouped.py,
+transposed.py) -- is the same GEMM and a Col2Im at that stride (output padding the rows no block reaches),
 where onnxruntime's ConvTranspose makes one GEMM of 16 columns per image and the phase Convs one per phase:
 [32, 512, 4, 4] by [512, 256, 3, 3] at stride 2, 12.2 ms as a ConvTranspose, 12.9 as phases, 6.5 so (two
 threads 7.0, 13.2, 4.5); [32, 128, 4, 4] by [128, 64, 4, 4], 1.65, 1.59, 0.83. Equal to float32 rounding

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.nchwc import INPUT_CHANNEL_STEP, MAX_PADDED_WORK, MIN_POSITIONS
+from worker_client.engine.rewrites.nchwc import blocked_shape
 from worker_client.engine.rewrites.toolkit import Emitter, auto_pads, constants, shapes_and_types, static_shapes
 
 __all__ = ["assign_unique_scatters", "explicit_auto_pads", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
@@ -609,9 +609,6 @@ def phases_gain(model: onnx.ModelProto) -> Callable[[onnx.NodeProto], bool]:
     its stride (one 1 x 1 Conv, `_block_conv`) and maps of one or three axes are always split, as before."""
     shapes = static_shapes(model)
 
-    def padded(channels: int) -> int:
-        return -(-channels // _WIDEST_BLOCK) * _WIDEST_BLOCK
-
     def gain(node: onnx.NodeProto) -> bool:
         x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
         if x is None or w is None or len(x) != 4 or len(w) != 4:
@@ -619,10 +616,8 @@ def phases_gain(model: onnx.ModelProto) -> Callable[[onnx.NodeProto], bool]:
         attributes = _attributes(node)
         if list(attributes.get("strides", [1, 1])) == list(w[2:]) and not any(attributes.get("pads", [0])):
             return True
-        inputs, outputs = w[0], w[1]
-        blocked = inputs % INPUT_CHANNEL_STEP == 0 and x[2] * x[3] >= MIN_POSITIONS and \
-            padded(inputs) * padded(outputs) <= MAX_PADDED_WORK * inputs * outputs
-        return blocked or outputs > inputs
+        inputs, outputs = w[0], w[1]   # the phase Convs': the ConvTranspose's, over about its input's positions
+        return blocked_shape(inputs, outputs, x[2] * x[3], _WIDEST_BLOCK) or outputs > inputs
 
     return gain
 

@@ -30,7 +30,7 @@ from onnx import helper, numpy_helper
 
 from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
 
-__all__ = ["INPUT_CHANNEL_STEP", "MAX_PADDED_WORK", "MIN_POSITIONS", "NCHWC_DOMAIN", "block_convs", "nchwc_block_size"]
+__all__ = ["MIN_POSITIONS", "NCHWC_DOMAIN", "block_convs", "blocked_shape", "nchwc_block_size"]
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,10 @@ MIN_POSITIONS = 16 * 16
 _FILTER_ORDER = [0, 2, 4, 5, 3, 1]
 _BIAS = 2
 #: onnxruntime's ReorderInput takes channels in multiples of 4, padding them to the block with zeros.
-INPUT_CHANNEL_STEP = 4
+_INPUT_CHANNEL_STEP = 4
 #: The most multiply-adds a Conv padded to whole blocks may do, against its own: 32 -> 12 channels at 32 x 32
 #: (16 computed, 4/3 the work) took 1.81 ms where the plain Conv took 2.65; 12 -> 32, 1.41 against 1.53.
-MAX_PADDED_WORK = 4 / 3
+_MAX_PADDED_WORK = 4 / 3
 
 
 def _blocked_filter(weight: np.ndarray, block: int) -> np.ndarray:
@@ -99,7 +99,7 @@ def block_convs(model: onnx.ModelProto, block: int) -> int:
     and whose kernel has more than one tap: ungrouped ones whose output has at least MIN_POSITIONS positions
     and whose input channels are a multiple of 4 -- channels that are not a multiple of `block` are padded
     to it with zero filters (the activation's by ReorderInput, the output cut back by ReorderOutput), where
-    that adds at most a third to the work (MAX_PADDED_WORK) --, and depthwise ones (one filter per
+    that adds at most a third to the work (_MAX_PADDED_WORK) --, and depthwise ones (one filter per
     channel) whose channels are a multiple of `block`, at any size -- on [32, C, H, H] at one thread the
     blocked depthwise kernel took 1.05 / 1.19 / 0.59 / 0.32 ms where the plain Conv took 3.97 / 5.76 /
     4.96 / 5.31 (C, H = 32, 32 / 128, 16 / 256, 8 / 512, 4). A 1-D Conv is the same Conv over a map of
@@ -127,6 +127,20 @@ def block_convs(model: onnx.ModelProto, block: int) -> int:
     return count
 
 
+def _padded(channels: int, block: int) -> int:
+    """`channels` rounded up to whole blocks."""
+    return -(-channels // block) * block
+
+
+def blocked_shape(inputs: int, outputs: int, positions: int, block: int) -> bool:
+    """Whether an ungrouped Conv of `inputs` to `outputs` channels over `positions` output positions (and a kernel
+    of more than one tap) gains on the blocked kernels with channel blocks of `block` (`block_convs`): input
+    channels in ReorderInput's steps of 4, at least MIN_POSITIONS positions, and channels padded to whole
+    blocks adding at most a third to the work."""
+    return inputs % _INPUT_CHANNEL_STEP == 0 and positions >= MIN_POSITIONS and \
+        _padded(outputs, block) * _padded(inputs, block) <= _MAX_PADDED_WORK * outputs * inputs
+
+
 def _blocked(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], fixed: set[str], block: int,
              emit: Emitter) -> list[onnx.NodeProto] | None:
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or node.input[1] in fixed:
@@ -147,9 +161,8 @@ def _blocked(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], fixed: se
     if depthwise and out % block:
         return None
     # channels padded up to whole blocks with zero filters (ReorderInput pads the activation's, in fours)
-    out_p, inp_p = (-(-out // block) * block, inp if depthwise else -(-inp // block) * block)
-    if not depthwise and (inp % INPUT_CHANNEL_STEP or x[1] != inp or y[2] * y[3] < MIN_POSITIONS
-                          or out_p * inp_p > MAX_PADDED_WORK * out * inp):
+    out_p, inp_p = (_padded(out, block), inp if depthwise else _padded(inp, block))
+    if not depthwise and (x[1] != inp or not blocked_shape(inp, out, y[2] * y[3], block)):
         return None
     unblocked, filter_, blocked_x, blocked_y = emit.name(), emit.name(), emit.name(), emit.name()
     ordered = emit.name()

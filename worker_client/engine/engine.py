@@ -224,10 +224,9 @@ class GradientEngine:
     def _for_placement(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """A model as this placement's session runs it (the gradient, forward or evaluation model): on the CPU,
         with the Convs that gain on onnxruntime's channel-blocked kernels moved there (rewrites/nchwc.py; only
-        Convs of static shapes), DepthToSpace and unit-stride ConvTransposes over small maps as Col2Im
-        (rewrites/col2im.py) and per-channel scales and shifts
-        as BatchNormalization (rewrites/affine.py); a copy, so the cached gradient graph is left
-        device-neutral."""
+        Convs of static shapes), DepthToSpace and ConvTransposes over small maps, strided or not, as Col2Im
+        (rewrites/col2im.py) and per-channel scales and shifts as BatchNormalization (rewrites/affine.py), then
+        pruned; a copy, so the cached gradient graph is left device-neutral."""
         if self._placement.cuda_index is not None:
             return model
         block = nchwc_block_size()

@@ -54,6 +54,14 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarra
     return session.run(None, feeds)
 
 
+def _saved(graph: onnx.GraphProto, path: Path) -> Path:
+    """`graph` as a model of OPSET written to `path`, for a GradientEngine to load."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.save(model, path)
+    return path
+
+
 def _rewritten_agrees(model: onnx.ModelProto, rewrite: Callable[[onnx.ModelProto], int],
                       feeds: dict[str, np.ndarray]) -> tuple[int, onnx.ModelProto]:
     """Apply `rewrite` to a copy of `model`; assert the outputs are unchanged."""
@@ -355,10 +363,7 @@ def _dropout_engine(tmp_path: Path, ratio: float, *, seed: int = 0) -> GradientE
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1])],
         initializer=[numpy_helper.from_array(np.full(4096, 0.5, np.float32), "w"),
                      numpy_helper.from_array(np.array([1], np.int64), "axes")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    path = tmp_path / f"dropout_{ratio}.onnx"
-    onnx.save(model, path)
+    path = _saved(graph, tmp_path / f"dropout_{ratio}.onnx")
     return GradientEngine(path, batch_size=8, loss="mse", seed=seed, cache_dir=tmp_path)
 
 
@@ -521,10 +526,7 @@ def _cnn_engine(tmp_path: Path) -> GradientEngine:
         "cnn", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 16, 16, 16])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
         [numpy_helper.from_array(v, n) for n, v in weights.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    onnx.save(model, tmp_path / "cnn.onnx")
-    return GradientEngine(tmp_path / "cnn.onnx", batch_size=4, intra_op_threads=1, cache_dir=tmp_path)
+    return GradientEngine(_saved(graph, tmp_path / "cnn.onnx"), batch_size=4, intra_op_threads=1, cache_dir=tmp_path)
 
 
 @needs_blocked_kernels
@@ -564,10 +566,7 @@ def _with_and_without(graph: onnx.GraphProto, tmp_path: Path, monkeypatch: pytes
                       rewrite: str, nothing: object = 0) -> tuple[GradientEngine, GradientEngine]:
     """The engine (batch 4, mse) of `graph` as built, and built with `module.<rewrite>` doing nothing (returning
     `nothing`)."""
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    path = tmp_path / "model.onnx"
-    onnx.save(model, path)
+    path = _saved(graph, tmp_path / "model.onnx")
     engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "with")
     with monkeypatch.context() as patched:
         patched.setattr(module, rewrite, lambda *args, **kwargs: nothing)
@@ -594,10 +593,8 @@ def test_the_cpu_sessions_copy_keeps_no_initializer_nothing_reads(tmp_path: Path
          numpy_helper.from_array(np.zeros(16, np.float32), "beta"),
          numpy_helper.from_array(np.zeros(16, np.float32), "mean"),
          numpy_helper.from_array(np.ones(16, np.float32), "var")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    onnx.save(model, tmp_path / "model.onnx")
-    engine = GradientEngine(tmp_path / "model.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+    engine = GradientEngine(_saved(graph, tmp_path / "model.onnx"), batch_size=4, loss="mse",
+                            cache_dir=tmp_path / "cache")
     cpu = engine._for_placement(engine._graph.model)
     assert cpu is not engine._graph.model      # rewritten for the CPU
     read = {name for node in cpu.graph.node for name in node.input} | {value.name for value in cpu.graph.output}
@@ -727,10 +724,8 @@ def test_a_trained_strided_transposed_conv_keeps_its_op_and_gets_its_weight_adjo
         [node], "decode", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", *x_shape[1:]])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", *y_shape[1:]])],
         [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    onnx.save(model, tmp_path / "model.onnx")
-    engine = GradientEngine(tmp_path / "model.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+    engine = GradientEngine(_saved(graph, tmp_path / "model.onnx"), batch_size=4, loss="mse",
+                            cache_dir=tmp_path / "cache")
     cached = engine._graph.model
     ops = [n.op_type for n in cached.graph.node]
     assert ops.count("ConvTranspose") == 1 and "SpaceToDepth" in ops and ops.count("Gemm") == 1, ops
@@ -806,13 +801,8 @@ def test_a_convs_input_adjoint_over_a_small_map_stays_a_convtranspose_in_the_cac
         "small", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 4, 4])],
         [helper.make_tensor_value_info("c2", TensorProto.FLOAT, ["batch", 8, 4, 4])],
         [numpy_helper.from_array(v, n) for n, v in weights.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    onnx.save(model, tmp_path / "small.onnx")
-    engine = GradientEngine(tmp_path / "small.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "with")
-    with monkeypatch.context() as patched:
-        patched.setattr(rewrites, "small_map_transposed_conv", lambda model: (lambda node: False))
-        flipped = GradientEngine(tmp_path / "small.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "without")
+    engine, flipped = _with_and_without(graph, tmp_path, monkeypatch, rewrites, "small_map_transposed_conv",
+                                        lambda node: False)   # none picked: every one flipped
     assert "ConvTranspose" in {n.op_type for n in engine._graph.model.graph.node}
     running = [n.op_type for n in engine._for_placement(engine._graph.model).graph.node]
     assert "ConvTranspose" not in running and "Col2Im" in running

@@ -607,6 +607,8 @@ def phases_gain(model: onnx.ModelProto) -> Callable[[onnx.NodeProto], bool]:
     blocked, [32, 128, 16, 16] by [128, 64, 3, 3] 7.6 / 7.6 (two threads 4.6 / 4.0), [32, 32, 16, 16] by [32,
     16, 3, 3] 0.79 / 0.65; more output channels, [32, 64, 8, 8] by [64, 128, 3, 3] 2.5 / 2.2. A kernel that is
     its stride (one 1 x 1 Conv, `_block_conv`) and maps of one or three axes are always split, as before."""
+    if not any(node.op_type == "ConvTranspose" for node in model.graph.node):
+        return lambda node: True     # nothing to choose for: no shape inference
     shapes = static_shapes(model)
 
     def gain(node: onnx.NodeProto) -> bool:

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import worker_client.engine.rewrites as rewrites
 from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
@@ -97,6 +97,25 @@ def test_a_silu_adjoint_is_computed_from_its_output(skip: bool, monkeypatch: pyt
     got, before = _gradients(rewritten, feeds)["x"], _gradients(plain, feeds)["x"]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     np.testing.assert_allclose(got, before, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
+def test_a_silu_of_a_reshaped_value_is_matched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SiLU's input is a Reshape's output (a group norm's value: rewrites/group_norms.py), which onnx-ad's
+    terms read through the Reshape: still the SiLU's adjoint."""
+    model = _weighted_loss(
+        [helper.make_node("Reshape", ["x", "flat"], ["rows"]),
+         helper.make_node("Reshape", ["rows", "square"], ["v"]),
+         helper.make_node("Sigmoid", ["v"], ["s"]),
+         helper.make_node("Mul", ["v", "s"], ["y"])], skip=False,
+        constants=[numpy_helper.from_array(np.array([SHAPE[0], -1], np.int64), "flat"),
+                   numpy_helper.from_array(np.array(SHAPE, np.int64), "square")])
+    feeds = _feeds()
+    plain, _ = _built(model, monkeypatch, rewrite=False)
+    rewritten, count = _built(model, monkeypatch, rewrite=True)
+    assert count == 1
+    assert _passes_of(rewritten) <= _passes_of(plain) - 2
+    np.testing.assert_allclose(_gradients(rewritten, feeds)["x"], _gradients(plain, feeds)["x"], rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_a_gate_of_another_tensor_is_left_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:

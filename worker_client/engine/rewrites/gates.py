@@ -172,7 +172,9 @@ def _silu_terms(node: onnx.NodeProto, silus: dict[str, tuple[str, str]], view: _
             for left, right in (second, second[::-1]):
                 gated = view.split(left)          # dy * x
                 slope = view.split(right)         # s * (1 - s)
-                if gated is None or slope is None or sorted(gated) != sorted([dy, x]) or s not in slope:
+                # x as its source, as `split` gives it: a value reshaped from another (a normalization's
+                # output, rewrites/group_norms.py) is read by onnx-ad through the Reshape's input
+                if gated is None or slope is None or sorted(gated) != sorted([dy, view.source(x)]) or s not in slope:
                     continue
                 complement = slope[1] if slope[0] == s else slope[0]
                 sub = view.producers.get(complement)

@@ -40,6 +40,9 @@ ENGINE_FORMS = {
                      "weight adjoint (rewrites/grouped.py); any other first rewritten as Convs with "
                      "the kernel swapped and reversed, one per group and output phase "
                      "(rewrites/transposed.py)",
+    "InstanceNormalization": "float32 with static shapes: detached from onnx-ad with the per-channel Mul "
+                             "and Add after it, and a GroupNorm's Reshapes around it, and differentiated by "
+                             "the engine in six passes (rewrites/group_norms.py); else reverse rule",
     "Slice": "reverse rule; with a step other than 1, first rewritten as a step-1 Slice, a "
              "Reshape and a column (a negative step: a Gather) (rewrites/indexing.py)",
     "Pad": "reverse rule (constant mode, pads of 0 or more); edge, reflect and wrap first "

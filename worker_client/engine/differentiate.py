@@ -16,6 +16,7 @@ from ps_common.errors import UnsupportedModelError
 from worker_client.engine.exporters import torch_origin
 from worker_client.engine.load import clamp_ir_version
 from worker_client.engine.rewrites.batch_norms import attach_batch_norm_stand_ins
+from worker_client.engine.rewrites.group_norms import attach_group_norm_adjoints, group_norm_probes
 from worker_client.engine.rewrites.grouped import attach_grouped_weight_adjoints, probe_inputs
 from worker_client.engine.support import infer_shapes, node_label
 from worker_client.engine.training_mode import TrainingForms
@@ -105,12 +106,15 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
 
     The weight adjoints onnx-ad does not write (grouped Convs, detached from it by
     rewrites.grouped.detach_grouped_weights) are written here, after its pass, from the
-    gradients of their probes.
+    gradients of their probes; so are the group and instance normalizations'
+    (rewrites.group_norms.detach_group_norms), in place of the adjoints onnx-ad wrote for
+    their zero terms.
     """
     model = infer_shapes(model)
     outputs = [loss_output] if loss_output is not None else list(seeded)
     try:
-        derived = onnx_ad.reverse(model, inputs=list(parameters) + probe_inputs(model), outputs=outputs,
+        derived = onnx_ad.reverse(model, inputs=[*parameters, *probe_inputs(model), *group_norm_probes(model)],
+                                  outputs=outputs,
                                   prefix=GRAD_PREFIX, dim=SEED_DIM, layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
         match = _RULE_MESSAGE.search(str(exc))
@@ -138,6 +142,7 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
             f"between a trainable parameter and the loss. Exclude the parameters upstream "
             f"of it (exclude=[...] patterns) or replace the op.{remedy}") from exc
     attach_grouped_weight_adjoints(derived, GRAD_PREFIX)
+    attach_group_norm_adjoints(derived, GRAD_PREFIX)
     attach_batch_norm_stand_ins(derived)
     if loss_output is None:
         return derived

@@ -99,6 +99,7 @@ from worker_client.engine.rewrites.conv import (
 from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.gate_products import merge_gate_products
 from worker_client.engine.rewrites.gates import gelu_adjoints, silu_adjoints
+from worker_client.engine.rewrites.group_norms import detach_group_norms
 from worker_client.engine.rewrites.grouped import detach_grouped_weights, expand_grouped_convs
 from worker_client.engine.rewrites.indexing import index_without_steps_or_copying_pads
 from worker_client.engine.rewrites.layout import canonicalize_layout_ops, drop_no_op_layout_ops, space_to_depth_transposes
@@ -133,6 +134,7 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     changed += detach_grouped_weights(model)   # first: a strided ConvTranspose it detaches keeps its own op
     changed += convolve_trained_transposed_convs(model)
     changed += detach_batch_norm_statistics(model)
+    changed += detach_group_norms(model)
     changed += expand_grouped_convs(model)
     changed += index_without_steps_or_copying_pads(model)
     changed += drop_idle_ceil_modes(model)

@@ -836,6 +836,7 @@ def test_a_tiling_max_pool_of_any_rank_routes_its_adjoint_without_a_scatter(shap
     from worker_client.engine.rewrites.conv import route_max_pool_adjoints
     from worker_client.engine.rewrites.fold import fold_shape_queries
     from worker_client.engine.rewrites.prune import prune
+    from worker_client.engine.rewrites.toolkit import static_shapes
     pooled = [shape[0], shape[1], *(n // k for n, k in zip(shape[2:], kernel))]
     rng = np.random.default_rng(12)
     nodes = [helper.make_node("Mul", ["x", "w"], ["scaled"], name="scale"),
@@ -852,6 +853,9 @@ def test_a_tiling_max_pool_of_any_rank_routes_its_adjoint_without_a_scatter(shap
     fold_shape_queries(routed)   # as rewrite_adjoints does first
     assert route_max_pool_adjoints(routed) == 1
     assert "ScatterND" not in {n.op_type for n in routed.graph.node}
+    # the nearest upsamples on onnxruntime's fast 4-D Resize (a 5-D one took 15.7 ms where two 4-D ones take 1.2)
+    resized = static_shapes(routed)
+    assert all(len(resized[n.input[0]]) <= 4 for n in routed.graph.node if n.op_type == "Resize")
     prune(routed)   # the windows' maxima are the forward pool's: computed once
     assert [n.name for n in routed.graph.node if n.op_type == "MaxPool" and n.input[0] == "scaled"] == ["pool"]
     feeds = {"x": rng.standard_normal(shape).astype(np.float32), "w": np.array([1.5], np.float32)}

@@ -935,14 +935,10 @@ def _routed_spread(scatter: onnx.NodeProto, x: str, kernel: list[int], y: tuple[
     """The routed adjoint's nodes (route_max_pool_adjoints); `pooled`: the forward's MaxPool of x over the same
     windows, whose output is the windows' maxima (0.6 ms on [32, 32, 2000] not spent again)."""
     area = math.prod(kernel)
-    scales, rank = emit.name(), emit.name()
+    rank = emit.name()
     # k*k - (row-major position in the window): larger for earlier elements, never 0
-    emit.initializers += [
-        onnx.numpy_helper.from_array(np.array([1, 1] + kernel, np.float32), scales),
-        onnx.numpy_helper.from_array(
-            (area - np.arange(area, dtype=np.float32)).reshape([1, 1] + kernel), rank)]
-    nearest: dict[str, Any] = {"mode": "nearest", "coordinate_transformation_mode":
-                               "asymmetric", "nearest_mode": "floor"}
+    emit.initializers.append(onnx.numpy_helper.from_array(
+        (area - np.arange(area, dtype=np.float32)).reshape([1, 1] + kernel), rank))
     window: dict[str, Any] = {"kernel_shape": kernel, "strides": kernel}
     (peak, peak_up, maxima, mask, tiled, typed_rank, candidates, best, best_up, first,
      route, spread, gradient) = (emit.name() for _ in range(13))
@@ -951,21 +947,46 @@ def _routed_spread(scatter: onnx.NodeProto, x: str, kernel: list[int], y: tuple[
     peak = pooled or peak
     return [
         *maxima_nodes,
-        helper.make_node("Resize", [peak, "", scales], [peak_up], name=peak_up, **nearest),
+        *_nearest_upsample(peak, y, kernel, peak_up, emit),
         helper.make_node("Equal", [x, peak_up], [maxima], name=maxima),
         helper.make_node("CastLike", [maxima, x], [mask], name=mask),
         helper.make_node("Tile", [rank, emit.ints([1, 1, *y[2:]])], [tiled], name=tiled),
         helper.make_node("CastLike", [tiled, x], [typed_rank], name=typed_rank),
         helper.make_node("Mul", [mask, typed_rank], [candidates], name=candidates),
         helper.make_node("MaxPool", [candidates], [best], name=best, **window),
-        helper.make_node("Resize", [best, "", scales], [best_up], name=best_up, **nearest),
+        *_nearest_upsample(best, y, kernel, best_up, emit),
         helper.make_node("Equal", [candidates, best_up], [first], name=first),
         helper.make_node("CastLike", [first, x], [route], name=route),
         to_grid,
-        helper.make_node("Resize", [grid, "", scales], [spread], name=spread, **nearest),
+        *_nearest_upsample(grid, y, kernel, spread, emit),
         helper.make_node("Mul", [spread, route], [gradient], name=gradient),
         emit.reshape(gradient, [numel, 1], out=scatter.output[0])[0],
     ]
+
+
+def _nearest_upsample(value: str, shape: tuple[int, ...], kernel: list[int], out: str,
+                      emit: Emitter) -> list[onnx.NodeProto]:
+    """`value` [N, C, *spatial] with each element repeated over a `kernel` block (a nearest upsample by the
+    kernel): one Resize for 1 and 2 spatial axes; for 3 (a Conv3d net's pools), two Resizes over 4-D views --
+    the last two axes, then the first over the rest flattened --, as onnxruntime's Resize has a fast path for
+    4-D tensors only: [32, 16, 8, 8, 8] by 2 x 2 x 2 15.7 -> 1.2 ms at one thread, the same values."""
+    nearest: dict[str, Any] = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
+                               "nearest_mode": "floor"}
+
+    def resize(source: str, scales: list[int], result: str) -> onnx.NodeProto:
+        factors = emit.name()
+        emit.initializers.append(onnx.numpy_helper.from_array(np.array(scales, np.float32), factors))
+        return helper.make_node("Resize", [source, "", factors], [result], name=result, **nearest)
+
+    if len(kernel) != 3:
+        return [resize(value, [1, 1] + kernel, out)]
+    (n, c, depth, height, width), (kd, kh, kw) = shape, kernel
+    planes, planes_name = emit.reshape(value, [n * c, depth, height, width])
+    wide = emit.name()
+    slabs, slabs_name = emit.reshape(wide, [n * c, depth, 1, height * kh * width * kw])
+    deep = emit.name()
+    return [planes, resize(planes_name, [1, 1, kh, kw], wide), slabs, resize(slabs_name, [1, 1, kd, 1], deep),
+            emit.reshape(deep, [n, c, depth * kd, height * kh, width * kw], out=out)[0]]
 
 
 def assign_unique_scatters(model: onnx.ModelProto) -> int:

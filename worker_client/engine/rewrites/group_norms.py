@@ -137,8 +137,6 @@ def _match(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], readers: 
                 shapes.get(back[0].output[0]) == original:
             x, out = before.input[0], back[0].output[0]
             matched.append(back[0])
-    if shapes[x][1] != groups and out == result:
-        return None
     channels, rank = shapes[x][1], len(shapes[x])
     gamma = beta = None
     for op in ("Mul", "Add"):

@@ -25,6 +25,10 @@ others a user brings -- a model the engine was not tuned on is where a slow adjo
 ``mixer``      MLP-Mixer: 4 x 4 patches, token- and channel-mixing MLPs with LayerNorm and GELU
 ``autoencoder`` strided 4 x 4 Convs down, InstanceNorm, strided 4 x 4 ConvTransposes back up, Tanh; mean squared error
 ``generator``  DCGAN-style: a Linear to 128 x 4 x 4, three strided 4 x 4 ConvTransposes with BatchNorm to 3 x 32 x 32
+``conv3d``     volumes (video, medical scans): Conv3d-BatchNorm3d-ReLU, a 2 x 2 x 2 MaxPool3d, 16^3 voxels
+``unet3d``     a 3-D encoder-decoder: a strided Conv3d down, a 2 x 2 x 2 ConvTranspose3d up, a skip; mean squared error
+``llama``      a LLaMA-style decoder: RMSNorm, rotary position embeddings, causal attention, SwiGLU MLPs (d 128)
+``unet_attn``  a diffusion-style UNet: GroupNorm-SiLU residual blocks, self-attention at 8 x 8; mean squared error
 
 ``case(name, batch, folder) -> (onnx path, module, input, labels, loss)`` builds the model with
 fixed weights, exports it with the documented recipe (docs/models.md, "Exporter recipes") into
@@ -322,6 +326,96 @@ class _Generator(nn.Module):
         return self.body(self.project(noise).view(-1, 128, 4, 4))
 
 
+def _conv3d() -> nn.Module:
+    return nn.Sequential(nn.Conv3d(1, 16, 3, padding=1), nn.BatchNorm3d(16), nn.ReLU(), nn.MaxPool3d(2),
+                         nn.Conv3d(16, 32, 3, padding=1), nn.BatchNorm3d(32), nn.ReLU(), nn.AdaptiveAvgPool3d(1),
+                         _Flat(), nn.Linear(32, 10))
+
+
+class _UNet3d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = nn.Sequential(nn.Conv3d(1, 16, 3, padding=1), nn.BatchNorm3d(16), nn.ReLU())
+        self.down = nn.Sequential(nn.Conv3d(16, 32, 3, 2, 1), nn.BatchNorm3d(32), nn.ReLU())
+        self.up = nn.ConvTranspose3d(32, 16, 2, 2)
+        self.out = nn.Conv3d(32, 1, 3, padding=1)
+
+    def forward(self, volume: torch.Tensor) -> torch.Tensor:
+        skip = self.encode(volume)
+        return self.out(torch.cat([self.up(self.down(skip)), skip], 1))
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Llama(nn.Module):
+    def __init__(self, vocabulary: int = 2000, width: int = 128, heads: int = 4, length: int = 64) -> None:
+        super().__init__()
+        self.embed, self.heads, self.head_width = nn.Embedding(vocabulary, width), heads, width // heads
+        self.blocks = nn.ModuleList([nn.ModuleDict({
+            "attention_norm": _RMSNorm(width), "qkv": nn.Linear(width, 3 * width, bias=False),
+            "project": nn.Linear(width, width, bias=False), "mlp_norm": _RMSNorm(width),
+            "gate": nn.Linear(width, 344, bias=False), "up": nn.Linear(width, 344, bias=False),
+            "down": nn.Linear(344, width, bias=False)}) for _ in range(2)])
+        self.norm, self.out = _RMSNorm(width), nn.Linear(width, vocabulary, bias=False)
+        inverse = 1.0 / (10000 ** (torch.arange(0, self.head_width, 2).float() / self.head_width))
+        angles = torch.outer(torch.arange(length).float(), inverse)
+        self.register_buffer("cos", torch.cat((angles, angles), -1).cos())
+        self.register_buffer("sin", torch.cat((angles, angles), -1).sin())
+        self.register_buffer("causal", torch.triu(torch.full((length, length), float("-inf")), 1))
+
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = x.chunk(2, dim=-1)
+        return x * self.cos + torch.cat((-second, first), dim=-1) * self.sin
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        batch, length, width = x.shape
+        for block in self.blocks:
+            q, k, v = block["qkv"](block["attention_norm"](x)).view(
+                batch, length, 3, self.heads, self.head_width).permute(2, 0, 3, 1, 4)
+            scores = self._rotated(q) @ self._rotated(k).transpose(-1, -2) / self.head_width ** 0.5
+            attended = torch.softmax(scores + self.causal, -1) @ v
+            x = x + block["project"](attended.transpose(1, 2).reshape(batch, length, width))
+            h = block["mlp_norm"](x)
+            x = x + block["down"](nn.functional.silu(block["gate"](h)) * block["up"](h))
+        return self.out(self.norm(x)[:, -1])
+
+
+class _UNetAttention(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        def block(channels: int) -> nn.Module:
+            return nn.Sequential(nn.GroupNorm(8, channels), nn.SiLU(), nn.Conv2d(channels, channels, 3, padding=1))
+        self.stem, self.first = nn.Conv2d(3, width, 3, padding=1), block(width)
+        self.down, self.second = nn.Conv2d(width, 2 * width, 3, 2, 1), block(2 * width)
+        self.attention_norm = nn.GroupNorm(8, 2 * width)
+        self.attention = nn.MultiheadAttention(2 * width, 4, batch_first=True)
+        self.up = nn.ConvTranspose2d(2 * width, width, 2, 2)
+        self.out = nn.Sequential(nn.GroupNorm(8, width), nn.SiLU(), nn.Conv2d(width, 3, 3, padding=1))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        h = self.stem(image)
+        h = h + self.first(h)
+        d = self.down(h)
+        d = d + self.second(d)
+        batch, channels, height, width = d.shape
+        tokens = self.attention_norm(d).flatten(2).transpose(1, 2)
+        attended = self.attention(tokens, tokens, tokens, need_weights=False)[0]
+        d = d + attended.transpose(1, 2).reshape(batch, channels, height, width)
+        return self.out(self.up(d) + h)
+
+
+def _volumes(batch: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(batch, 1, 16, 16, 16, generator=generator)
+
+
 def _images(batch: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(batch, 3, 32, 32, generator=generator)
 
@@ -352,6 +446,10 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "mixer": (_Mixer, _images, "cross_entropy"),
     "autoencoder": (_autoencoder, _images, "mse"),
     "generator": (_Generator, lambda batch, generator: torch.randn(batch, 100, generator=generator), "mse"),
+    "conv3d": (_conv3d, _volumes, "cross_entropy"),
+    "unet3d": (_UNet3d, _volumes, "mse"),
+    "llama": (_Llama, _tokens(2000, 64), "cross_entropy"),
+    "unet_attn": (_UNetAttention, _images, "mse"),
 }
 
 

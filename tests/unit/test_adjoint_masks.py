@@ -8,7 +8,9 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
-from worker_client.engine.rewrites.masks import masks_as_products
+from worker_client.engine.rewrites import rewrite_adjoints
+from worker_client.engine.rewrites.masks import masks_as_products, selects_as_products
+from worker_client.engine.rewrites.toolkit import static_shapes
 
 SHAPE = [4, 6]
 
@@ -97,3 +99,54 @@ def test_a_where_between_a_constant_and_zero_is_the_cast_mask_anywhere() -> None
     for chosen, other, dtype in ((2.0, 3.0, np.float32), (1, 0, np.int64), (0.0, 0.0, np.float32),
                                  (np.inf, 0.0, np.float32)):
         assert masks_as_products(_select(chosen, other, dtype), GRAD_PREFIX) == 0
+
+
+def _activations(shape: list[int]) -> onnx.ModelProto:
+    """loss = sum(Elu(PRelu(x, slope) masked by Where(pad, -inf, .) and a Max) * R): an ELU's and a PReLU's
+    slopes, which onnx-ad writes as Wheres of forward values only the gradients read, beside a forward Where of a
+    -inf constant (an attention mask's) that the loss reads."""
+    rng = np.random.default_rng(3)
+    initializers = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), "R"),
+                    numpy_helper.from_array(np.array(-np.inf, np.float32), "minus_inf"),
+                    numpy_helper.from_array(np.array(-1e4, np.float32), "floor")]
+    nodes = [helper.make_node("PRelu", ["x", "slope"], ["p"]),
+             helper.make_node("Elu", ["p"], ["e"], alpha=1.0),
+             helper.make_node("Where", ["pad", "minus_inf", "e"], ["masked"], name="attention_mask"),
+             helper.make_node("Max", ["masked", "floor"], ["kept"]),
+             helper.make_node("Mul", ["kept", "R"], ["weighted"]),
+             helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+                     helper.make_tensor_value_info("slope", TensorProto.FLOAT, [shape[1], 1, 1]),
+                     helper.make_tensor_value_info("pad", TensorProto.BOOL, shape)],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def test_whole_tensor_wheres_only_the_gradients_read_become_products() -> None:
+    """onnxruntime's Where with a whole-tensor branch takes 4-7 ns an element; those the gradients alone read (the
+    ELU's and PReLU's slopes) become casts, products and a sum with the same values, the forward's mask stays."""
+    shape = [4, 8, 32, 32]      # 32,768 elements: at the rewrite's floor
+    model = _activations(shape)
+    derived = rewrite_adjoints(differentiate(model, ["x", "slope"], "loss"))   # as the engine builds it
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(derived)
+    assert selects_as_products(rewritten, GRAD_PREFIX) >= 2       # the ELU's slope, the PReLU's slopes, ...
+    shapes = static_shapes(rewritten)
+    whole = [n.name for n in rewritten.graph.node if n.op_type == "Where"
+             and any(shapes.get(name) == tuple(shape) for name in n.input[1:])]
+    assert whole == ["attention_mask"]                           # the forward's, with its -inf: kept
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(shape).astype(np.float32) * 3
+    x[0, 0, 0, :4] = 0.0                                         # on the PReLU's and ELU's edges
+    feeds = {"x": x, "slope": rng.uniform(0.1, 0.3, (shape[1], 1, 1)).astype(np.float32),
+             "pad": rng.random(shape) < 0.1}
+    names = ["loss", GRAD_PREFIX + "x", GRAD_PREFIX + "slope"]
+    want = ort.InferenceSession(derived.SerializeToString()).run(names, feeds)
+    got = ort.InferenceSession(rewritten.SerializeToString()).run(names, feeds)
+    for new, old in zip(got, want, strict=True):
+        np.testing.assert_array_equal(new, old)
+    small = rewrite_adjoints(differentiate(_activations([2, 8, 4, 4]), ["x", "slope"], "loss"))
+    assert selects_as_products(small, GRAD_PREFIX) == 0           # under the floor: Where is quick there

@@ -15,6 +15,7 @@ from ps_common.errors import UnsupportedModelError
 from worker_client.engine.batch import fix_batch
 from worker_client.engine.cache import cached_or_built, default_cache_dir, entry_path
 from worker_client.engine.differentiate import (
+    GRAD_PREFIX,
     GradientGraph,
     StepResult,
     differentiate,
@@ -40,6 +41,7 @@ from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.rewrites.affine import channel_affines
 from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im, small_transposed_convs_as_col2im
+from worker_client.engine.rewrites.masks import selects_as_products
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
 from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.session import open_session, placement, run_bound
@@ -225,18 +227,20 @@ class GradientEngine:
         """A model as this placement's session runs it (the gradient, forward or evaluation model): on the CPU,
         with the Convs that gain on onnxruntime's channel-blocked kernels moved there (rewrites/nchwc.py; only
         Convs of static shapes), DepthToSpace and ConvTransposes over small maps, strided or not, as Col2Im
-        (rewrites/col2im.py) and per-channel scales and shifts as BatchNormalization (rewrites/affine.py), then
-        pruned; a copy, so the cached gradient graph is left device-neutral."""
+        (rewrites/col2im.py), per-channel scales and shifts as BatchNormalization (rewrites/affine.py) and the
+        gradients' Wheres over whole tensors as products (rewrites/masks.py), then pruned; a copy, so the cached
+        gradient graph is left device-neutral."""
         if self._placement.cuda_index is not None:
             return model
         block = nchwc_block_size()
         ops = {n.op_type for n in model.graph.node}
         if not ops & {"DepthToSpace", "ConvTranspose"} and not (block and "Conv" in ops) and \
-                not ops & {"Mul", "Add", "Sub"}:
+                not ops & {"Mul", "Add", "Sub", "Where"}:
             return model
         cpu = onnx.ModelProto()
         cpu.CopyFrom(model)
         changed = depth_to_space_as_col2im(cpu) + small_transposed_convs_as_col2im(cpu)
+        changed += selects_as_products(cpu, GRAD_PREFIX) if "Where" in ops else 0
         # before the blocked Convs, whose outputs onnx's shape inference cannot follow (their domain is
         # onnxruntime's): the affine pass matches static shapes only
         changed += channel_affines(cpu, self._threads[0])

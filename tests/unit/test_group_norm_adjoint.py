@@ -93,9 +93,8 @@ def _closed_form(feeds: dict[str, np.ndarray], groups: int) -> dict[str, np.ndar
     flat_xhat = xhat.reshape(shape[0], groups, -1)
     dx = (dz - dz.mean(axis=2, keepdims=True) - flat_xhat * (dz * flat_xhat).mean(axis=2, keepdims=True)) / std
     axes = tuple(a for a in range(len(shape)) if a != 1)
-    result = {"x": dx.reshape(shape) + feeds.get("r2", 0.0), "gamma": (dy * xhat).sum(axis=axes),
-              "beta": dy.sum(axis=axes)}
-    return result
+    return {"x": dx.reshape(shape) + feeds.get("r2", 0.0), "gamma": (dy * xhat).sum(axis=axes),
+            "beta": dy.sum(axis=axes)}
 
 
 def _feeds(model: onnx.ModelProto, offset: float = 0.0, seed: int = 5) -> dict[str, np.ndarray]:

@@ -114,8 +114,7 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
     outputs = [loss_output] if loss_output is not None else list(seeded)
     try:
         derived = onnx_ad.reverse(model, inputs=[*parameters, *probe_inputs(model), *group_norm_probes(model)],
-                                  outputs=outputs,
-                                  prefix=GRAD_PREFIX, dim=SEED_DIM, layout="onnx")
+                                  outputs=outputs, prefix=GRAD_PREFIX, dim=SEED_DIM, layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
         match = _RULE_MESSAGE.search(str(exc))
         foreign = [n for n in model.graph.node if n.domain not in ("", "ai.onnx", "ai.onnx.ml")]

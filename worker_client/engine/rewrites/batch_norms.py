@@ -33,7 +33,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, constants, rebuild, reduction_axes, shapes_and_types
+from worker_client.engine.rewrites.toolkit import (Emitter, constants, readers_of, rebuild, reduction_axes,
+                                                   shapes_and_types)
 
 __all__ = ["STAND_IN_PREFIX", "detach_batch_norm_statistics", "attach_batch_norm_stand_ins"]
 
@@ -51,10 +52,7 @@ def detach_batch_norm_statistics(model: onnx.ModelProto) -> int:
     shapes, types = shapes_and_types(model)
     known = constants(model)
     producers = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in dict.fromkeys(node.input):   # a node reading a value twice (c * c) is one reader
-            readers.setdefault(name, []).append(node)
+    readers = readers_of(graph)   # a node reading a value twice (c * c) is one reader
     outputs = {value.name for value in graph.output}
     emit = Emitter(model, "norm_stand_in")
     around: dict[int, tuple[list[onnx.NodeProto], list[onnx.NodeProto]]] = {}   # new nodes before and after, by id

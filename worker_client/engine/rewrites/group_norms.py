@@ -43,8 +43,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from worker_client.engine.rewrites.prune import prune
-from worker_client.engine.rewrites.toolkit import (Emitter, constants, opset_of, rebuild, shapes_and_types,
-                                                   subgraph_reads)
+from worker_client.engine.rewrites.toolkit import (Emitter, constants, drop_values, opset_of, readers_of, rebuild,
+                                                   shapes_and_types, subgraph_reads)
 
 __all__ = ["PROBE_PREFIX", "STAND_IN_PREFIX", "UNITS_KEY", "attach_group_norm_adjoints", "detach_group_norms",
            "group_norm_probes"]
@@ -65,6 +65,26 @@ _FLOAT = onnx.TensorProto.FLOAT
 _Vector = tuple[str, int]
 
 
+class _Writer:
+    """Nodes appended in order, each output a fresh name: what both steps write."""
+
+    def __init__(self, emit: Emitter) -> None:
+        self.emit = emit
+        self.nodes: list[onnx.NodeProto] = []
+
+    def node(self, op: str, inputs: list[str], **attributes: object) -> str:
+        """An `op` node reading `inputs`; its output's name."""
+        name = self.emit.name()
+        self.nodes.append(helper.make_node(op, inputs, [name], name=name, **attributes))
+        return name
+
+    def reshape(self, value: str, target: list[int]) -> str:
+        """`value` reshaped to the static `target`; the result's name."""
+        made, name = self.emit.reshape(value, target)
+        self.nodes.append(made)
+        return name
+
+
 def detach_group_norms(model: onnx.ModelProto) -> int:
     """Each float32 InstanceNormalization of static shapes -- over a Reshape of [N, C, ...] into [N, G, M] and
     back, or over [N, C, ...] itself -- with the per-channel Mul and Add after it, computed from stand-ins and
@@ -77,10 +97,7 @@ def detach_group_norms(model: onnx.ModelProto) -> int:
     shapes, types = shapes_and_types(model)
     known = constants(model)
     producers = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in set(node.input) | subgraph_reads(node):
-            readers.setdefault(name, []).append(node)
+    readers = readers_of(graph)
     outputs = {value.name for value in graph.output}
     emit = Emitter(model, "group_norm")
     units: list[dict] = []
@@ -173,17 +190,8 @@ def _detached(norm: onnx.NodeProto, x: str, groups: int, gamma: _Vector | None, 
     width, spatial = channels // groups, math.prod(shape[2:])
     size = width * spatial
     epsilon = next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5)
-    nodes: list[onnx.NodeProto] = []
-
-    def node(op: str, inputs: list[str], **attributes: object) -> str:
-        name = emit.name()
-        nodes.append(helper.make_node(op, inputs, [name], name=name, **attributes))
-        return name
-
-    def reshape(value: str, target: list[int]) -> str:
-        made, name = emit.reshape(value, target)
-        nodes.append(made)
-        return name
+    write = _Writer(emit)
+    nodes, node, reshape = write.nodes, write.node, write.reshape
 
     def per_channel(value: str, count: int) -> str:   # [count] or broadcastable, as [channels]
         flat = reshape(value, [count])
@@ -343,14 +351,7 @@ def attach_group_norm_adjoints(model: onnx.ModelProto, prefix: str) -> int:
     graph.initializer.extend(emit.initializers)
     gone = {name for unit in units for name in (unit["stand_x"], unit["stand_k"], unit["stand_t"], unit["zero_x"],
                                                  unit["zero_k"], unit["zero_t"], unit["probe"])}
-    gone |= {prefix + unit["probe"] for unit in units}
-    for field in (graph.input, graph.output):
-        values = [value for value in field if value.name not in gone]
-        del field[:]
-        field.extend(values)
-    infos = [info for info in graph.value_info if info.name not in gone and info.name not in renamed]
-    graph.ClearField("value_info")
-    graph.value_info.extend(infos)
+    drop_values(graph, gone | {prefix + unit["probe"] for unit in units}, renamed)
     prune(model)      # the zero terms, onnx-ad's adjoints of the Q's and the reductions that fed the anchors
     return written
 
@@ -362,17 +363,8 @@ def _adjoints(unit: dict, dy: str, wanted: dict[str, bool], emit: Emitter
     batch, channels = shape[0], shape[1]
     width, spatial = channels // groups, math.prod(shape[2:])
     size = width * spatial
-    nodes: list[onnx.NodeProto] = []
-
-    def node(op: str, inputs: list[str], **attributes: object) -> str:
-        name = emit.name()
-        nodes.append(helper.make_node(op, inputs, [name], name=name, **attributes))
-        return name
-
-    def reshape(value: str, target: list[int]) -> str:
-        made, name = emit.reshape(value, target)
-        nodes.append(made)
-        return name
+    write = _Writer(emit)
+    nodes, node, reshape = write.nodes, write.node, write.reshape
 
     def summed(value: str, axis: int, keepdims: int) -> str:
         name = emit.name()

@@ -48,7 +48,8 @@ import math
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import SAME_DATA_OPS, Emitter, auto_pads, constants, opset_of, rebuild, static_shapes
+from worker_client.engine.rewrites.toolkit import (SAME_DATA_OPS, Emitter, auto_pads, constants, drop_values,
+                                                   opset_of, rebuild, static_shapes)
 
 __all__ = ["DETACHED_PREFIX", "PROBE_PREFIX", "attach_grouped_weight_adjoints", "detach_grouped_weights",
            "expand_grouped_convs", "probe_inputs"]
@@ -177,14 +178,7 @@ def attach_grouped_weight_adjoints(model: onnx.ModelProto, prefix: str) -> int:
     graph.ClearField("node")
     graph.node.extend(kept + tail)
     graph.initializer.extend(emit.initializers)
-    gone = probes | stand_ins | {prefix + probe for probe in probes}
-    for field in (graph.input, graph.output):
-        values = [value for value in field if value.name not in gone]
-        del field[:]
-        field.extend(values)
-    infos = [info for info in graph.value_info if info.name not in gone and info.name not in renamed]
-    graph.ClearField("value_info")
-    graph.value_info.extend(infos)
+    drop_values(graph, probes | stand_ins | {prefix + probe for probe in probes}, renamed)
     return sum(len(terms) for terms in contributions.values())
 
 

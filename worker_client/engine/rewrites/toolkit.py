@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "opset_of", "reader_counts",
-           "rebuild", "reduction_axes", "replace_items", "set_attribute", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
+__all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "drop_values", "opset_of",
+           "reader_counts", "readers_of", "rebuild", "reduction_axes", "replace_items", "set_attribute",
+           "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
 #: seed-axis Reshapes, its Expands of a tensor to its own shape, Identities).
@@ -92,6 +93,29 @@ def reader_counts(graph: onnx.GraphProto) -> Counter[str]:
         readers.update(subgraph_reads(node))
     readers.update(value.name for value in graph.output)
     return readers
+
+
+def readers_of(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """The nodes that read each value, each node once however often it reads it (c * c is one reader; a Scan
+    whose body captures the value reads it too)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in dict.fromkeys([*node.input, *sorted(subgraph_reads(node))]):
+            if name:
+                readers.setdefault(name, []).append(node)
+    return readers
+
+
+def drop_values(graph: onnx.GraphProto, gone: set[str], stale: Collection[str] = ()) -> None:
+    """The graph's inputs and outputs named in `gone` removed, and the value_info of those and of `stale` (values
+    renamed or computed otherwise, whose recorded shapes no longer hold); in place."""
+    for field in (graph.input, graph.output):
+        values = [value for value in field if value.name not in gone]
+        del field[:]
+        field.extend(values)
+    infos = [info for info in graph.value_info if info.name not in gone and info.name not in stale]
+    graph.ClearField("value_info")
+    graph.value_info.extend(infos)
 
 
 def constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:

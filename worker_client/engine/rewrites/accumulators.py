@@ -41,6 +41,7 @@ from worker_client.engine.rewrites.scans import (
 from worker_client.engine.rewrites.toolkit import (
     SAME_DATA_OPS,
     Emitter,
+    Writer,
     constants,
     reader_counts,
     shapes_and_types,
@@ -179,17 +180,8 @@ def _hoist(model: onnx.ModelProto, scan: onnx.NodeProto, shapes: dict[str, tuple
                                 outer, direction))
             stacks.setdefault(o.root, {})[direction] = outer
 
-    after: list[onnx.NodeProto] = []
-
-    def node(op: str, inputs: list[str], out: str | None = None, **attributes: object) -> str:
-        out = out or emit.name()
-        after.append(helper.make_node(op, inputs, [out], name=out, **attributes))
-        return out
-
-    def reshape(value: str, shape: list[int], out: str | None = None) -> str:
-        made, out = emit.reshape(value, shape, out)
-        after.append(made)
-        return out
+    write = Writer(emit)
+    after, node, reshape = write.nodes, write.node, write.reshape
 
     def side_by_side(o: _Operand, direction: int, left_side: bool) -> str:
         """The steps of `o` as one matrix: [rows, T * cols] on the left, [T * rows, cols] on the right."""

@@ -43,8 +43,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from worker_client.engine.rewrites.prune import prune
-from worker_client.engine.rewrites.toolkit import (Emitter, constants, drop_values, opset_of, readers_of, rebuild,
-                                                   shapes_and_types, subgraph_reads)
+from worker_client.engine.rewrites.toolkit import (Emitter, Writer, constants, drop_values, opset_of, readers_of,
+                                                   rebuild, shapes_and_types, subgraph_reads)
 
 __all__ = ["PROBE_PREFIX", "STAND_IN_PREFIX", "UNITS_KEY", "attach_group_norm_adjoints", "detach_group_norms",
            "group_norm_probes"]
@@ -63,26 +63,6 @@ _FLOAT = onnx.TensorProto.FLOAT
 
 #: A per-channel vector the unit reads: (its name, its element count: the channels, or 1 for all of them).
 _Vector = tuple[str, int]
-
-
-class _Writer:
-    """Nodes appended in order, each output a fresh name: what both steps write."""
-
-    def __init__(self, emit: Emitter) -> None:
-        self.emit = emit
-        self.nodes: list[onnx.NodeProto] = []
-
-    def node(self, op: str, inputs: list[str], **attributes: object) -> str:
-        """An `op` node reading `inputs`; its output's name."""
-        name = self.emit.name()
-        self.nodes.append(helper.make_node(op, inputs, [name], name=name, **attributes))
-        return name
-
-    def reshape(self, value: str, target: list[int]) -> str:
-        """`value` reshaped to the static `target`; the result's name."""
-        made, name = self.emit.reshape(value, target)
-        self.nodes.append(made)
-        return name
 
 
 def detach_group_norms(model: onnx.ModelProto) -> int:
@@ -190,7 +170,7 @@ def _detached(norm: onnx.NodeProto, x: str, groups: int, gamma: _Vector | None, 
     width, spatial = channels // groups, math.prod(shape[2:])
     size = width * spatial
     epsilon = next((a.f for a in norm.attribute if a.name == "epsilon"), 1e-5)
-    write = _Writer(emit)
+    write = Writer(emit)
     nodes, node, reshape = write.nodes, write.node, write.reshape
 
     def per_channel(value: str, count: int) -> str:   # [count] or broadcastable, as [channels]
@@ -363,7 +343,7 @@ def _adjoints(unit: dict, dy: str, wanted: dict[str, bool], emit: Emitter
     batch, channels = shape[0], shape[1]
     width, spatial = channels // groups, math.prod(shape[2:])
     size = width * spatial
-    write = _Writer(emit)
+    write = Writer(emit)
     nodes, node, reshape = write.nodes, write.node, write.reshape
 
     def summed(value: str, axis: int, keepdims: int) -> str:

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "auto_pads", "constants", "drop_values", "opset_of",
+__all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "Writer", "auto_pads", "constants", "drop_values", "opset_of",
            "reader_counts", "readers_of", "rebuild", "reduction_axes", "replace_items", "set_attribute",
            "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
 
@@ -170,6 +170,27 @@ class Emitter:
         """A Reshape of `value` to the static `shape`, and its output name."""
         out = out or self.name()
         return helper.make_node("Reshape", [value, self.ints(shape)], [out], name=out), out
+
+
+class Writer:
+    """New nodes appended in order, each output a fresh name of `emit` unless given: a rewrite's many small nodes
+    written one call each."""
+
+    def __init__(self, emit: Emitter, nodes: list[onnx.NodeProto] | None = None) -> None:
+        self.emit = emit
+        self.nodes: list[onnx.NodeProto] = [] if nodes is None else nodes
+
+    def node(self, op: str, inputs: list[str], out: str | None = None, **attributes: object) -> str:
+        """An `op` node reading `inputs`; its output's name (`out`, or a fresh one), which names the node too."""
+        out = out or self.emit.name()
+        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attributes))
+        return out
+
+    def reshape(self, value: str, shape: Sequence[int], out: str | None = None) -> str:
+        """`value` reshaped to the static `shape`; the result's name."""
+        made, out = self.emit.reshape(value, shape, out)
+        self.nodes.append(made)
+        return out
 
 
 def auto_pads(mode: bytes | str, size: tuple[int, ...], kernel: list[int], strides: list[int],

@@ -24,7 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, constants, shapes_and_types, subgraph_reads
+from worker_client.engine.rewrites.prune import live
+from worker_client.engine.rewrites.toolkit import Emitter, constants, shapes_and_types
 
 __all__ = ["masks_as_products", "selects_as_products"]
 
@@ -120,7 +121,7 @@ def selects_as_products(model: onnx.ModelProto, prefix: str) -> int:
     graph = model.graph
     shapes, types = shapes_and_types(model)
     fixed = constants(model)
-    forward = _needed(graph, [value.name for value in graph.output if not value.name.startswith(prefix)])
+    forward = live(graph, [value.name for value in graph.output if not value.name.startswith(prefix)])[1]
     emit = Emitter(model, "select")
     nodes: list[onnx.NodeProto] = []
     changed = 0
@@ -146,13 +147,3 @@ def selects_as_products(model: onnx.ModelProto, prefix: str) -> int:
         graph.node.extend(nodes)
         graph.initializer.extend(emit.initializers)
     return changed
-
-
-def _needed(graph: onnx.GraphProto, outputs: list[str]) -> set[str]:
-    """The names of every value `outputs` depend on, themselves included."""
-    needed = set(outputs)
-    for node in reversed(graph.node):
-        if any(name in needed for name in node.output):
-            needed.update(name for name in node.input if name)
-            needed |= subgraph_reads(node)
-    return needed

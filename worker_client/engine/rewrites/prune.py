@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import onnx
 
 from worker_client.engine.rewrites.toolkit import subgraph_reads
 
-__all__ = ["prune"]
+__all__ = ["live", "prune"]
 
 
 def _node_reads(node: onnx.NodeProto) -> set[str]:
     """Every name a node reads, its subgraphs (which may capture outer names) included."""
     return {name for name in node.input if name} | subgraph_reads(node)
+
+
+def live(graph: onnx.GraphProto, outputs: Iterable[str]) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The nodes `outputs` depend on, in the graph's order, and the names of every value they depend on
+    (`outputs` themselves included)."""
+    needed = set(outputs)
+    nodes = []
+    for node in reversed(graph.node):
+        if any(name in needed for name in node.output):
+            nodes.append(node)
+            needed |= _node_reads(node)
+    nodes.reverse()
+    return nodes, needed
 
 
 def prune(model: onnx.ModelProto) -> None:
@@ -21,15 +36,9 @@ def prune(model: onnx.ModelProto) -> None:
     onnxruntime logs a warning for every one of them.
     """
     graph = model.graph
-    needed = {value.name for value in graph.output}
-    live = []
-    for node in reversed(graph.node):
-        if any(name in needed for name in node.output):
-            live.append(node)
-            needed |= _node_reads(node)
-    live.reverse()
+    live_nodes, needed = live(graph, (value.name for value in graph.output))
     graph.ClearField("node")
-    graph.node.extend(live)
+    graph.node.extend(live_nodes)
     kept = [tensor for tensor in graph.initializer if tensor.name in needed]
     graph.ClearField("initializer")
     graph.initializer.extend(kept)

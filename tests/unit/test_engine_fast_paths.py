@@ -14,6 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.helpers.engines import with_and_without
 from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
 from worker_client import GradientEngine
 from worker_client.engine import engine as engine_module
@@ -589,12 +590,8 @@ def _with_and_without(graph: onnx.GraphProto, tmp_path: Path, monkeypatch: pytes
                       rewrite: str, nothing: object = 0) -> tuple[GradientEngine, GradientEngine]:
     """The engine (batch 4, mse) of `graph` as built, and built with `module.<rewrite>` doing nothing (returning
     `nothing`)."""
-    path = _saved(graph, tmp_path / "model.onnx")
-    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "with")
-    with monkeypatch.context() as patched:
-        patched.setattr(module, rewrite, lambda *args, **kwargs: nothing)
-        plain = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "without")
-    return engine, plain
+    return with_and_without(_saved(graph, tmp_path / "model.onnx"), tmp_path, monkeypatch, module, rewrite,
+                            nothing=nothing, batch_size=4, loss="mse")
 
 
 def test_the_cpu_sessions_copy_keeps_no_initializer_nothing_reads(tmp_path: Path) -> None:

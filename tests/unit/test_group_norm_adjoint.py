@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import worker_client.engine.rewrites as rewrites
-from worker_client import GradientEngine
+from tests.helpers.engines import with_and_without
 from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
 from worker_client.engine.rewrites import rewrite_adjoints
 from worker_client.engine.rewrites.group_norms import PROBE_PREFIX, STAND_IN_PREFIX, UNITS_KEY, detach_group_norms
@@ -254,10 +254,8 @@ def test_the_engine_trains_a_group_norm_cnn_as_without_the_rewrite(tmp_path: Pat
     model.ir_version = 9
     path = tmp_path / "gn.onnx"
     onnx.save(model, path)
-    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "with")
-    with monkeypatch.context() as patched:
-        patched.setattr(rewrites, "detach_group_norms", lambda model: 0)
-        plain = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "without")
+    engine, plain = with_and_without(path, tmp_path, monkeypatch, rewrites, "detach_group_norms", batch_size=4,
+                                     loss="mse")
     assert not [n for n in engine._graph.model.graph.node if n.op_type == "InstanceNormalization"]
     assert [n for n in plain._graph.model.graph.node if n.op_type == "InstanceNormalization"]
     for built in (engine, plain):

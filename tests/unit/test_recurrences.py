@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.helpers.engines import with_and_without
 from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
 from worker_client import GradientEngine
 from worker_client.engine import rewrites
@@ -193,10 +194,8 @@ def test_every_direction_of_every_recurrent_op_reuses_its_forward_and_keeps_its_
     model, width = _recurrent_model(op, direction, extra)
     path = tmp_path / "recurrent.onnx"
     onnx.save(model, path)
-    engine = GradientEngine(path, batch_size=3, loss="mse", cache_dir=tmp_path / "with")
-    with monkeypatch.context() as patched:
-        patched.setattr(rewrites, "reuse_forward_values", lambda model: 0)
-        plain = GradientEngine(path, batch_size=3, loss="mse", cache_dir=tmp_path / "without")
+    engine, plain = with_and_without(path, tmp_path, monkeypatch, rewrites, "reuse_forward_values", batch_size=3,
+                                     loss="mse")
 
     def reverse_bodies(built: GradientEngine) -> list[int]:
         return [len(body.node) for body in _scan_bodies(built._graph.model) if "adjoint" in body.name]

@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.helpers.engines import with_and_without
 from worker_client import GradientEngine
 from worker_client.engine import rewrites
 from worker_client.engine.rewrites.layout import drop_no_op_layout_ops
@@ -101,14 +102,8 @@ def test_the_reverse_scan_of_an_lstm_runs_fewer_nodes_per_step_and_its_gradients
     inputs = {k[len("input:"):]: data[k] for k in data.files if k.startswith("input:")}
     inputs["labels"] = data["labels"]
 
-    def build(folder: str) -> GradientEngine:
-        return GradientEngine(FIXTURES / "lstm_reader.onnx", batch_size=len(inputs["labels"]), loss="cross_entropy",
-                              cache_dir=tmp_path / folder)
-
-    engine = build("with")
-    with monkeypatch.context() as patched:
-        patched.setattr(rewrites, "rewrite_scan_bodies", lambda model, passes: 0)
-        plain = build("without")
+    engine, plain = with_and_without(FIXTURES / "lstm_reader.onnx", tmp_path, monkeypatch, rewrites,
+                                     "rewrite_scan_bodies", batch_size=len(inputs["labels"]), loss="cross_entropy")
     sizes, plain_sizes = _body_sizes(engine), _body_sizes(plain)
     assert len(sizes) == len(plain_sizes) >= 2
     assert all(a <= b for a, b in zip(sizes, plain_sizes)) and sum(sizes) < sum(plain_sizes)

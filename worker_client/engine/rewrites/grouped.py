@@ -353,12 +353,9 @@ def _transposed_weight_adjoint(conv: onnx.NodeProto, x: tuple[int, ...], w: tupl
     taps = math.prod(kernel)
     moved, phases, columns, flat, product, split, swapped = (emit.name() for _ in range(7))
     adjoint, adjoint_name = emit.reshape(seeded, [batch, outputs, *y[2:]])
-    nodes = [adjoint, helper.make_node("Transpose", [adjoint_name], [moved], name=moved, perm=[1, 0, 2, 3])]
-    padded = moved
-    if any(begins) or any(ends):
-        padded = emit.name()
-        nodes.append(helper.make_node("Pad", [moved, emit.ints([0, 0, *begins, 0, 0, *ends])], [padded],
-                                      name=padded))
+    padding, padded = _padded(moved, [*begins, *ends], emit)
+    nodes = [adjoint, helper.make_node("Transpose", [adjoint_name], [moved], name=moved, perm=[1, 0, 2, 3]),
+             *padding]
     nodes.append(helper.make_node("SpaceToDepth", [padded], [phases], name=phases, blocksize=stride))
     axes = emit.ints([1, 2, 3])
     windows = []

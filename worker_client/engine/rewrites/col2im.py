@@ -168,11 +168,12 @@ def _col2im_and_bias(node: onnx.NodeProto, columns: str, size: list[int], kernel
     trained decoder's or generator's upsampling: [32, 128, 4, 4] by [128, 64, 4, 4] at stride 2 with a bias
     1.81 ms as a ConvTranspose, the GEMM, the Col2Im and the Add less than half)."""
     bias = node.input[_BIAS] if len(node.input) > _BIAS else ""
-    folded = emit.name() if bias else node.output[0]
-    nodes = [helper.make_node("Col2Im", [columns, emit.ints(size), emit.ints(kernel)], [folded],
-                              name=node.name or node.output[0] if not bias else folded, pads=pads, strides=strides)]
-    if bias:
-        per_channel, shaped = emit.reshape(bias, [1, channels, 1, 1])
-        nodes += [per_channel, helper.make_node("Add", [folded, shaped], [node.output[0]],
-                                                name=node.name or node.output[0])]
-    return nodes
+    name = node.name or node.output[0]
+    if not bias:
+        return [helper.make_node("Col2Im", [columns, emit.ints(size), emit.ints(kernel)], list(node.output),
+                                 name=name, pads=pads, strides=strides)]
+    folded = emit.name()
+    col2im = helper.make_node("Col2Im", [columns, emit.ints(size), emit.ints(kernel)], [folded], name=folded,
+                              pads=pads, strides=strides)
+    per_channel, shaped = emit.reshape(bias, [1, channels, 1, 1])
+    return [col2im, per_channel, helper.make_node("Add", [folded, shaped], [node.output[0]], name=name)]

@@ -71,9 +71,9 @@ def detach_group_norms(model: onnx.ModelProto) -> int:
     given its probe and zero terms (module docstring, step 1); in place. Returns the number detached. Undone by
     `attach_group_norm_adjoints` once the graph is differentiated."""
     opset = opset_of(model)
-    if opset < _REDUCE_SUM_AXES_AS_INPUT:
-        return 0
     graph = model.graph
+    if opset < _REDUCE_SUM_AXES_AS_INPUT or not any(node.op_type == "InstanceNormalization" for node in graph.node):
+        return 0    # no shape inference for the models without one: it runs on every model's build
     shapes, types = shapes_and_types(model)
     known = constants(model)
     producers = {out: node for node in graph.node for out in node.output}

@@ -208,15 +208,20 @@ def gelu_adjoints(model: onnx.ModelProto) -> int:
                     for name in (x, a, square)):
                 continue
             emit = view.emit
+            # x and u * u as their sources: where the GELU's input is a Reshape's output (a group norm's value,
+            # rewrites/group_norms.py) they have the shape it was computed in; the products take the GELU's
+            nodes: list[onnx.NodeProto] = []
+            shape = view.shapes[a]
+            x, square = view.lifted(x, shape, nodes), view.lifted(square, shape, nodes)
             offset, halving, exponent, density, spread, half, slope, gradient = (emit.name() for _ in range(8))
             emit.initializers += [numpy_helper.from_array(np.array(math.log(_DENSITY), np.float32), offset),
                                   numpy_helper.from_array(np.array(0.5, np.float32), halving)]
-            nodes = [helper.make_node("Sub", [offset, square], [exponent], name=exponent),
-                     helper.make_node("Exp", [exponent], [density], name=density),
-                     helper.make_node("Mul", [x, density], [spread], name=spread),
-                     helper.make_node("Mul", [a, halving], [half], name=half),
-                     helper.make_node("Add", [half, spread], [slope], name=slope)]
-            slope = view.lifted(slope, target, nodes, current=view.shapes[x])
+            nodes += [helper.make_node("Sub", [offset, square], [exponent], name=exponent),
+                      helper.make_node("Exp", [exponent], [density], name=density),
+                      helper.make_node("Mul", [x, density], [spread], name=spread),
+                      helper.make_node("Mul", [a, halving], [half], name=half),
+                      helper.make_node("Add", [half, spread], [slope], name=slope)]
+            slope = view.lifted(slope, target, nodes, current=shape)
             nodes.append(helper.make_node("Mul", [dy_operand, slope], [gradient], name=gradient))
             replacements[id(node)] = view.in_place_of(node, terms, nodes, gradient)
             break

@@ -404,6 +404,66 @@ def test_batch_norm_running_statistics_are_not_trainable(tmp_path: Path) -> None
     assert engine.trainable_names == ["scale", "shift"]
 
 
+def _unflattened_batch_norm(path: Path, how: str) -> Path:
+    """x [batch, 12] -> Reshape to [batch, 3, 2, 2] -> training-mode BatchNormalization -> Flatten. `how` writes
+    the Reshape's target shape as torch's nn.Unflatten exports it ("unflatten": a Slice of Shape(x) whose end is
+    integer arithmetic on constants, concatenated with the new axes), as a constant ("constant"), or as a
+    graph input of unknown length ("fed")."""
+    ints = {"start": [0], "one": [1], "zero": [0], "axes": [3, 2, 2]}
+    nodes = []
+    if how == "unflatten":
+        nodes += [helper.make_node("Shape", ["x"], ["shape"]),
+                  helper.make_node("Add", ["zero", "one"], ["end"]),
+                  helper.make_node("Mod", ["end", "two"], ["bounded"]),
+                  helper.make_node("Slice", ["shape", "start", "bounded"], ["batch"]),
+                  helper.make_node("Concat", ["batch", "axes"], ["target"], axis=0)]
+        ints["two"] = [2]
+    elif how == "constant":
+        ints["target"] = [-1, 3, 2, 2]
+    nodes += [helper.make_node("Reshape", ["x", "target"], ["grid"]),
+              helper.make_node("BatchNormalization", ["grid", "scale", "shift", "mean", "var"],
+                               ["normed", "new_mean", "new_var"], name="bn", training_mode=1),
+              helper.make_node("Flatten", ["normed"], ["y"])]
+    fed = [helper.make_tensor_value_info("target", TensorProto.INT64, ["n"])] if how == "fed" else []
+    rng = np.random.default_rng(3)
+    return _save(_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 12]), *fed],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 12])],
+        [*(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in ints.items()),
+         numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "scale"),
+         numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "shift"),
+         numpy_helper.from_array(np.zeros(3, np.float32), "mean"),
+         numpy_helper.from_array(np.ones(3, np.float32), "var")]), path)
+
+
+def test_a_batch_norm_after_an_unflatten_trains_as_after_a_constant_reshape(tmp_path: Path) -> None:
+    """torch's nn.Unflatten computes its target shape with integer arithmetic onnx's shape inference does not
+    evaluate, so the BatchNormalization's input rank was unknown and the model refused: the arithmetic is folded
+    first, and the step is the one of the same model with a constant shape."""
+    rng = np.random.default_rng(4)
+    feeds = {"x": rng.standard_normal((4, 12)).astype(np.float32),
+             "labels": rng.standard_normal((4, 12)).astype(np.float32)}
+    results = []
+    for how in ("unflatten", "constant"):
+        engine = GradientEngine(_unflattened_batch_norm(tmp_path / f"{how}.onnx", how), batch_size=4, loss="mse",
+                                cache_dir=tmp_path / how)
+        results.append(engine.step({**engine.parameters(), **engine.state()}, feeds))
+    unflattened, constant = results
+    assert unflattened.loss == pytest.approx(constant.loss, rel=1e-6)
+    assert set(unflattened.gradients) == set(constant.gradients) == {"scale", "shift"}
+    for name, gradient in constant.gradients.items():
+        np.testing.assert_allclose(unflattened.gradients[name], gradient, rtol=1e-6, atol=1e-7)
+    for name, value in constant.state.items():
+        np.testing.assert_allclose(unflattened.state[name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_a_batch_norm_whose_input_rank_cannot_be_known_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedModelError, match=r"'bn' \(BatchNormalization, training mode\): the rank of "
+                                                    r"its input 'grid' is unknown"):
+        GradientEngine(_unflattened_batch_norm(tmp_path / "fed.onnx", "fed"), batch_size=4, loss="mse",
+                       cache_dir=tmp_path)
+
+
 def test_an_op_without_a_reverse_rule_is_refused_naming_the_node_and_op(
         tmp_path: Path) -> None:
     rois = np.array([[0, 0, 0, 1, 1], [0, 1, 1, 3, 3]], np.float32)

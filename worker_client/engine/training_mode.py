@@ -32,6 +32,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ps_common.errors import UnsupportedModelError
+from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of
 from worker_client.engine.support import infer_shapes, node_label
@@ -140,8 +141,15 @@ def training_form(model: onnx.ModelProto, state: list[str], *, scaled_masks: boo
     docstring), and what was added. `state` names the running-statistics inputs; with
     `scaled_masks` each Dropout's mask input holds mask / (1 - ratio), not the 0/1 mask."""
     result = infer_shapes(model)
-    values = constants(result)
     ranks = _ranks(result)
+    if any(_is_training_batch_norm(node) and node.input[0] not in ranks for node in result.graph.node) and \
+            fold_shape_queries(result):
+        # torch's nn.Unflatten exports its target shape as a Slice of Shape(x) whose bounds are integer arithmetic
+        # on constants (Add, Mod), which onnx's shape inference does not evaluate: the Reshape's rank, and that of
+        # every value after it, is unknown until that arithmetic is folded into constants
+        result = infer_shapes(result)
+        ranks = _ranks(result)
+    values = constants(result)
     forms = TrainingForms()
     emit = Emitter(result, "train_form")
     unbiased = result.producer_name in _UNBIASED_PRODUCERS

@@ -371,3 +371,49 @@ def test_the_torch_origin_of_a_node_inside_a_loop_is_its_loops() -> None:
                                                                   "relu.default](args = (%x,), kwargs = {})")
     assert torch_origin(helper.make_model(helper.make_graph([other], "g", [], [])), "r") == \
         (", from torch's aten.relu.default", "")   # no known remedy: only where it came from
+
+
+def test_constants_written_as_plain_attributes_are_read_as_constants(tmp_path) -> None:
+    """The dynamo exporter writes shapes, Slice bounds and sequence positions as Constants with value_ints (or
+    value_int, value_float(s)) where the legacy exporter writes `value` tensors. The rewrites read them as
+    constants too: a view's shape written so left every shape after it unknown, so a flip after it (a Slice with
+    step -1, which onnx-ad refuses) was not written as a Gather, and the model was refused (a ConvTranspose
+    after a view was not written as Convs either). Here a flip of a view of x @ W trains, its gradient the
+    closed form's."""
+    ints = lambda name, values: helper.make_node("Constant", [], [name], value_ints=values)   # noqa: E731
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="n0"),
+             # x.view(x.shape[0], 5) as the exporter writes it: the batch from Shape(x), the rest a value_ints
+             helper.make_node("Shape", ["x"], ["dims"], start=0, end=1), helper.make_node("Squeeze", ["dims"], ["n"]),
+             ints("one_axis", [-1]), helper.make_node("Reshape", ["n", "one_axis"], ["batch"]), ints("width", [5]),
+             helper.make_node("Concat", ["batch", "width"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["h", "shape"], ["view"]),
+             ints("last", [-1]), ints("ends", [-(2 ** 63)]),
+             helper.make_node("Slice", ["view", "last", "ends", "last", "last"], ["y"], name="node_flip")]
+    rng = np.random.default_rng(6)
+    weight = rng.standard_normal((3, 5)).astype(np.float32)
+    graph = helper.make_graph(nodes, "flip", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5])],
+                              [numpy_helper.from_array(weight, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    path = tmp_path / "flip.onnx"
+    onnx.save(model, path)
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    labels = rng.standard_normal((4, 5)).astype(np.float32)
+    engine = GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+    result = engine.step(engine.parameters(), {"x": x, "labels": labels})
+    flipped = (x @ weight)[:, ::-1]
+    assert result.loss == pytest.approx(float(((flipped - labels) ** 2).mean()), rel=1e-5)
+    expected = x.T @ (2 * (flipped - labels) / labels.size)[:, ::-1]
+    np.testing.assert_allclose(result.gradients["W"], expected, rtol=1e-5, atol=1e-6)
+
+    from worker_client.engine.rewrites.toolkit import constants
+    plain = helper.make_model(helper.make_graph(
+        [ints("a", [2, 3]), helper.make_node("Constant", [], ["b"], value_int=7),
+         helper.make_node("Constant", [], ["c"], value_floats=[0.5, 1.5]),
+         helper.make_node("Constant", [], ["d"], value_float=2.5)], "plain", [], []))
+    values = constants(plain)
+    assert values["a"].dtype == np.int64 and values["a"].tolist() == [2, 3]
+    assert values["b"].dtype == np.int64 and values["b"].shape == () and int(values["b"]) == 7
+    assert values["c"].dtype == np.float32 and values["c"].tolist() == [0.5, 1.5]
+    assert values["d"].dtype == np.float32 and values["d"].shape == () and float(values["d"]) == 2.5

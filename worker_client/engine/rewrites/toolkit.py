@@ -118,14 +118,24 @@ def drop_values(graph: onnx.GraphProto, gone: set[str], stale: Collection[str] =
     graph.value_info.extend(infos)
 
 
+#: A Constant's value given as a plain attribute (torch's dynamo exporter writes shapes, Slice bounds and
+#: positions so, where the legacy exporter writes `value` tensors): its numpy type and rank.
+_PLAIN_CONSTANTS = {"value_int": (np.int64, 0), "value_ints": (np.int64, 1),
+                    "value_float": (np.float32, 0), "value_floats": (np.float32, 1)}
+
+
 def constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Initializers and Constant-node values by name."""
+    """Initializers and Constant-node values by name (a `value` tensor or a value_int(s)/value_float(s))."""
     values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type == "Constant":
             for attribute in node.attribute:
                 if attribute.name == "value":
                     values[node.output[0]] = numpy_helper.to_array(attribute.t)
+                elif attribute.name in _PLAIN_CONSTANTS:
+                    dtype, rank = _PLAIN_CONSTANTS[attribute.name]
+                    values[node.output[0]] = np.array(helper.get_attribute_value(attribute), dtype).reshape(
+                        (-1,) * rank)
     return values
 
 

@@ -67,6 +67,35 @@ def test_the_rule_trains_weights_and_scalars_but_not_epsilons_or_clip_bounds() -
     assert "configuration" in roles["low"].reason
 
 
+def test_a_mask_with_infinite_entries_is_a_constant_and_its_attention_trains_without_it(tmp_path: Path) -> None:
+    """A causal mask torch exports from a registered buffer (-inf above the diagonal) is an initializer like the
+    weights: it is a constant, not trained into a learned bias, while a finite table beside it still trains."""
+    rng = np.random.default_rng(2)
+    mask = np.triu(np.full((4, 4), -np.inf, np.float32), 1)
+    nodes = [helper.make_node("MatMul", ["x", "Wq"], ["q"], name="query"),
+             helper.make_node("Add", ["q", "table"], ["qt"], name="position"),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1], name="keys"),
+             helper.make_node("MatMul", ["qt", "xt"], ["scores"], name="scores"),
+             helper.make_node("Add", ["scores", "causal"], ["masked"], name="mask"),
+             helper.make_node("Softmax", ["masked"], ["weights"], axis=-1, name="softmax"),
+             helper.make_node("MatMul", ["weights", "x"], ["y"], name="attend")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 3])],
+                   [_array("Wq", rng.standard_normal((3, 3))), _array("table", rng.standard_normal((4, 3))),
+                    numpy_helper.from_array(mask, "causal")])
+    roles = classify(model)
+    assert roles["causal"].kind == "constant" and "infinite" in roles["causal"].reason
+    assert roles["Wq"].kind == roles["table"].kind == "parameter"
+    path = tmp_path / "masked.onnx"
+    onnx.save(model, path)
+    engine = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)
+    assert engine.trainable_names == ["Wq", "table"]
+    result = engine.step(engine.parameters(), {"x": rng.standard_normal((2, 4, 3)).astype(np.float32),
+                                               "labels": rng.standard_normal((2, 4, 3)).astype(np.float32)})
+    assert set(result.gradients) == {"Wq", "table"}
+    assert all(np.isfinite(g).all() for g in result.gradients.values())
+
+
 def test_one_element_initializers_of_a_tf2onnx_model_are_constants() -> None:
     roles = classify(_layer_norm_mlp(producer="tf2onnx"))
     assert roles["log_temp"].kind == "constant" and "tf2onnx" in roles["log_temp"].reason

@@ -15,7 +15,7 @@ merges its running statistics with equal-valued parameters (its own weight and b
 first), and the model can only be refused: it would train without that BatchNorm. The same
 optimizer merges other parameters with equal values (`merged_torch_parameters`), drops or
 renames some (`torch_parameters_renamed_or_dropped`), and writes literals as initializers
-(selection.py, rule 4, makes those constants); the engine warns about the first two.
+(selection.py, rule 5, makes those constants); the engine warns about the first two.
 """
 
 from __future__ import annotations

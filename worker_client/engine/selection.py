@@ -12,9 +12,13 @@ floating-point initializer one role, by the first rule that applies:
    operand the op reads as configuration, not data (`CONFIGURATION_OPERANDS`: a shape, a
    bound, an index, a scale factor, an exponent, a ratio), or an operand of an op whose
    derivative is zero everywhere (a comparison, Floor, Sign, ...).
-3. **constant (stabilizer)** -- it has one element and is added to a value that is
+3. **constant (not finite)** -- it holds an infinite or NaN element: a mask (a causal attention mask's -inf
+   above the diagonal, which torch's exporters write as an initializer from a registered buffer). No
+   optimizer step can train such a value, and training its finite entries would turn the mask into a
+   learned bias.
+4. **constant (stabilizer)** -- it has one element and is added to a value that is
    non-negative by construction (a variance, a squared norm, a square root): an epsilon.
-4. **constant (exporter constant)** -- it has one element and the model comes from an
+5. **constant (exporter constant)** -- it has one element and the model comes from an
    exporter that writes every constant as an initializer: tf2onnx (every constant of the
    TensorFlow graph) or jax2onnx (every closed-over array, and a 0-d zero as each Gemm's
    bias). Except, in a tf2onnx model, a layer's bias: the one-element bias of a Dense(1) or
@@ -27,7 +31,7 @@ floating-point initializer one role, by the first rule that applies:
    The same exporter writes a GroupNorm as an InstanceNormalization over the groups with a
    unit scale and a zero shift of its own, then GroupNorm's weight and bias: that scale and
    shift are constants too.
-5. **parameter** -- everything else: it trains.
+6. **parameter** -- everything else: it trains.
 
 `include` / `exclude` patterns (trainables.py) override the rule.
 """
@@ -163,6 +167,9 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
             roles[tensor.name] = Role("constant", "used only as configuration (a shape, "
                                                   "bound, index, scale factor or exponent) "
                                                   "or by ops without a derivative")
+        elif not _finite(tensor):
+            roles[tensor.name] = Role("constant", "it holds an infinite or NaN value (a mask), which no "
+                                                  "optimizer step can train")
         elif single and _is_stabilizer(tensor.name, uses, producers, constants):
             roles[tensor.name] = Role("constant", "an epsilon: added to a non-negative "
                                                   "value (a variance or a norm)")
@@ -181,6 +188,14 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
         else:
             roles[tensor.name] = Role("parameter", "a weight")
     return roles
+
+
+def _finite(tensor: onnx.TensorProto) -> bool:
+    """Whether every element of an initializer is finite (one stored outside the file is taken as finite: its
+    bytes are not read here)."""
+    if tensor.data_location == TensorProto.EXTERNAL:
+        return True
+    return bool(np.isfinite(numpy_helper.to_array(tensor).astype(np.float32, copy=False)).all())
 
 
 #: Weight layers and the input index of their own bias.

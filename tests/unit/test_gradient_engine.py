@@ -464,6 +464,48 @@ def test_a_batch_norm_whose_input_rank_cannot_be_known_is_refused_naming_it(tmp_
                        cache_dir=tmp_path)
 
 
+def test_an_integer_grid_that_onnxs_data_propagation_refuses_still_trains(tmp_path: Path) -> None:
+    """y = (x @ W) * mean(grid) with grid = Unsqueeze(Range(0, 3), -1) + Range(0, 6), a [3, 6] broadcast as torch's
+    dynamo exporter writes adaptive_avg_pool2d to a size that does not divide its input. onnx's data propagation
+    reads the Add as a broadcast of two shapes of lengths 3 and 6 and refuses the valid model; the engine infers
+    again without it."""
+    ints = {"zero": 0, "three": 3, "six": 6, "one": 1}
+    nodes = [helper.make_node("Range", ["zero", "three", "one"], ["rows"]),
+             helper.make_node("Unsqueeze", ["rows", "last"], ["column"]),
+             helper.make_node("Range", ["zero", "six", "one"], ["row"]),
+             helper.make_node("Add", ["column", "row"], ["grid"]),
+             helper.make_node("Cast", ["grid"], ["grid_float"], to=TensorProto.FLOAT),
+             helper.make_node("ReduceMean", ["grid_float"], ["scale"], keepdims=0),
+             helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("Mul", ["h", "scale"], ["y"])]
+    weight = np.arange(6, dtype=np.float32).reshape(3, 2) / 10
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+                   [*(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in ints.items()),
+                    numpy_helper.from_array(np.array([-1], np.int64), "last"), numpy_helper.from_array(weight, "W")])
+    with pytest.raises(onnx.shape_inference.InferenceError, match="Invalid rank for Add broadcasting"):
+        onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    engine = GradientEngine(_save(model, tmp_path / "grid.onnx"), batch_size=4, loss="mse", cache_dir=tmp_path)
+    rng = np.random.default_rng(7)
+    x, labels = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal((4, 2)).astype(np.float32)
+    result = engine.step(engine.parameters(), {"x": x, "labels": labels})
+    scale = float(np.mean(np.arange(3)[:, None] + np.arange(6)))   # 3.5
+    y = x @ weight * scale
+    assert result.loss == pytest.approx(float(((y - labels) ** 2).mean()), rel=1e-5)
+    np.testing.assert_allclose(result.gradients["W"], x.T @ (2 * (y - labels) / labels.size) * scale, rtol=1e-5)
+
+
+def test_a_model_onnxs_shape_inference_refuses_is_refused_saying_so(tmp_path: Path) -> None:
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "x"], ["y"])]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+                   [numpy_helper.from_array(np.ones((3, 4), np.float32), "W")])
+    path = tmp_path / "mismatch.onnx"
+    onnx.save(model, path)
+    with pytest.raises(UnsupportedModelError, match=r"mismatch\.onnx: ONNX shape inference failed: "):
+        GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path)
+
+
 def test_an_op_without_a_reverse_rule_is_refused_naming_the_node_and_op(
         tmp_path: Path) -> None:
     rois = np.array([[0, 0, 0, 1, 1], [0, 1, 1, 3, 3]], np.float32)

@@ -28,9 +28,21 @@ def nodes_listed(nodes) -> str:
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Shape inference with data propagation, so shapes computed by Shape/Concat/Reshape
-    chains (how exporters spell a dynamic flatten) become static once the batch is."""
+    chains (how exporters spell a dynamic flatten) become static once the batch is.
+
+    onnx's data propagator for Add, Sub and Mul (onnx/defs/data_propagators.h) takes the
+    values it follows for 1-D shapes and fails when their lengths do not broadcast: an integer
+    grid made by broadcasting a column against a row -- Unsqueeze(Range(0, 3), -1) +
+    Range(0, 6), as torch's dynamo exporter writes adaptive_avg_pool2d to a size that does not
+    divide the input -- is refused as lengths 3 and 6 ("Invalid rank for Add broadcasting"),
+    though the model is valid and onnxruntime runs it. Then inference runs again without data
+    propagation; only an error there is the model's."""
     try:
         return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except onnx.shape_inference.InferenceError:
+        pass
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=True)
     except onnx.shape_inference.InferenceError as exc:
         raise UnsupportedModelError(f"ONNX shape inference failed: {exc}") from exc
 

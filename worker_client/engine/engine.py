@@ -324,7 +324,7 @@ class GradientEngine:
         self._classes: int | None = None
         if self._loss is not None and self._loss.kind == "cross_entropy":
             logits = declared_dims(self._lifted.graph.output[0])
-            if logits and len(logits) == 2 and isinstance(logits[1], int):
+            if logits and len(logits) >= 2 and isinstance(logits[1], int):   # (batch, classes, d1, ...)
                 self._classes = logits[1]
 
     # --- public API ---------------------------------------------------------------------

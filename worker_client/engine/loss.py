@@ -17,8 +17,9 @@ __all__ = ["LossSpec", "attach_loss", "parse_loss"]
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Which loss to attach: "cross_entropy", "bce" (binary cross-entropy on one logit per example), "mse",
-    "output" (a scalar the model outputs), or
+    """Which loss to attach: "cross_entropy" (over axis 1 of (batch, classes, d1, ...) logits: per position,
+    a segmentation map's, when there are more axes), "bce" (binary cross-entropy on one logit per example, or
+    one per label of a multi-label output), "mse", "output" (a scalar the model outputs), or
     "vjp": none -- every floating-point output is seeded with a cotangent the caller feeds, so
     the gradients are a vector-Jacobian product (a pipeline stage's backward pass)."""
 
@@ -107,6 +108,24 @@ def _log_softmax(logits: str, out: str, model: onnx.ModelProto, names) -> list[o
             helper.make_node("Sub", [shifted, log_total], [out], name=out)]
 
 
+def _mean_of(total: str, labels: str, batch_size: int, positions: list, sign: float, elem_type: int,
+             dtype: np.dtype, loss: str, names: "_Names", constants: list[onnx.NodeProto], stem: str
+             ) -> list[onnx.NodeProto]:
+    """Nodes writing `loss` = sign * total / (the labels' count): a constant scale where every axis of the labels
+    past the batch's is static (one label per example: 1 / batch), else the labels' Size read at run time. The
+    constants go into `constants` now, the nodes returned after the ones that compute `total`."""
+    if all(isinstance(d, int) for d in positions):
+        count = batch_size * int(np.prod(positions, dtype=np.int64))
+        scale = _constant(names, constants, np.array(sign / count, dtype), f"{stem}_scale")
+        return [helper.make_node("Mul", [total, scale], [loss], name=loss)]
+    size, count, mean = names(f"{stem}_size"), names(f"{stem}_count"), names(f"{stem}_mean")
+    signed = _constant(names, constants, np.array(sign, dtype), f"{stem}_sign")
+    return [helper.make_node("Size", [labels], [size], name=size),
+            helper.make_node("Cast", [size], [count], name=count, to=elem_type),
+            helper.make_node("Div", [total, count], [mean], name=mean),
+            helper.make_node("Mul", [mean, signed], [loss], name=loss)]
+
+
 def attach_loss(model: onnx.ModelProto, spec: LossSpec,
                 batch_size: int) -> tuple[onnx.ModelProto, str, str | None]:
     """Append the loss to `model` (in place); its only output becomes the scalar loss.
@@ -162,12 +181,15 @@ def attach_loss(model: onnx.ModelProto, spec: LossSpec,
         labels = "labels"
         names.taken.add(labels)
         if spec.kind == "cross_entropy":
-            if dims is not None and len(dims) != 2:
+            # torch's F.cross_entropy: logits (batch, classes) and a label per example, or (batch, classes, d1,
+            # ...) and a label per position (batch, d1, ...); the mean over every label
+            if dims is not None and len(dims) < 2:
                 raise UnsupportedModelError(
-                    f"cross_entropy needs logits shaped (batch, classes), but the first "
-                    f"output {prediction!r} has shape {dims}")
+                    f"cross_entropy needs logits shaped (batch, classes) or (batch, classes, d1, ...), but the "
+                    f"first output {prediction!r} has shape {dims}")
+            positions = list(dims[2:]) if dims is not None else []   # an unknown rank: taken for (batch, classes)
             graph.input.append(helper.make_tensor_value_info(labels, TensorProto.INT64,
-                                                             [batch_size]))
+                                                             [batch_size, *positions]))
             log_probs, shape, depth, onehot, picked, total, loss = (names(stem) for stem in (
                 "ce_log_probs", "ce_shape", "ce_depth", "ce_onehot", "ce_picked",
                 "ce_total", "loss"))
@@ -175,13 +197,14 @@ def attach_loss(model: onnx.ModelProto, spec: LossSpec,
             one_hot_values = _constant(names, nodes, np.array([0, 1], np.float32),
                                        "ce_values")
             class_axis = _constant(names, nodes, np.array(1, np.int64), "ce_class_axis")
-            scale = _constant(names, nodes, np.array(-1.0 / batch_size, dtype), "ce_scale")
+            mean = _mean_of(total, labels, batch_size, positions, -1.0, elem_type, dtype, loss, names, nodes, "ce")
             nodes += _log_softmax(prediction, log_probs, model, names)
             nodes += [
                 helper.make_node("Shape", [prediction], [shape], name=shape),
                 helper.make_node("Gather", [shape, class_axis], [depth], name=depth, axis=0),
+                # the classes' axis after the batch's (-1 for a label per example: the same axis)
                 helper.make_node("OneHot", [labels, depth, one_hot_values], [onehot],
-                                 name=onehot, axis=-1),
+                                 name=onehot, axis=1 if positions else -1),
             ]
             if elem_type != TensorProto.FLOAT:
                 float_onehot, onehot = onehot, names("ce_onehot_cast")
@@ -190,21 +213,25 @@ def attach_loss(model: onnx.ModelProto, spec: LossSpec,
             nodes += [
                 helper.make_node("Mul", [onehot, log_probs], [picked], name=picked),
                 helper.make_node("ReduceSum", [picked], [total], name=total, keepdims=0),
-                helper.make_node("Mul", [total, scale], [loss], name=loss),
+                *mean,
             ]
         elif spec.kind == "bce":
             # binary cross-entropy on logits z with labels y in {0, 1}, mean over the batch, in the stable form
             # max(z, 0) - z y + log(1 + exp(-|z|)); the labels arrive as (batch,) and take z's shape
-            if dims is not None and (not dims or any(isinstance(d, int) and d != 1 for d in dims[1:])):
+            # one logit per example, (batch,) or (batch, 1), with a label per example; or several, (batch, d1,
+            # ...) -- a multi-label output, torch's BCEWithLogitsLoss -- with a label per logit: the mean of all
+            if dims is not None and not dims:
                 raise UnsupportedModelError(
-                    f"bce needs one logit per example, shaped (batch,) or (batch, 1), but the first output "
-                    f"{prediction!r} has shape {dims}")
-            graph.input.append(helper.make_tensor_value_info(labels, elem_type, [batch_size]))
+                    f"bce needs logits shaped (batch,), (batch, 1) or (batch, d1, ...), but the first output "
+                    f"{prediction!r} is a scalar")
+            # several logits an example where an axis is known to be longer than one (an unknown one: one logit)
+            per_label = list(dims[1:]) if dims and any(isinstance(d, int) and d != 1 for d in dims[1:]) else []
+            graph.input.append(helper.make_tensor_value_info(labels, elem_type, [batch_size, *per_label]))
             shape, targets, positive, product, magnitude, negative, softplus, terms, total, loss = (
                 names(stem) for stem in ("bce_shape", "bce_targets", "bce_positive", "bce_product",
                                          "bce_magnitude", "bce_negative", "bce_softplus", "bce_terms",
                                          "bce_total", "loss"))
-            scale = _constant(names, nodes, np.array(1.0 / batch_size, dtype), "bce_scale")
+            mean = _mean_of(total, labels, batch_size, per_label, 1.0, elem_type, dtype, loss, names, nodes, "bce")
             nodes += [
                 helper.make_node("Shape", [prediction], [shape], name=shape),
                 helper.make_node("Reshape", [labels, shape], [targets], name=targets),
@@ -216,7 +243,7 @@ def attach_loss(model: onnx.ModelProto, spec: LossSpec,
                 helper.make_node("Sub", [positive, product], [terms + "_a"], name=terms + "_a"),
                 helper.make_node("Add", [terms + "_a", softplus], [terms], name=terms),
                 helper.make_node("ReduceSum", [terms], [total], name=total, keepdims=0),
-                helper.make_node("Mul", [total, scale], [loss], name=loss),
+                *mean,
             ]
         else:
             graph.input.append(helper.make_tensor_value_info(labels, elem_type, dims))

@@ -22,7 +22,10 @@ The .npz format (also in docs/data-format.md):
   example on axis 0 and the same trailing shape in train and test (float features, finite and
   within float32's range, cast to float32, or integer ids, cast to int64); ``y_*`` have as many
   rows as their ``x_*``;
-* integer ``y`` means classification: 1-D labels in ``[0, num_classes)``, int64;
+* integer ``y`` means classification: labels in ``[0, num_classes)``, int64, one per example
+  (1-D) or one per position of each example (``(n, H, W)`` for a segmentation map: the model's
+  logits are then ``(batch, classes, H, W)``; for ``--loss bce``, ``(n, K)`` labels 0 or 1 for
+  K logits an example);
   floating ``y`` means regression: targets (1-D is read as one output column), finite and
   within float32's range, float32, and ``num_classes`` is 0;
 * optional ``input_name``: a 0-d string array, the model input the features feed
@@ -374,10 +377,11 @@ def _validated(where: str, name: str, arrays: dict[str, np.ndarray], inputs: Seq
 
     y_kinds = {y_train.dtype.kind, y_test.dtype.kind}
     if y_kinds <= {"i", "u"}:
+        if y_train.shape[1:] != y_test.shape[1:]:   # a label per example, or per position (a segmentation map)
+            raise DatasetError(f"{where}: integer labels y_train have shape {y_train.shape} and y_test "
+                               f"{y_test.shape}: they must agree after the first axis (a label per example, or "
+                               f"one per position of each example)")
         for split, y in (("train", y_train), ("test", y_test)):
-            if y.ndim != 1:
-                raise DatasetError(f"{where}: integer labels y_{split} must be 1-D, got "
-                                   f"shape {y.shape}")
             if y.min() < 0:
                 raise DatasetError(f"{where}: y_{split} has a negative label {int(y.min())}")
         y_train, y_test = y_train.astype(np.int64), y_test.astype(np.int64)

@@ -270,8 +270,9 @@ class WorkerSettings:
     model: str = _setting("mlp", "--model", scopes=_WORKER, metavar="PATH|NAME",
                           help="an ONNX model file, or a bundled model's name (mlp, lenet, embedding, transformer)")
     loss: str = _setting("cross_entropy", "--loss", scopes=_WORKER,
-                         help="loss attached to the model's first output: cross_entropy, bce (binary cross-entropy "
-                              "on one logit per example, labels 0 or 1), mse or output:NAME")
+                         help="loss attached to the model's first output: cross_entropy (a label per example, or "
+                              "per position of (batch, classes, d1, ...) logits), bce (binary cross-entropy on one "
+                              "logit per example or per label, labels 0 or 1), mse or output:NAME")
     data: str = _setting("digits", "--data", scopes=_WORKER, metavar="SPEC",
                          help="dataset: digits, synthetic:<kind>[?key=value&...], a .npz file, or a folder of "
                               "Parquet files in train/ and test/, streamed (docs/data-format.md); each worker "

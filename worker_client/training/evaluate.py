@@ -30,9 +30,9 @@ def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int, *, kind: str
                ) -> dict[str, float | None]:
     """Test loss, accuracy and AUC of a model's first output against the labels.
 
-    `kind`: "classes" (logits of num_classes classes: cross-entropy, accuracy, AUC for two),
-    "binary" (one logit per example: binary cross-entropy, accuracy at 0.5, AUC) or
-    "targets" (regression: mean squared error); default: classes when num_classes > 0.
+    `kind`: "classes" (logits of num_classes classes on axis 1, a label per example or per position:
+    cross-entropy, accuracy, AUC for two), "binary" (a logit per label: binary cross-entropy, accuracy
+    at 0.5, AUC) or "targets" (regression: mean squared error); default: classes when num_classes > 0.
     """
     prediction = np.asarray(output, dtype=np.float64)
     kind = kind or ("classes" if num_classes > 0 else "targets")
@@ -44,7 +44,9 @@ def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int, *, kind: str
         return {"test_loss": finite(loss), "test_accuracy": accuracy,
                 "test_auc": binary_auc(z, labels.astype(np.int64))}
     if kind == "classes":
-        logits = prediction.reshape(len(y), -1)
+        # (batch, classes) or (batch, classes, d1, ...) with a label per position: one row of logits per label
+        logits = np.moveaxis(prediction, 1, -1).reshape(-1, prediction.shape[1]) if prediction.ndim > 2 \
+            else prediction.reshape(len(y), -1)
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         labels = np.asarray(y, dtype=np.int64).reshape(-1)

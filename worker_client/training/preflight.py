@@ -122,6 +122,18 @@ def _bind_parquet(engine: GradientEngine, dataset: ParquetDataset, wanted: dict,
 
 
 def _check_labels(engine: GradientEngine, dataset: Dataset, *, model: str, data: str, loss: str) -> None:
+    expected = dict(engine.feed_dims()).get("labels")
+    if loss in ("bce", "cross_entropy") and expected is not None:
+        # a label per example, or one per position (a segmentation map) or per logit (a multi-label output)
+        wanted, have = tuple(expected[1:]), tuple(dataset.y_train.shape[1:])
+        if not _fits(wanted, have) and not (not wanted and int(np.prod(have)) == 1):
+            output = engine.output_names[0]
+            each = "example" if not wanted else f"position of its output {output!r}" if loss == "cross_entropy" \
+                else f"logit of its output {output!r}"
+            raise DatasetError(f"data {data} has labels of shape {_shape(have)} per example, but model {model} with "
+                               f"--loss {loss} takes {_shape(wanted) if wanted else 'one label'} per example (one "
+                               f"label per {each}): store y_train and y_test with that shape, or use a model "
+                               f"whose output fits the labels")
     low, high = dataset.label_range()
     if loss == "bce":
         if not ({low, high} <= {0.0, 1.0}) or not np.isin(np.unique(dataset.y_train), [0, 1]).all() or \

@@ -8,15 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from ps_common.errors import DatasetError
 from ps_models.datasets import Dataset
 from ps_server.config import ServerConfig
 from ps_server.server import create_server
 from worker_client.client import PSClient
+from tests.helpers.one_input_models import save_model
 from worker_client.engine import GradientEngine
 from worker_client.training import Trainer, TrainingPlan
 from worker_client.training.preflight import check_fit
@@ -24,17 +24,8 @@ from worker_client.training.preflight import check_fit
 CLASSES, H, W = 3, 4, 5
 
 
-def _model(path: Path, nodes, x_dims, y_dims, initializers) -> Path:
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_dims)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_dims)], initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
-
-
 def _segmenter(path: Path) -> Path:
-    return _model(path, [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[1, 1])],
+    return save_model(path, [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[1, 1])],
                   ["batch", 2, H, W], ["batch", CLASSES, H, W],
                   [numpy_helper.from_array(np.zeros((CLASSES, 2, 1, 1), np.float32), "w"),
                    numpy_helper.from_array(np.zeros(CLASSES, np.float32), "b")])
@@ -80,7 +71,7 @@ def test_a_multi_label_output_trains_a_label_per_logit(tmp_path: Path) -> None:
         return x, (x @ mixing > 0).astype(np.int64)      # four independent yes/no labels an example
 
     (x_train, y_train), (x_test, y_test) = data(512), data(128)
-    model = _model(tmp_path / "tags.onnx", [helper.make_node("Gemm", ["x", "w", "b"], ["y"])], ["batch", 6],
+    model = save_model(tmp_path / "tags.onnx", [helper.make_node("Gemm", ["x", "w", "b"], ["y"])], ["batch", 6],
                    ["batch", 4], [numpy_helper.from_array(np.zeros((6, 4), np.float32), "w"),
                                   numpy_helper.from_array(np.zeros(4, np.float32), "b")])
     result = _train(model, Dataset.of("tags", x_train, y_train, x_test, y_test, num_classes=2), "bce", 150)

@@ -7,29 +7,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from ps_common.errors import UnsupportedModelError
+from tests.helpers.one_input_models import save_model
 from worker_client.engine import GradientEngine
 
 CLASSES = 6
 
 
-def _save(path: Path, nodes, x_dims, y_dims, initializers) -> Path:
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_dims)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_dims)], initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
-
-
 def _segmenter(path: Path) -> Path:
     """A 1 x 1 Conv from 3 channels to CLASSES: logits (batch, CLASSES, 4, 5)."""
     rng = np.random.default_rng(0)
-    return _save(path, [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[1, 1])],
+    return save_model(path, [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[1, 1])],
                  ["batch", 3, 4, 5], ["batch", CLASSES, 4, 5],
                  [numpy_helper.from_array(rng.normal(size=(CLASSES, 3, 1, 1)).astype(np.float32), "w"),
                   numpy_helper.from_array(rng.normal(size=CLASSES).astype(np.float32), "b")])
@@ -38,7 +29,7 @@ def _segmenter(path: Path) -> Path:
 def _tagger(path: Path) -> Path:
     """Per position of a sequence of run-time length: (batch, 5, len) -> (batch, CLASSES, len)."""
     rng = np.random.default_rng(1)
-    return _save(path, [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),
+    return save_model(path, [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),
                         helper.make_node("MatMul", ["t", "w"], ["m"]),
                         helper.make_node("Transpose", ["m"], ["y"], perm=[0, 2, 1])],
                  ["batch", 5, "len"], ["batch", CLASSES, "len"],
@@ -95,7 +86,7 @@ def test_a_label_past_the_classes_is_refused_naming_the_range(tmp_path: Path) ->
 
 
 def test_logits_without_a_class_axis_are_refused(tmp_path: Path) -> None:
-    path = _save(tmp_path / "flat.onnx", [helper.make_node("MatMul", ["x", "w"], ["m"]),
+    path = save_model(tmp_path / "flat.onnx", [helper.make_node("MatMul", ["x", "w"], ["m"]),
                                           helper.make_node("Flatten", ["m"], ["f"], axis=0),
                                           helper.make_node("Squeeze", ["f", "zero"], ["y"])],
                  ["batch", 3], ["batch"],

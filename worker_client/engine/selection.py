@@ -30,7 +30,10 @@ floating-point initializer one role, by the first rule that applies:
    parameter of that name (the exporter records each node's torch.fx node: `%p_<name>`).
    The same exporter writes a GroupNorm as an InstanceNormalization over the groups with a
    unit scale and a zero shift of its own, then GroupNorm's weight and bias: that scale and
-   shift are constants too.
+   shift are constants too. And its record names a torch buffer (`%b_<name>`: a positional
+   encoding's table, a rotary embedding's cos and sin, from register_buffer) as one: such an
+   initializer, of any size, is a constant, as torch trains no buffer. (The legacy exporter
+   writes a buffer as it writes a weight: rule 6.)
 6. **parameter** -- everything else: it trains.
 
 `include` / `exclude` patterns (trainables.py) override the rule.
@@ -134,6 +137,20 @@ def reads_torch_parameter(node: onnx.NodeProto, name: str) -> bool:
     return re.search(reference, node_metadata(node).get(TORCH_FX_NODE, "")) is not None
 
 
+def _reads_torch_buffer(node: onnx.NodeProto, name: str) -> bool:
+    """Whether `node` came from a torch op that read the torch buffer `name` (torch.export calls it ``b_`` + the
+    name, dots as underscores, in the record the dynamo exporter keeps on each node)."""
+    reference = re.escape("%b_" + re.sub(r"\W", "_", name)) + r"\b"
+    return re.search(reference, node_metadata(node).get(TORCH_FX_NODE, "")) is not None
+
+
+def _is_torch_buffer(name: str, uses: Uses) -> bool:
+    """Whether the dynamo exporter's record says initializer `name` is a torch buffer (register_buffer) and no node
+    reads it as a parameter."""
+    readers = [node for node, _ in uses.get(name, [])]
+    return any(_reads_torch_buffer(node, name) for node in readers) and not names_torch_parameter(name, uses)
+
+
 def names_torch_parameter(name: str, uses: Uses) -> bool:
     """Whether a node that reads initializer `name` came from a torch op that read the torch parameter `name`."""
     return any(reads_torch_parameter(node, name) for node, _ in uses.get(name, []))
@@ -170,6 +187,9 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
         elif not _finite(tensor):
             roles[tensor.name] = Role("constant", "it holds an infinite or NaN value (a mask), which no "
                                                   "optimizer step can train")
+        elif dynamo and _is_torch_buffer(tensor.name, uses):
+            roles[tensor.name] = Role("constant", "a torch buffer (register_buffer), which torch does not train: "
+                                                  "torch.onnx's dynamo exporter records it as one")
         elif single and _is_stabilizer(tensor.name, uses, producers, constants):
             roles[tensor.name] = Role("constant", "an epsilon: added to a non-negative "
                                                   "value (a variance or a norm)")

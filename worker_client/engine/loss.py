@@ -216,8 +216,8 @@ def attach_loss(model: onnx.ModelProto, spec: LossSpec,
                 *mean,
             ]
         elif spec.kind == "bce":
-            # binary cross-entropy on logits z with labels y in {0, 1}, mean over the batch, in the stable form
-            # max(z, 0) - z y + log(1 + exp(-|z|)); the labels arrive as (batch,) and take z's shape
+            # binary cross-entropy on logits z with labels y in {0, 1}, the mean over the labels, in the stable form
+            # max(z, 0) - z y + log(1 + exp(-|z|)); the labels are reshaped to z's shape
             # one logit per example, (batch,) or (batch, 1), with a label per example; or several, (batch, d1,
             # ...) -- a multi-label output, torch's BCEWithLogitsLoss -- with a label per logit: the mean of all
             if dims is not None and not dims:

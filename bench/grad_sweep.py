@@ -1,6 +1,6 @@
 """The engine's gradients against torch autograd on architectures its rewrites were never tuned on.
 
-Each model below is a small torch module built around the edge cases of the engine's matchers and export paths:
+Each model below (28) is a small torch module built around the edge cases of the engine's matchers and export paths:
 normalizations over one group or one channel a group, activations after them, transposed convolutions with output
 padding, groups and dilation, ceil-mode and dilated pools, recurrent layers of several kinds, views and flips as
 torch's dynamo exporter writes them, a segmentation map's per-pixel loss, masks and tied weights. Each is
@@ -228,6 +228,39 @@ class _Buffered(nn.Module):   # a sinusoidal position table and a causal mask, r
         return self.out(attended.mean(1))
 
 
+class _Indexing(nn.Module):   # gather, index_select, topk, sort, prod, a 2-norm, max, a LayerNorm without bias
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm, self.out = nn.Linear(24, 24), nn.LayerNorm(24, bias=False), nn.Linear(12, 5)
+        self.register_buffer("picks", torch.randint(0, 24, (1, 12), generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.linear(x.flatten(1)[:, :24]))
+        pairs = h.view(-1, 12, 2)
+        picked = h.gather(1, self.picks.expand(h.shape[0], 12)) + torch.index_select(h, 1, self.picks[0])
+        ranked = torch.topk(h, 12, dim=1).values + torch.sort(h, 1).values[:, :12]
+        reduced = torch.prod(torch.sigmoid(pairs), -1) + torch.norm(pairs, dim=-1) + torch.max(pairs, -1).values
+        mixed = picked + ranked + reduced
+        return self.out(mixed * torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + 1e-6))   # an RMSNorm
+
+
+class _MaskedAttention(nn.Module):   # attention with a float mask, a channel shuffle over the result as an image
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.qkv, self.out = nn.Embedding(100, 16), nn.Linear(16, 48), nn.Linear(16, 3)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.register_buffer("mask", torch.cat([torch.zeros(8, 6), torch.full((8, 2), -1e4)], 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).transpose(1, 2).reshape(b, t, d)
+        image = self.conv(attended.view(b, 4, 4, t))
+        shuffled = image.view(b, 2, 2, 4, t).transpose(1, 2).reshape(b, 4, 4, t)
+        return self.out(shuffled.flatten(2).mean(-1)[:, :1] * attended.mean(1))
+
+
 class _Cells(nn.Module):   # LSTMCell and GRUCell unrolled in Python, a weight-normed Linear
     def __init__(self) -> None:
         super().__init__()
@@ -308,6 +341,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "squeeze_excitation": (_Squeezed, images(3, 12), "cross_entropy"),
     "unrolled_cells": (_Cells, sequences(8, 6), "cross_entropy"),
     "buffers": (_Buffered, tokens(300, 12), "cross_entropy"),
+    "indexing": (_Indexing, images(3, 4), "cross_entropy"),
+    "masked_attention": (_MaskedAttention, tokens(100, 8), "cross_entropy"),
 }
 EXPORTERS = ("legacy", "dynamo")
 

@@ -125,30 +125,24 @@ def from_torch_dynamo(model: onnx.ModelProto) -> bool:
     return model.producer_name == "pytorch" and any(TORCH_FX_NODE in node_metadata(n) for n in model.graph.node)
 
 
-def torch_export_name(name: str) -> str:
-    """What torch.export calls the torch parameter `name` in the records: ``p_`` + the name, dots as underscores."""
-    return "p_" + re.sub(r"\W", "_", name)
+def torch_export_name(name: str, kind: str = "p") -> str:
+    """What torch.export calls the torch parameter `name` in the records: ``p_`` + the name, dots as underscores
+    (`kind` "b": the torch buffer `name`, ``b_`` + the name)."""
+    return f"{kind}_" + re.sub(r"\W", "_", name)
 
 
-def reads_torch_parameter(node: onnx.NodeProto, name: str) -> bool:
+def reads_torch_parameter(node: onnx.NodeProto, name: str, kind: str = "p") -> bool:
     """Whether `node` came from a torch op that read the torch parameter `name` (`torch_export_name`, in the record
-    the dynamo exporter keeps on each node)."""
-    reference = re.escape("%" + torch_export_name(name)) + r"\b"
-    return re.search(reference, node_metadata(node).get(TORCH_FX_NODE, "")) is not None
-
-
-def _reads_torch_buffer(node: onnx.NodeProto, name: str) -> bool:
-    """Whether `node` came from a torch op that read the torch buffer `name` (torch.export calls it ``b_`` + the
-    name, dots as underscores, in the record the dynamo exporter keeps on each node)."""
-    reference = re.escape("%b_" + re.sub(r"\W", "_", name)) + r"\b"
+    the dynamo exporter keeps on each node); with `kind` "b", the torch buffer `name`."""
+    reference = re.escape("%" + torch_export_name(name, kind)) + r"\b"
     return re.search(reference, node_metadata(node).get(TORCH_FX_NODE, "")) is not None
 
 
 def _is_torch_buffer(name: str, uses: Uses) -> bool:
     """Whether the dynamo exporter's record says initializer `name` is a torch buffer (register_buffer) and no node
     reads it as a parameter."""
-    readers = [node for node, _ in uses.get(name, [])]
-    return any(_reads_torch_buffer(node, name) for node in readers) and not names_torch_parameter(name, uses)
+    return any(reads_torch_parameter(node, name, "b") for node, _ in uses.get(name, [])) and \
+        not names_torch_parameter(name, uses)
 
 
 def names_torch_parameter(name: str, uses: Uses) -> bool:

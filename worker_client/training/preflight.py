@@ -156,7 +156,6 @@ def _check_labels(engine: GradientEngine, dataset: Dataset, *, model: str, data:
                                f"{classes} classes (output {output!r} has width {classes}): labels must lie in "
                                f"0..{classes - 1}; relabel the data, or use a model with {largest + 1} outputs")
         return
-    expected = dict(engine.feed_dims()).get("labels")
     if loss == "mse" and expected is not None:
         wanted = expected[1:]
         width = tuple(dataset.y_train.shape[1:]) or (1,)

@@ -62,13 +62,8 @@ def sequences(channels: int, length: int) -> Callable[[int, torch.Generator], to
     return lambda batch, generator: torch.randn(batch, channels, length, generator=generator)
 
 
-def tokens(vocabulary: int, length: int, pad_from: int | None = None) -> Callable[[int, torch.Generator], torch.Tensor]:
-    def draw(batch: int, generator: torch.Generator) -> torch.Tensor:
-        ids = torch.randint(1, vocabulary, (batch, length), generator=generator)
-        if pad_from is not None:
-            ids[:, pad_from:] = 0
-        return ids
-    return draw
+def tokens(vocabulary: int, length: int) -> Callable[[int, torch.Generator], torch.Tensor]:
+    return lambda batch, generator: torch.randint(1, vocabulary, (batch, length), generator=generator)
 
 
 def pooled(channels: int, classes: int = 10) -> nn.Module:

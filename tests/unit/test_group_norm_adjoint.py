@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import worker_client.engine.rewrites as rewrites
 from tests.helpers.engines import with_and_without
+from worker_client.engine import GradientEngine
 from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
 from worker_client.engine.rewrites import rewrite_adjoints
 from worker_client.engine.rewrites.group_norms import PROBE_PREFIX, STAND_IN_PREFIX, UNITS_KEY, detach_group_norms
@@ -290,3 +291,36 @@ def test_a_vector_jacobian_product_through_a_group_norm_whose_output_is_the_stag
                           GRAD_PREFIX + "y": feeds["r"][..., None]})
     _assert_close({name: value.reshape(feeds[name].shape) for name, value in zip(("x", "gamma", "beta"), values)},
                   _closed_form(feeds, 3))
+
+
+def test_a_training_batch_norm_beside_an_instance_norm_keeps_its_running_statistics(tmp_path: Path) -> None:
+    """The group norms' adjoints prune what no output reads, inside the differentiation: the running statistics'
+    new values are outputs by then, so a model with both normalizations loads and updates its state."""
+    rng = np.random.default_rng(10)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "bn_scale", "bn_shift", "mean", "var"],
+                              ["b", "b_mean", "b_var"], training_mode=1, momentum=0.9),
+             helper.make_node("InstanceNormalization", ["b", "gamma", "beta"], ["y"], epsilon=EPSILON)]
+    graph = helper.make_graph(
+        nodes, "bn_in", [_value("x", ["batch", 3, 6, 6])], [_value("y", ["batch", 4, 6, 6])],
+        [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.uniform(0.5, 1.5, 4).astype(np.float32), "bn_scale"),
+         numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "bn_shift"),
+         numpy_helper.from_array(np.zeros(4, np.float32), "mean"),
+         numpy_helper.from_array(np.ones(4, np.float32), "var"),
+         numpy_helper.from_array(rng.uniform(0.5, 1.5, 4).astype(np.float32), "gamma"),
+         numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "beta")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, tmp_path / "bn_in.onnx")
+    engine = GradientEngine(tmp_path / "bn_in.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+    assert engine.state_names == ["mean", "var"]
+    x = rng.standard_normal((4, 3, 6, 6)).astype(np.float32)
+    result = engine.step({**engine.parameters(), **engine.state()},
+                         {"x": x, "labels": rng.standard_normal((4, 4, 6, 6)).astype(np.float32)})
+    convolved = ort.InferenceSession(helper.make_model(helper.make_graph(
+        nodes[:1], "conv", [_value("x", [4, 3, 6, 6])], [_value("c", [4, 4, 6, 6])], [graph.initializer[0]]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()).run(None, {"x": x})[0]
+    # the new running mean: momentum 0.9 of the old (zeros) and 0.1 of the batch's
+    np.testing.assert_allclose(result.state["mean"], 0.1 * convolved.mean((0, 2, 3)), rtol=1e-4, atol=1e-6)
+    assert sorted(result.gradients) == ["beta", "bn_scale", "bn_shift", "gamma", "w"]

@@ -269,9 +269,11 @@ class GradientEngine:
                 return gradient_graph(model, "", None, self.trainable_names, forms,
                                       seeded=seeded, inputs=self.input_gradient_names)
             model, loss_output, labels = attach_loss(model, loss, self.batch_size)
+            # the loss took the model's outputs; the running statistics' are outputs again before any pass prunes
+            # what no output reads (the group norms' adjoints do, inside differentiate)
+            model.graph.output.extend(state_outputs)
             model = rewrite_forward(model)
             model = differentiate(model, wrt, loss_output)
-            model.graph.output.extend(state_outputs)   # the loss took the model's outputs
             model = rewrite_adjoints(model)
             return gradient_graph(model, loss_output, labels, self.trainable_names, forms,
                                   inputs=self.input_gradient_names)

@@ -161,17 +161,23 @@ def test_its_one_element_literals_are_constants_and_its_named_scalars_parameters
                                                                "head.temp": "parameter", "head.t": "parameter"}
 
 
-def test_a_buffer_the_record_names_is_a_constant_of_any_size_and_a_parameter_beside_it_trains() -> None:
-    """torch.export records a register_buffer tensor as %b_<name> (a positional table, a rotary embedding's cos):
-    torch trains no buffer, so neither does the engine; without the record it is a weight like any other."""
+def test_a_buffer_or_tensor_constant_the_record_names_is_a_constant_of_any_size_and_a_parameter_beside_it_trains(
+        ) -> None:
+    """torch.export records a register_buffer tensor as %b_<name> (a positional table, a rotary embedding's cos)
+    and a tensor forward() builds from literals as %c_<name> (an affine grid's identity transform): torch trains
+    neither, so neither does the engine; without the record each is a weight like any other."""
     nodes = [_fx(helper.make_node("Add", ["x", "pos.table"], ["a"]), "%add : call_function[target=torch.ops.aten."
                                                                      "add.Tensor](args = (%x, %b_pos_table), ...)"),
-             _fx(helper.make_node("Mul", ["a", "scale"], ["y"]), "%mul : call_function[target=torch.ops.aten."
-                                                                 "mul.Tensor](args = (%add, %p_scale), ...)")]
+             _fx(helper.make_node("Identity", ["lifted_tensor_0"], ["clone"]),
+                 "%clone : call_function[target=torch.ops.aten.clone.default](args = (%c_lifted_tensor_0,), ...)"),
+             helper.make_node("Add", ["a", "clone"], ["b"]),
+             _fx(helper.make_node("Mul", ["b", "scale"], ["y"]), "%mul : call_function[target=torch.ops.aten."
+                                                                 "mul.Tensor](args = (%add_1, %p_scale), ...)")]
     model = _model(nodes, {"pos.table": np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32),
-                           "scale": np.array(2.0, np.float32)})
+                           "lifted_tensor_0": np.eye(4, dtype=np.float32), "scale": np.array(2.0, np.float32)})
     roles = classify(model)
-    assert {n: r.kind for n, r in roles.items()} == {"pos.table": "constant", "scale": "parameter"}
+    assert {n: r.kind for n, r in roles.items()} == {"pos.table": "constant", "lifted_tensor_0": "constant",
+                                                      "scale": "parameter"}
     assert "torch buffer" in roles["pos.table"].reason
     model.producer_name = "someone"   # no record to read: the table trains, as a legacy export's does
     assert {r.kind for r in classify(model).values()} == {"parameter"}

@@ -67,6 +67,47 @@ def test_the_rule_trains_weights_and_scalars_but_not_epsilons_or_clip_bounds() -
     assert "configuration" in roles["low"].reason
 
 
+def _learned_exponent_and_clip(producer: str) -> onnx.ModelProto:
+    """A generalized-mean pool's learned exponent and a learned clipping level, as torch's legacy exporter writes
+    them: (|x| + 1) ** p, clipped above at Cast(alpha), then a Linear."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("Abs", ["x"], ["magnitude"]),
+             helper.make_node("Add", ["magnitude", "one"], ["shifted"]),
+             helper.make_node("Pow", ["shifted", "p"], ["powered"]),
+             helper.make_node("Cast", ["alpha"], ["level"], to=TensorProto.FLOAT),
+             helper.make_node("Clip", ["powered", "", "level"], ["clipped"]),
+             helper.make_node("MatMul", ["clipped", "W"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+                  [_array("p", [1.5, 2.0, 2.5, 3.0]), _array("alpha", 4.0), _array("W", rng.standard_normal((4, 2))),
+                   numpy_helper.from_array(np.ones((1, 4), np.float32), "one")], producer=producer)
+
+
+def test_a_torch_model_trains_its_learned_exponent_and_clipping_level(tmp_path: Path) -> None:
+    """torch's exporters never write a literal exponent or bound as an initializer of its own (the legacy one writes
+    a Constant node): in a torch model an initializer there is a parameter, and its gradient is the derivative's.
+    From another producer it stays configuration, as a literal."""
+    assert {n: r.kind for n, r in classify(_learned_exponent_and_clip("")).items()} == \
+        {"p": "constant", "alpha": "constant", "W": "parameter", "one": "parameter"}
+    roles = classify(_learned_exponent_and_clip("pytorch"))
+    assert {n: r.kind for n, r in roles.items()} == \
+        {"p": "parameter", "alpha": "parameter", "W": "parameter", "one": "parameter"}
+    path = tmp_path / "gem.onnx"
+    onnx.save(_learned_exponent_and_clip("pytorch"), path)
+    engine = GradientEngine(path, batch_size=3, loss="mse", exclude=["one"], cache_dir=tmp_path)
+    parameters = engine.parameters()
+    rng = np.random.default_rng(3)
+    inputs = {"x": rng.uniform(0.2, 1.5, (3, 4)), "labels": rng.standard_normal((3, 2))}
+    _, grads = engine.gradients(parameters, inputs)
+    assert np.abs(grads["p"]).min() > 0 and float(grads["alpha"]) != 0   # (2.5 ** 3 > 4: alpha clips one column)
+    for name, index in (("p", 1), ("p", 3), ("alpha", ())):
+        step = np.zeros_like(parameters[name])
+        step[index] = 1e-3
+        above, below = {**parameters, name: parameters[name] + step}, {**parameters, name: parameters[name] - step}
+        numeric = (engine.gradients(above, inputs)[0] - engine.gradients(below, inputs)[0]) / 2e-3
+        assert float(grads[name][index]) == pytest.approx(numeric, rel=2e-2), (name, index)
+
+
 def test_a_mask_with_infinite_entries_is_a_constant_and_its_attention_trains_without_it(tmp_path: Path) -> None:
     """A causal mask torch exports from a registered buffer (-inf above the diagonal) is an initializer like the
     weights: it is a constant, not trained into a learned bias, while a finite table beside it still trains."""

@@ -11,7 +11,10 @@ floating-point initializer one role, by the first rule that applies:
 2. **constant (configuration)** -- every use, followed through value-preserving ops, is an
    operand the op reads as configuration, not data (`CONFIGURATION_OPERANDS`: a shape, a
    bound, an index, a scale factor, an exponent, a ratio), or an operand of an op whose
-   derivative is zero everywhere (a comparison, Floor, Sign, ...).
+   derivative is zero everywhere (a comparison, Floor, Sign, ...). Except, in a torch model,
+   a Pow's exponent and a Clip's bounds (`TORCH_TRAINED_OPERANDS`: a generalized-mean pool's
+   p, a learned clipping level), which torch trains and its exporters never write as an
+   initializer of their own when they are literals.
 3. **constant (not finite)** -- it holds an infinite or NaN element: a mask (a causal attention mask's -inf
    above the diagonal, which torch's exporters write as an initializer from a registered buffer). No
    optimizer step can train such a value, and training its finite entries would turn the mask into a
@@ -31,9 +34,10 @@ floating-point initializer one role, by the first rule that applies:
    The same exporter writes a GroupNorm as an InstanceNormalization over the groups with a
    unit scale and a zero shift of its own, then GroupNorm's weight and bias: that scale and
    shift are constants too. And its record names a torch buffer (`%b_<name>`: a positional
-   encoding's table, a rotary embedding's cos and sin, from register_buffer) as one: such an
-   initializer, of any size, is a constant, as torch trains no buffer. (The legacy exporter
-   writes a buffer as it writes a weight: rule 6.)
+   encoding's table, a rotary embedding's cos and sin, from register_buffer) or a tensor
+   constant (`%c_<name>`: a tensor forward() builds from literals, such as an affine grid's
+   identity transform) as one: such an initializer, of any size, is a constant, as torch
+   trains neither. (The legacy exporter writes a buffer as it writes a weight: rule 6.)
 6. **parameter** -- everything else: it trains.
 
 `include` / `exclude` patterns (trainables.py) override the rule.
@@ -72,6 +76,12 @@ CONFIGURATION_OPERANDS: dict[str, frozenset[int]] = {
     "ReduceSum": frozenset({1}), "ReduceMean": frozenset({1}), "ReduceMax": frozenset({1}),
     "ReduceMin": frozenset({1}), "ReduceProd": frozenset({1}),
 }
+#: The operands above that torch trains when a parameter feeds them: Pow's exponent (a generalized-mean pool's
+#: p) and Clip's bounds (a learned clipping level). torch's exporters never write a literal there as an
+#: initializer of its own -- the legacy one writes a Constant node, the dynamo one a one-element initializer that
+#: rule 5 tells from a parameter by its record -- so in a torch model an initializer there is a parameter; other
+#: exporters (tf2onnx, hand-built graphs) write their literal exponents and bounds as initializers.
+TORCH_TRAINED_OPERANDS: dict[str, frozenset[int]] = {"Pow": frozenset({1}), "Clip": frozenset({1, 2})}
 #: Ops whose derivative is zero wherever it exists: an operand used only by them is inert.
 ZERO_DERIVATIVE_OPS = frozenset({
     "Shape", "Size", "NonZero", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual",
@@ -85,6 +95,8 @@ _NON_NEGATIVE = frozenset({"Abs", "Sqrt", "ReduceSumSquare", "ReduceL1", "Reduce
 #: Ops that keep a non-negative input non-negative.
 _SIGN_KEEPING = frozenset({"ReduceMean", "ReduceSum", "Identity", "Cast", "Reshape",
                            "Squeeze", "Unsqueeze", "Flatten", "Transpose"})
+#: torch.onnx's producer name, either exporter (ModelProto.producer_name).
+TORCH_PRODUCER = "pytorch"
 #: The producer whose every graph constant is an initializer (ModelProto.producer_name).
 TF2ONNX = "tf2onnx"
 #: Producers that write every constant as an initializer, one-element ones included.
@@ -122,12 +134,12 @@ def node_metadata(node: onnx.NodeProto) -> dict[str, str]:
 
 def from_torch_dynamo(model: onnx.ModelProto) -> bool:
     """Whether torch.onnx's dynamo exporter wrote the model (its nodes carry the fx node they came from)."""
-    return model.producer_name == "pytorch" and any(TORCH_FX_NODE in node_metadata(n) for n in model.graph.node)
+    return model.producer_name == TORCH_PRODUCER and any(TORCH_FX_NODE in node_metadata(n) for n in model.graph.node)
 
 
 def torch_export_name(name: str, kind: str = "p") -> str:
     """What torch.export calls the torch parameter `name` in the records: ``p_`` + the name, dots as underscores
-    (`kind` "b": the torch buffer `name`, ``b_`` + the name)."""
+    (`kind` "b": the torch buffer `name`, ``b_`` + the name; "c": the lifted tensor constant `name`)."""
     return f"{kind}_" + re.sub(r"\W", "_", name)
 
 
@@ -139,10 +151,11 @@ def reads_torch_parameter(node: onnx.NodeProto, name: str, kind: str = "p") -> b
 
 
 def _is_torch_buffer(name: str, uses: Uses) -> bool:
-    """Whether the dynamo exporter's record says initializer `name` is a torch buffer (register_buffer) and no node
-    reads it as a parameter."""
-    return any(reads_torch_parameter(node, name, "b") for node, _ in uses.get(name, [])) and \
-        not names_torch_parameter(name, uses)
+    """Whether the dynamo exporter's record says initializer `name` is a torch buffer (register_buffer, ``b_``) or
+    a tensor constant (``c_``: torch.export lifts a tensor that forward() builds from literals, or a plain tensor
+    attribute, as one), and no node reads it as a parameter."""
+    return any(reads_torch_parameter(node, name, kind) for node, _ in uses.get(name, []) for kind in ("b", "c")) \
+        and not names_torch_parameter(name, uses)
 
 
 def names_torch_parameter(name: str, uses: Uses) -> bool:
@@ -167,6 +180,7 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
     constants = {t.name: t for t in graph.initializer}
     exporter = model.producer_name if model.producer_name in CONSTANTS_AS_INITIALIZERS else None
     dynamo = from_torch_dynamo(model)
+    from_torch = model.producer_name == TORCH_PRODUCER
     roles = {}
     for tensor in graph.initializer:
         if tensor.data_type not in FLOAT_TYPES:
@@ -174,7 +188,8 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
         single = int(np.prod(tensor.dims, dtype=np.int64)) == 1
         if _only(tensor.name, uses, _is_running_statistic, follow={"Identity"}):
             roles[tensor.name] = Role("state", "BatchNormalization running statistics")
-        elif _only(tensor.name, uses, _is_configuration, follow=VALUE_PRESERVING):
+        elif _only(tensor.name, uses, lambda node, index: _is_configuration(node, index, from_torch),
+                   follow=VALUE_PRESERVING):
             roles[tensor.name] = Role("constant", "used only as configuration (a shape, "
                                                   "bound, index, scale factor or exponent) "
                                                   "or by ops without a derivative")
@@ -182,8 +197,9 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
             roles[tensor.name] = Role("constant", "it holds an infinite or NaN value (a mask), which no "
                                                   "optimizer step can train")
         elif dynamo and _is_torch_buffer(tensor.name, uses):
-            roles[tensor.name] = Role("constant", "a torch buffer (register_buffer), which torch does not train: "
-                                                  "torch.onnx's dynamo exporter records it as one")
+            roles[tensor.name] = Role("constant", "a torch buffer (register_buffer) or tensor constant, which "
+                                                  "torch does not train: torch.onnx's dynamo exporter records it "
+                                                  "as one")
         elif single and _is_stabilizer(tensor.name, uses, producers, constants):
             roles[tensor.name] = Role("constant", "an epsilon: added to a non-negative "
                                                   "value (a variance or a norm)")
@@ -241,7 +257,9 @@ def _is_running_statistic(node: onnx.NodeProto, index: int) -> bool:
     return node.op_type == "BatchNormalization" and index in RUNNING_STATISTICS
 
 
-def _is_configuration(node: onnx.NodeProto, index: int) -> bool:
+def _is_configuration(node: onnx.NodeProto, index: int, from_torch: bool = False) -> bool:
+    if from_torch and index in TORCH_TRAINED_OPERANDS.get(node.op_type, ()):
+        return False
     return node.op_type in ZERO_DERIVATIVE_OPS or \
         index in CONFIGURATION_OPERANDS.get(node.op_type, ())
 

@@ -199,19 +199,57 @@ def test_the_unit_scale_and_shift_of_a_group_norms_instance_norm_are_constants()
                      "in.weight": "parameter", "in.bias": "parameter"}
 
 
-def test_a_batch_norm_without_running_statistics_is_refused_saying_why() -> None:
-    """track_running_stats=False: the exporter feeds the batch's own statistics (ReduceMeans in the graph) to an
-    inference BatchNormalization, and the gradient would not flow back through them."""
+def _conv_batch_norm(norm: onnx.NodeProto, before: list[onnx.NodeProto], statistics: dict[str, np.ndarray]
+                     ) -> onnx.ModelProto:
+    """x -> Conv -> `before` and `norm` (reading "h") -> Relu -> y, as a dynamo export with its records."""
+    rng = np.random.default_rng(3)
+    conv = _fx(helper.make_node("Conv", ["x", "conv.weight"], ["h"], pads=[1, 1, 1, 1]),
+               "%conv2d : call_function[target=torch.ops.aten.conv2d.default](args = (%x, %p_conv_weight), ...)")
+    relu = helper.make_node("Relu", [norm.output[0]], ["y"])
+    model = _model([conv, *before, norm, relu], {"conv.weight": rng.normal(size=(3, 3, 3, 3)).astype(np.float32),
+                                                 "bn.weight": rng.uniform(0.5, 1.5, 3).astype(np.float32),
+                                                 "bn.bias": rng.normal(size=3).astype(np.float32), **statistics,
+                                                 "axes": np.array([0, 2, 3], np.int64)})
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    return model
+
+
+def test_a_batch_norm_without_running_statistics_trains_through_its_batch_statistics(tmp_path) -> None:
+    """track_running_stats=False: the exporter feeds the batch's own mean and variance (ReduceMeans in the graph) to
+    an inference BatchNormalization, whose adjoint does not reach the layers before through them. Put in training
+    mode it computes the same statistics itself: the step is that of a BatchNorm that keeps running statistics,
+    and no state is added."""
     record = ("%_native_batch_norm_legit : call_function[target=torch.ops.aten._native_batch_norm_legit.no_stats]"
-              "(args = (%conv2d, %p_net_2_weight, %p_net_2_bias, True, 0.1, 1e-05), kwargs = {})")
-    statistics = [helper.make_node("ReduceMean", ["x"], ["val_2"], keepdims=0),
-                  helper.make_node("ReduceMean", ["x"], ["val_6"], keepdims=0)]
-    norm = _record(helper.make_node("BatchNormalization", ["x", "bn.weight", "bn.bias", "val_2", "val_6"], ["y"]),
-                   record, scope="net.2")
-    model = _model([*statistics, norm], {"bn.weight": np.ones(3, np.float32), "bn.bias": np.zeros(3, np.float32)})
-    with pytest.raises(UnsupportedModelError, match=r"^m\.onnx: BatchNorm\(s\) \['net\.2'\] keep no running "
-                                                    r"statistics \(track_running_stats=False\)"):
-        restore_torch_training_batch_norms(model, "m.onnx")
+              "(args = (%conv2d, %p_bn_weight, %p_bn_bias, True, 0.1, 1e-05), kwargs = {})")
+    statistics = [helper.make_node("ReduceMean", ["h", "axes"], ["mean"], keepdims=0),
+                  helper.make_node("ReduceMean", ["h", "axes"], ["kept"], keepdims=1),
+                  helper.make_node("Sub", ["h", "kept"], ["centred"]),
+                  helper.make_node("Mul", ["centred", "centred"], ["squared"]),
+                  helper.make_node("ReduceMean", ["squared", "axes"], ["var"], keepdims=0)]
+    norm = _record(helper.make_node("BatchNormalization", ["h", "bn.weight", "bn.bias", "mean", "var"], ["n"]),
+                   record)
+    without = _conv_batch_norm(norm, statistics, {})
+    tracked = _conv_batch_norm(_record(helper.make_node(
+        "BatchNormalization", ["h", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"], ["n"]), TRAINING),
+        [], {"bn.running_mean": np.zeros(3, np.float32), "bn.running_var": np.ones(3, np.float32)})
+    restored = onnx.ModelProto()
+    restored.CopyFrom(without)
+    assert restore_torch_training_batch_norms(restored, "m.onnx") == 1
+    assert helper.get_node_attr_value(restored.graph.node[-2], "training_mode") == 1
+    rng = np.random.default_rng(4)
+    batch = {"x": rng.normal(size=(4, 3, 4, 4)).astype(np.float32),
+             "labels": rng.normal(size=(4, 3, 4, 4)).astype(np.float32)}
+    steps = {}
+    for name, model in (("without", without), ("tracked", tracked)):
+        onnx.save(model, tmp_path / f"{name}.onnx")
+        engine = GradientEngine(tmp_path / f"{name}.onnx", batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
+        steps[name] = engine.step({**engine.parameters(), **engine.state()}, batch)
+    assert sorted(steps["without"].gradients) == ["bn.bias", "bn.weight", "conv.weight"]
+    assert steps["without"].state == {}
+    assert steps["without"].loss == pytest.approx(steps["tracked"].loss, rel=1e-6)
+    for name, gradient in steps["tracked"].gradients.items():
+        assert np.abs(gradient).max() > 1e-3
+        np.testing.assert_allclose(steps["without"].gradients[name], gradient, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_torch_parameters_the_optimizer_folded_or_renamed_are_named_when_the_engine_is_built(tmp_path) -> None:

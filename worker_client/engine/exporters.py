@@ -12,7 +12,10 @@ mode as an inference BatchNormalization: with `optimize=False` the node keeps it
 statistics, and `restore_torch_training_batch_norms` puts it back in training mode; with the
 default `optimize=True`, onnxscript's rewriter folds it into the Conv or Gemm before it, or
 merges its running statistics with equal-valued parameters (its own weight and bias, at
-first), and the model can only be refused: it would train without that BatchNorm. The same
+first), and the model can only be refused: it would train without that BatchNorm. A BatchNorm
+without running statistics (track_running_stats=False) is written as an inference one fed the
+batch's statistics, computed in the graph; it too is put in training mode, which computes the
+same statistics and differentiates through them. The same
 optimizer merges other parameters with equal values (`merged_torch_parameters`), drops or
 renames some (`torch_parameters_renamed_or_dropped`), and writes literals as initializers
 (selection.py, rule 5, makes those constants); the engine warns about the first two.
@@ -169,19 +172,17 @@ def _holds_node(node: onnx.NodeProto, name: str) -> bool:
 
 def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> int:
     """Puts each BatchNormalization that the dynamo exporter wrote from a training-mode torch BatchNorm back in
-    training mode (in place; returns how many). UnsupportedModelError naming each module when the exporter folded
-    one into another node or merged its running statistics with other values: those models lost the BatchNorm."""
+    training mode, with or without running statistics (in place; returns how many). UnsupportedModelError naming
+    each module when the exporter folded one into another node or merged its running statistics with other values:
+    those models lost the BatchNorm."""
     if not from_torch_dynamo(model):
         return 0
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
     uses = consumers(graph)
-    lost, unsupported, restored = [], [], 0
+    lost, restored = [], 0
     for node in graph.node:
         if not _torch_batch_norm_training(node):
-            continue
-        if node.op_type == "BatchNormalization" and _without_running_statistics(node):
-            unsupported.append(_module_of(node))
             continue
         if node.op_type != "BatchNormalization":
             rule = node_metadata(node).get(_RULE, "")
@@ -194,7 +195,10 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
         own = [name in initializers and name not in node.input[:3] and
                all(user is node and index in (3, 4) for user, index in uses.get(name, []))
                for name in statistics]
-        if not all(own):
+        # a BatchNorm without running statistics (track_running_stats=False) is fed the batch's mean and variance,
+        # computed in the graph: in training mode it computes the same ones itself, and its gradient reaches the
+        # layers before through them (the inference form's does not); the graph's own go unread
+        if not all(own) and not _without_running_statistics(node):
             lost.append(f"{_module_of(node)} ({node_label(node)!r}: its running statistics {statistics} are merged "
                         f"with other values)")
             continue
@@ -203,13 +207,6 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
         del node.output[1:]
         node.output.extend(f"{node.output[0]}__running_{what}" for what in ("mean", "var"))
         restored += 1
-    if unsupported:
-        raise UnsupportedModelError(
-            f"{source}: BatchNorm(s) {unsupported} keep no running statistics (track_running_stats=False): "
-            f"torch.onnx.export's dynamo exporter computes their batch statistics in the graph and hands them to an "
-            f"inference BatchNormalization, whose gradient does not reach back through them, so the layers before "
-            f"would train wrongly; give them track_running_stats=True (the engine then trains them with batch "
-            f"statistics) and export as docs/models.md (\"Exporter recipes\") says")
     if lost:
         raise UnsupportedModelError(
             f"{source}: torch.onnx.export's dynamo exporter (the default since torch 2.9) wrote {len(lost)} "

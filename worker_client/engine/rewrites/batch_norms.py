@@ -33,8 +33,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.toolkit import (Emitter, constants, readers_of, rebuild, reduction_axes,
-                                                   shapes_and_types)
+from worker_client.engine.rewrites.toolkit import (Emitter, constants, read_stand_ins, readers_of, rebuild,
+                                                   reduction_axes, shapes_and_types)
 
 __all__ = ["STAND_IN_PREFIX", "detach_batch_norm_statistics", "attach_batch_norm_stand_ins"]
 
@@ -166,19 +166,4 @@ def _constant_along(name: str, axes: frozenset[int], rank: int, shapes: dict[str
 def attach_batch_norm_stand_ins(model: onnx.ModelProto) -> int:
     """The differentiated graph of a model `detach_batch_norm_statistics` rewrote, with every stand-in input read as the
     value it stands for and dropped from the inputs; in place. Returns the number of stand-ins removed."""
-    graph = model.graph
-    stand_ins = {value.name: value.name[len(STAND_IN_PREFIX):] for value in graph.input
-                 if value.name.startswith(STAND_IN_PREFIX)}
-    if not stand_ins:
-        return 0
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            if name in stand_ins:
-                node.input[index] = stand_ins[name]
-    kept = [value for value in graph.input if value.name not in stand_ins]
-    graph.ClearField("input")
-    graph.input.extend(kept)
-    infos = [info for info in graph.value_info if info.name not in stand_ins]
-    graph.ClearField("value_info")
-    graph.value_info.extend(infos)
-    return len(stand_ins)
+    return read_stand_ins(model, STAND_IN_PREFIX)

@@ -10,7 +10,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 __all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "Writer", "auto_pads", "constants", "drop_values", "opset_of",
-           "reader_counts", "readers_of", "rebuild", "reduction_axes", "replace_items", "set_attribute",
+           "read_stand_ins", "reader_counts", "readers_of", "rebuild", "reduction_axes", "replace_items", "set_attribute",
            "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
@@ -104,6 +104,22 @@ def readers_of(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
             if name:
                 readers.setdefault(name, []).append(node)
     return readers
+
+
+def read_stand_ins(model: onnx.ModelProto, prefix: str) -> int:
+    """After differentiation: every graph input named `prefix` + V -- a stand-in a forward rewrite put where V was
+    read, so that onnx-ad would not differentiate through it -- read as V itself and dropped from the inputs and
+    the value_info; in place. Returns the number of stand-ins removed."""
+    graph = model.graph
+    stand_ins = {value.name: value.name[len(prefix):] for value in graph.input if value.name.startswith(prefix)}
+    if not stand_ins:
+        return 0
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name in stand_ins:
+                node.input[index] = stand_ins[name]
+    drop_values(graph, set(stand_ins))
+    return len(stand_ins)
 
 
 def drop_values(graph: onnx.GraphProto, gone: set[str], stale: Collection[str] = ()) -> None:

@@ -16,6 +16,7 @@ from ps_common.errors import UnsupportedModelError
 from worker_client.engine.exporters import torch_origin
 from worker_client.engine.load import clamp_ir_version
 from worker_client.engine.rewrites.batch_norms import attach_batch_norm_stand_ins
+from worker_client.engine.rewrites.detaches import attach_detached
 from worker_client.engine.rewrites.group_norms import attach_group_norm_adjoints, group_norm_probes
 from worker_client.engine.rewrites.grouped import attach_grouped_weight_adjoints, probe_inputs
 from worker_client.engine.support import infer_shapes, node_label
@@ -143,6 +144,7 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
     attach_grouped_weight_adjoints(derived, GRAD_PREFIX)
     attach_group_norm_adjoints(derived, GRAD_PREFIX)
     attach_batch_norm_stand_ins(derived)
+    attach_detached(derived)
     if loss_output is None:
         return derived
     seed = GRAD_PREFIX + loss_output

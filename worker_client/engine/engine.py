@@ -21,7 +21,8 @@ from worker_client.engine.differentiate import (
     differentiate,
     gradient_graph,
 )
-from worker_client.engine.exporters import (folded_bias_layers, folded_variables_warning, renamed_or_dropped_warning,
+from worker_client.engine.exporters import (dropped_detaches_warning, dropped_torch_detaches, folded_bias_layers,
+                                             folded_variables_warning, renamed_or_dropped_warning,
                                              restore_torch_training_batch_norms, torch_padding_rows,
                                              torch_parameters_renamed_or_dropped)
 from worker_client.engine.feeds import (
@@ -177,6 +178,9 @@ class GradientEngine:
         for name, row in padding.items():   # a table by rows: its row gradients keep that row at zero
             if name in self.sparse.tables:
                 self.sparse.tables[name].padding_row = row
+        detaches = dropped_torch_detaches(model)
+        if detaches:
+            warn_caller(f"{self.model_path}: {dropped_detaches_warning(detaches)}")
         # before the opset upgrade, which drops the node metadata it reads
         restore_torch_training_batch_norms(model, str(self.model_path))
         model = upgrade_opset(model, self.model_path)

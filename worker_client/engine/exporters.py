@@ -30,11 +30,12 @@ import onnx
 from onnx import helper
 
 from ps_common.errors import UnsupportedModelError
+from worker_client.engine.rewrites.detaches import is_torch_detach
 from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, VALUE_PRESERVING, consumers, from_torch_dynamo,
                                             node_metadata, reads_torch_parameter, torch_export_name)
 from worker_client.engine.support import node_label, nodes_listed
 
-__all__ = ["DYNAMO_REMEDY", "folded_bias_layers", "folded_variables_warning", "from_torch_dynamo",
+__all__ = ["DYNAMO_REMEDY", "dropped_detaches_warning", "dropped_torch_detaches", "folded_bias_layers", "folded_variables_warning", "from_torch_dynamo",
            "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning", "restore_torch_training_batch_norms",
            "torch_origin", "torch_padding_rows", "torch_parameters_renamed_or_dropped"]
 
@@ -43,6 +44,10 @@ __all__ = ["DYNAMO_REMEDY", "folded_bias_layers", "folded_variables_warning", "f
 _SCOPES, _RULE = "pkg.torch.onnx.name_scopes", "pkg.onnxscript.rewriter.rule_name"
 #: The aten batch norms that take a `training` flag (the sixth argument).
 _FLAGGED_BATCH_NORMS = ("batch_norm", "native_batch_norm", "_batch_norm_impl_index")
+#: In the dynamo exporter's record of a node: the torch.fx node's own name, its arguments, and a detach() among them.
+_FX_NAME = re.compile(r"%(\w+) :")
+_FX_ARGUMENTS = re.compile(r"\]\(args = \((.*)\), kwargs")
+_DETACH_NAME = re.compile(r"%(detach(?:_\d+)?)\b")
 #: What every message about the dynamo exporter's optimizer tells the user to do.
 DYNAMO_REMEDY = ("export with dynamo=False as docs/models.md (\"Exporter recipes\") says, or with dynamo=True and "
                  "optimize=False")
@@ -236,6 +241,30 @@ def renamed_or_dropped_warning(names: list[str]) -> str:
             f"default) folded each away, so that it does not train (a zero bias, a unit scale), or stored it "
             f"transposed, packed or reshaped under a generated name (val_N), under which it trains. To train the "
             f"module as it is, {DYNAMO_REMEDY}")
+
+
+def dropped_torch_detaches(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes of a dynamo export whose records read a torch detach() that no node of the graph stands for: the
+    exporter's optimizer (optimize=True, the default) removes the Identity it writes for one, and the engine, which
+    keeps a detach out of the gradient by that Identity (rewrites/detaches.py), cannot. [] for other models."""
+    if not from_torch_dynamo(model):
+        return []
+    kept = {_FX_NAME.match(node_metadata(node)[TORCH_FX_NODE]).group(1)
+            for node in model.graph.node if is_torch_detach(node)}
+    readers = []
+    for node in model.graph.node:
+        arguments = _FX_ARGUMENTS.search(node_metadata(node).get(TORCH_FX_NODE, ""))
+        if arguments and any(name not in kept for name in _DETACH_NAME.findall(arguments.group(1))):
+            readers.append(node)
+    return readers
+
+
+def dropped_detaches_warning(readers: list[onnx.NodeProto]) -> str:
+    """The warning about `readers` (from `dropped_torch_detaches`)."""
+    return (f"the optimizer of torch.onnx.export's dynamo exporter (optimize=True, the default) removed the detach() "
+            f"read by {nodes_listed(readers)}: the gradient flows through it where torch's does not (a "
+            f"straight-through estimator's would be zero). Export with dynamo=True and optimize=False, which keeps "
+            f"it (the legacy exporter drops it too)")
 
 
 def merged_torch_parameters(model: onnx.ModelProto, names: Collection[str]) -> dict[str, list[onnx.NodeProto]]:

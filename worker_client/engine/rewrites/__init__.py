@@ -21,6 +21,9 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
   through a stand-in and the mean's derivative carried by a zero per-channel term (on the forward
   graph; the stand-in is read as the mean again after differentiation): two passes fewer in its
   adjoint;
+- `detaches`: torch's detach() (an Identity with the dynamo exporter's record) read through a stand-in
+  that onnx-ad does not differentiate (on the forward graph; the detached value is read again after
+  differentiation): a straight-through estimator's gradient is torch's, not zero;
 - `fold`: shape queries on static tensors folded into constants;
 - `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops; conv input
   adjoints (ConvTranspose) as Convs; a Conv's or pool's auto_pad as explicit pads (on the
@@ -96,6 +99,7 @@ from worker_client.engine.rewrites.conv import (
     route_max_pool_adjoints,
     split_strided_transposed_convs,
 )
+from worker_client.engine.rewrites.detaches import stop_torch_detaches
 from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.gate_products import merge_gate_products
 from worker_client.engine.rewrites.gates import gelu_adjoints, silu_adjoints
@@ -125,7 +129,7 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
 
     Its inferred shapes are dropped when anything changed; differentiation infers afresh.
     """
-    changed = 0
+    changed = stop_torch_detaches(model)   # first: no pass below differentiates through a detach() either
     if _bounds_matter(model):   # their passes need static shapes past an exporter's computed bounds
         changed += fold_shape_queries(model, floats=True)
     changed += split_constant_sequences(model)

@@ -408,9 +408,17 @@ def test_a_refused_node_names_the_torch_op_and_module_it_came_from(tmp_path) -> 
         GradientEngine(path, batch_size=4, loss="mse", cache_dir=tmp_path / "cache")
     text = str(refused.value)
     assert "node 'n20' (ConcatFromSequence, from torch's aten.embedding_bag.padding_idx in module 'e'): " in text
-    assert text.endswith("or replace the op. nn.EmbeddingBag exports as a Loop over its bags (with either "
-                         "exporter), through which no gradient can be built: write it as nn.Embedding followed by a "
-                         "sum or mean over the bag axis (masking the padded ids), which trains by rows too.")
+    remedy = ("nn.EmbeddingBag exports as a Loop over its bags, through which no gradient can be built (from this "
+              "exporter even for equal-length bags): write it as nn.Embedding followed by a sum or mean over the bag "
+              "axis (masking the padded ids), which trains by rows too.")
+    assert text.endswith(f"or replace the op. {remedy}")
+    # refused at a node after the bag (whose rank the bag's sequences hid): the bag is named, with what to do
+    assert torch_origin(_bag_model(BAG_RECORD), "absent")[1] == ""
+    model = _bag_model(BAG_RECORD)
+    _fx(model.graph.node[-1], "%mean : call_function[target=torch.ops.aten.mean.dim](args = (%embedding_bag,), ...)")
+    model.graph.node[-1].name = "node_mean"
+    assert torch_origin(model, "node_mean") == (", from torch's aten.mean.dim",
+                                                f" The model has aten.embedding_bag (module 'e'): {remedy}")
     # a model without the exporter's record: the message as it was
     onnx.save(_bag_model(None), path)
     with pytest.raises(UnsupportedModelError) as refused:

@@ -145,9 +145,9 @@ def _module_of(node: onnx.NodeProto) -> str:
 
 #: What to do about a torch op whose ONNX form cannot be differentiated, by the op's aten name.
 _TORCH_OP_REMEDIES = {
-    "embedding_bag": "nn.EmbeddingBag exports as a Loop over its bags (with either exporter), through which no "
-                     "gradient can be built: write it as nn.Embedding followed by a sum or mean over the bag axis "
-                     "(masking the padded ids), which trains by rows too",
+    "embedding_bag": "nn.EmbeddingBag exports as a Loop over its bags, through which no gradient can be built "
+                     "(from this exporter even for equal-length bags): write it as nn.Embedding followed by a sum "
+                     "or mean over the bag axis (masking the padded ids), which trains by rows too",
 }
 
 
@@ -162,6 +162,15 @@ def torch_origin(model: onnx.ModelProto, name: str) -> tuple[str, str]:
     op, overload = target
     module = _module_path(node)
     remedy = _TORCH_OP_REMEDIES.get(op)
+    if remedy is None:
+        # the failure can surface after the untrainable op: an Add of an EmbeddingBag's output, whose rank the
+        # bag's Loop over sequences hides
+        known = next((n for n in model.graph.node if (_aten_target(n) or ("",))[0] in _TORCH_OP_REMEDIES), None)
+        if known is not None:
+            known_module = _module_path(known)
+            remedy = (f"The model has aten.{_aten_target(known)[0]}" +
+                      (f" (module {known_module!r})" if known_module else "") +
+                      f": {_TORCH_OP_REMEDIES[_aten_target(known)[0]]}")
     return (f", from torch's aten.{op}" + (f".{overload}" if overload else "") +
             (f" in module {module!r}" if module else ""), f" {remedy}." if remedy else "")
 

@@ -10,6 +10,7 @@ import onnx
 import onnxruntime as ort
 
 from ps_common.errors import DeviceUnavailableError, UnsupportedModelError
+from worker_client.engine.rewrites.vector_products import vector_products_as_columns
 
 __all__ = ["Placement", "open_session", "placement", "run_bound"]
 
@@ -71,6 +72,7 @@ def open_session(model: onnx.ModelProto, where: Placement, *,
         options.inter_op_num_threads = inter
         if inter > 1:
             options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    model = vector_products_as_columns(model)   # onnxruntime's FusedMatMul miscomputes transA with a vector
     try:
         session = ort.InferenceSession(model.SerializeToString(), sess_options=options,
                                        providers=where.providers)

@@ -56,6 +56,7 @@ from worker_client.engine.batch import fix_batch
 from worker_client.engine.coverage import unsupported_nodes
 from worker_client.engine.lift import lift_parameters
 from worker_client.engine.exporters import restore_torch_training_batch_norms
+from worker_client.engine.rewrites.detaches import is_torch_detach
 from worker_client.engine.load import load_model
 from worker_client.engine.loss import attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
@@ -166,6 +167,7 @@ class CheckReport:
     error: str | None = None
     differences: str = ""      # how the losses were computed (float64 copy or float32)
     gradients: list[GradientCheck] = field(default_factory=list)
+    detached: list[str] = field(default_factory=list)   # parameters before a torch detach(): not differenced
 
     @property
     def ok(self) -> bool:
@@ -224,7 +226,11 @@ def check_model(path: str | Path, *, batch_size: int = DEFAULT_BATCH,
     result = engine.step(values, batch)
     function = _loss_function(model, engine, loss, batch, values, result.loss)
     report.differences = function.how
-    report.gradients = _finite_differences(engine, values, result, function, rng)
+    # a parameter before a torch detach(): its gradient is torch's, not the loss's derivative (a straight-through
+    # estimator's passes round() as if it were the identity), so differences of the loss cannot check it
+    report.detached = [n for n in engine.trainable_names if n in _upstream(model, {
+        node.input[0] for node in model.graph.node if is_torch_detach(node)})]
+    report.gradients = _finite_differences(engine, values, result, function, rng, skip=set(report.detached))
     return report
 
 
@@ -237,6 +243,15 @@ def _engine(report: CheckReport, path, batch_size, loss, include, exclude, expec
     except (UnsupportedModelError, ModelLoadError, DeviceUnavailableError, ValueError) as exc:
         report.error = f"{type(exc).__name__}: {exc}"
         return None
+
+
+def _upstream(model: onnx.ModelProto, values: set[str]) -> set[str]:
+    """Every value (initializers and inputs included) that one of `values` is computed from."""
+    reached = set(values)
+    for node in reversed(model.graph.node):
+        if reached.intersection(node.output):
+            reached.update(name for name in node.input if name)
+    return reached
 
 
 def _downstream(model: onnx.ModelProto, sources: set[str],
@@ -414,11 +429,13 @@ def _widened(tensor: TensorProto) -> TensorProto:
 
 
 def _finite_differences(engine: GradientEngine, values: dict[str, np.ndarray], result,
-                        loss: _Loss, rng: np.random.Generator) -> list[GradientCheck]:
-    """Per parameter: its derivative along random unit directions, by the engine and by
+                        loss: _Loss, rng: np.random.Generator, skip: set[str] = frozenset()) -> list[GradientCheck]:
+    """Per parameter but those in `skip`: its derivative along random unit directions, by the engine and by
     central differences of `loss`, until most of FD_DIRECTIONS agree or most cannot."""
     checks = []
     for name in engine.trainable_names:
+        if name in skip:
+            continue
         value = values[name]
         step = FD_STEP[loss.precision] * max(float(np.linalg.norm(value.astype(np.float64))),
                                              1.0)
@@ -488,6 +505,9 @@ def format_report(report: CheckReport) -> str:
                      f"central differences {shown.numeric:.6g} +- {shown.tolerance:.2g} at "
                      f"step {shown.step:.3g}; {check.agreeing} of {len(check.directions)} "
                      f"directions agree)")
+    lines += [f"gradient {name}: not checked (a torch detach() reads a value computed from it: the engine's "
+              f"gradient skips that path, as torch's does, and differences of the loss cannot)"
+              for name in report.detached]
     lines.append("result: " + ("the model trains as reported" if report.ok else
                                "the model does not train as it is"))
     return "\n".join(lines)

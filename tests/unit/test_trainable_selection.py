@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -233,3 +234,27 @@ def test_a_tf2onnx_dense_layer_without_a_bias_warns_about_folded_variables(
     with pytest.warns(UserWarning, match=r"1 weight layer\(s\) .* no bias: dense/MatMul "
                                          r"\(MatMul\)\. .*folded"):
         GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path)
+
+
+def _conv_model(weight: str, producer: str) -> onnx.ModelProto:
+    rng = np.random.default_rng(4)
+    return _model([helper.make_node("Conv", ["x", weight, "bias"], ["y"], pads=[1, 1, 1, 1])],
+                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 4, 4])],
+                  [_array(weight, rng.standard_normal((2, 3, 3, 3))), _array("bias", [0.1, -0.1])], producer=producer)
+
+
+def test_a_weight_the_legacy_exporter_folded_from_parameters_is_named_in_a_warning(tmp_path: Path) -> None:
+    """Exported in eval mode with constant folding (torch.onnx.export's defaults), a BatchNorm is fused into the
+    Conv before it, whose weight then carries the name of the graph value it replaced."""
+    onnx.save(_conv_model("onnx::Conv_32", "pytorch"), tmp_path / "fused.onnx")
+    with pytest.warns(UserWarning, match=r"fused\.onnx: 1 initializer\(s\) were computed by torch\.onnx\.export's "
+                                         r"constant folding from the module's parameters \(onnx::Conv_32\): each "
+                                         r"trains as a parameter of its own"):
+        engine = GradientEngine(tmp_path / "fused.onnx", batch_size=2, loss="mse", cache_dir=tmp_path / "cache")
+    assert "onnx::Conv_32" in engine.trainable_names   # it still trains, as a plain Conv's weight
+    for weight, producer in (("conv.weight", "pytorch"), ("onnx::Conv_32", "tf2onnx")):
+        onnx.save(_conv_model(weight, producer), tmp_path / "plain.onnx")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            GradientEngine(tmp_path / "plain.onnx", batch_size=2, loss="mse", cache_dir=tmp_path / "cache")

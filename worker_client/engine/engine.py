@@ -22,6 +22,7 @@ from worker_client.engine.differentiate import (
     gradient_graph,
 )
 from worker_client.engine.exporters import (dropped_detaches_warning, dropped_torch_detaches, folded_bias_layers,
+                                             folded_torch_parameters, folded_torch_parameters_warning,
                                              folded_variables_warning, renamed_or_dropped_warning,
                                              restore_torch_training_batch_norms, torch_padding_rows,
                                              torch_parameters_renamed_or_dropped)
@@ -192,6 +193,9 @@ class GradientEngine:
             warn_caller(f"{self.model_path}: {folded_variables_warning(folded)}")
         if renamed:
             warn_caller(f"{self.model_path}: {renamed_or_dropped_warning(renamed)}")
+        computed = folded_torch_parameters(model, self.trainable_names)
+        if computed:
+            warn_caller(f"{self.model_path}: {folded_torch_parameters_warning(computed)}")
         self._initial = initial_values(model, self.trainable_names)
         #: torch Embeddings' padding_idx rows (dynamo exports record them): their gradient is kept at zero
         self._padding_rows = {name: row for name, row in padding.items() if name in self._initial}

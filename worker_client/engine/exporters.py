@@ -31,11 +31,12 @@ from onnx import helper
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.rewrites.detaches import is_torch_detach
-from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, VALUE_PRESERVING, consumers, from_torch_dynamo,
+from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, TORCH_PRODUCER, VALUE_PRESERVING, consumers, from_torch_dynamo,
                                             node_metadata, reads_torch_parameter, torch_export_name)
 from worker_client.engine.support import node_label, nodes_listed
 
-__all__ = ["DYNAMO_REMEDY", "dropped_detaches_warning", "dropped_torch_detaches", "folded_bias_layers", "folded_variables_warning", "from_torch_dynamo",
+__all__ = ["DYNAMO_REMEDY", "dropped_detaches_warning", "dropped_torch_detaches", "folded_bias_layers",
+           "folded_torch_parameters", "folded_torch_parameters_warning", "folded_variables_warning", "from_torch_dynamo",
            "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning", "restore_torch_training_batch_norms",
            "torch_origin", "torch_padding_rows", "torch_parameters_renamed_or_dropped"]
 
@@ -97,6 +98,32 @@ def folded_variables_warning(layers: list[onnx.NodeProto]) -> str:
             f"zero-initialized bias away and it will not train; LayerNormalization's beta "
             f"goes the same way. Re-export with the marker recipe in docs/models.md, or "
             f"pass --expect-parameters N to make a mismatch an error")
+
+
+#: How torch.onnx's legacy exporter names a value computed in the graph (an op's output: "onnx::Conv_32"), which
+#: its constant folding keeps as the name of the initializer it computes from parameters.
+_LEGACY_COMPUTED = "onnx::"
+
+
+def folded_torch_parameters(model: onnx.ModelProto, trainable: Collection[str]) -> list[str]:
+    """The trainable initializers of a model from torch.onnx's legacy exporter that its constant folding computed
+    from the module's parameters (named as the graph value they replace: "onnx::Conv_32"); [] for other models.
+    Exported in eval mode, a BatchNorm is fused into the Conv before it this way; with folding on in any mode, a
+    weight's transpose becomes a weight of its own (untying it from an embedding it was tied to)."""
+    if model.producer_name != TORCH_PRODUCER or from_torch_dynamo(model):
+        return []
+    return [name for name in trainable if name.startswith(_LEGACY_COMPUTED)]
+
+
+def folded_torch_parameters_warning(names: list[str]) -> str:
+    """The warning about `names` (from `folded_torch_parameters`)."""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"{len(names)} initializer(s) were computed by torch.onnx.export's constant folding from the module's "
+            f"parameters ({shown}): each trains as a parameter of its own, where torch trains what it was computed "
+            f"from -- a BatchNorm the exporter fused into a Conv (eval mode, its default) trains as a plain Conv "
+            f"without batch statistics, and a transposed weight no longer shares its gradient with the weight it "
+            f"came from. Re-export with training=torch.onnx.TrainingMode.TRAINING and do_constant_folding=False "
+            f"(docs/models.md, \"Exporter recipes\")")
 
 
 #: The aten op in the dynamo exporter's record of a node, and its overload ("default", "no_stats", ...).

@@ -1,13 +1,14 @@
 """The engine's gradients against torch autograd on architectures its rewrites were never tuned on.
 
-Each model below (40) is a small torch module built around the edge cases of the engine's matchers and export paths:
+Each model below (41) is a small torch module built around the edge cases of the engine's matchers and export paths:
 normalizations over one group or one channel a group, activations after them, transposed convolutions with output
 padding, groups and dilation, ceil-mode and dilated pools, recurrent layers of several kinds, views and flips as
 torch's dynamo exporter writes them, a segmentation map's per-pixel loss, masks and tied weights, BatchNorms
 without running statistics, learned exponents and clipping levels, detach() (straight-through estimators),
-spatial transformers, attention modules, routing by argmax and scatters, resampling, unpooling, bags. Each is
-exported (torch.onnx's legacy exporter with the documented recipe, its dynamo exporter with optimize=False, or
-both), built into a GradientEngine, and one step is compared with torch's on the same weights and batch.
+spatial transformers, attention modules, routing by argmax and scatters, resampling, unpooling, bags, roots at
+exactly zero. Each is exported (torch.onnx's legacy exporter with the documented recipe, its dynamo exporter with
+optimize=False, or both), built into a GradientEngine, and one step is compared with torch's on the same weights
+and batch.
 
 JSON lines (ps_bench.harness.emit), one per model and exporter: ``grad_sweep_error_NAME``, in millionths, the
 largest over the parameters of ||engine - exact|| / max(||exact||, 1e-2 x the largest parameter's ||exact||),
@@ -16,8 +17,8 @@ arithmetic (a bias before a BatchNorm or an InstanceNorm, which the normalizatio
 of the largest --, with the parameter it was found on, torch's own float32 error there, the loss on both sides,
 what the engine trains that is not a torch parameter (a buffer the legacy exporter wrote as a weight:
 docs/models.md), and ``status``: "ok", "differs" (some parameter's error is above both ``--tolerance`` and ten
-times torch's own float32 error, or a parameter got no gradient), "refused" (the engine raised, the message kept)
-"export_failed" (torch could not export the module: not the engine's) or "known_limit" (it differs or is refused
+times torch's own float32 error, or is not finite, or a parameter got no gradient), "refused" (the engine raised,
+the message kept), "export_failed" (torch could not export the module: not the engine's) or "known_limit" (it differs or is refused
 where docs/models.md says it must: `KNOWN_LIMITS`, the reason kept). A summary goes to stderr; the exit status is 1
 when a model differs or is refused.
 """
@@ -443,6 +444,18 @@ class _Bags(nn.Module):   # EmbeddingBags of equal-length bags: mean, sum and ma
         return self.out(self.mean(ids) + 0.1 * self.sum(ids) + self.max(ids))
 
 
+class _Roots(nn.Module):   # roots at exactly zero: an LPPool after a ReLU, sqrt and x ** 0.3 of a ReLU, zero norms
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.lp, self.linear = nn.Conv2d(3, 8, 3, padding=1), nn.LPPool2d(2, 2), nn.Linear(48, 24)
+        self.out = nn.Linear(8 + 24 + 24 + 6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = self.lp(F.relu(self.conv(x) - 0.5)).mean([2, 3])
+        h = F.relu(self.linear(x.flatten(1)[:, :48]) - 0.5)
+        return self.out(torch.cat([pooled, torch.sqrt(h), h.pow(0.3), h.view(-1, 6, 4).norm(dim=-1)], -1))
+
+
 #: name -> (module factory, batch drawer, loss). "cross_entropy" draws a class per example -- or per position
 #: when the output has more axes than (batch, classes) --, "mse" targets of the output's shape.
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], torch.Tensor], str]] = {
@@ -523,6 +536,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "shrinks": (_Shrinks, images(3, 8), "cross_entropy"),
     "max_unpool": (_Unpooling, images(3, 8), "mse"),
     "embedding_bags": (_Bags, tokens(300, 10), "cross_entropy"),
+    "roots_at_zero": (_Roots, images(3, 8), "cross_entropy"),
 }
 #: (model, exporter) -> why the engine cannot match torch there: a limit docs/models.md states ("Known limits"). The
 #: record's status is "known_limit" with the reason, unless the pair passes after all.
@@ -612,10 +626,10 @@ def sweep_one(name: str, exporter: str, folder: Path, tolerance: float) -> dict[
     torch_loss, torch32 = _torch_step(build, example, labels, loss, torch.float32)
     _, exact = _torch_step(build, example, labels, loss, torch.float64)
     found = errors(result.gradients, torch32, exact)
-    where = max(found, key=lambda n: found[n][0], default="")
+    where = max(found, key=lambda n: found[n][0] if math.isfinite(found[n][0]) else math.inf, default="")
     error, torch_error = found.get(where, (0.0, 0.0))
     # beyond the tolerance and ten times torch's own float32 error on some parameter
-    differs = [n for n, (ours, theirs) in found.items() if ours > max(tolerance, 10 * theirs)]
+    differs = [n for n, (ours, theirs) in found.items() if not ours <= max(tolerance, 10 * theirs)]   # NaN too
     missing = sorted(set(exact) - set(result.gradients))
     # what the engine trains that torch does not: a buffer the legacy exporter wrote as a weight (docs/models.md)
     extra = sorted(set(result.gradients) - set(exact))

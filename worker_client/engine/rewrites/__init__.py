@@ -24,6 +24,9 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
 - `detaches`: torch's detach() (an Identity with the dynamo exporter's record) read through a stand-in
   that onnx-ad does not differentiate (on the forward graph; the detached value is read again after
   differentiation): a straight-through estimator's gradient is torch's, not zero;
+- `singular`: square roots, fractional powers and L2 norms written with a zero derivative at exactly
+  zero, as torch's ReLU and norm adjoints give (on the forward graph: onnx-ad's inf there, times a ReLU
+  adjoint's zero mask, is NaN);
 - `fold`: shape queries on static tensors folded into constants;
 - `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops; conv input
   adjoints (ConvTranspose) as Convs; a Conv's or pool's auto_pad as explicit pads (on the
@@ -118,6 +121,7 @@ from worker_client.engine.rewrites.scatter import concat_padded_pieces, concat_p
 from worker_client.engine.rewrites.sequences import split_constant_sequences
 from worker_client.engine.rewrites.stateless import batch_stateless_steps
 from worker_client.engine.rewrites.step_factors import regroup_step_factors
+from worker_client.engine.rewrites.singular import guard_singular_zeros
 from worker_client.engine.rewrites.sums import sums_as_adds
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs, restore_transposed_convs
 
@@ -144,6 +148,7 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     changed += drop_idle_ceil_modes(model)
     changed += pad_overhanging_average_pools(model)
     changed += flatten_weight_matmuls(model)
+    changed += guard_singular_zeros(model)
     if changed:
         model.graph.ClearField("value_info")
     return model

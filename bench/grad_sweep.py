@@ -18,9 +18,9 @@ of the largest --, with the parameter it was found on, torch's own float32 error
 what the engine trains that is not a torch parameter (a buffer the legacy exporter wrote as a weight:
 docs/models.md), and ``status``: "ok", "differs" (some parameter's error is above both ``--tolerance`` and ten
 times torch's own float32 error, or is not finite, or a parameter got no gradient), "refused" (the engine raised,
-the message kept), "export_failed" (torch could not export the module: not the engine's) or "known_limit" (it differs or is refused
-where docs/models.md says it must: `KNOWN_LIMITS`, the reason kept). A summary goes to stderr; the exit status is 1
-when a model differs or is refused.
+the message kept), "export_failed" (torch could not export the module: not the engine's) or "known_limit" (it
+differs or is refused where docs/models.md says it must: `KNOWN_LIMITS`, the reason kept). A summary goes to
+stderr; the exit status is 1 when a model differs or is refused.
 """
 
 from __future__ import annotations

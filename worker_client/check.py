@@ -228,8 +228,8 @@ def check_model(path: str | Path, *, batch_size: int = DEFAULT_BATCH,
     report.differences = function.how
     # a parameter before a torch detach(): its gradient is torch's, not the loss's derivative (a straight-through
     # estimator's passes round() as if it were the identity), so differences of the loss cannot check it
-    report.detached = [n for n in engine.trainable_names if n in _upstream(model, {
-        node.input[0] for node in model.graph.node if is_torch_detach(node)})]
+    before_detaches = _upstream(model, {node.input[0] for node in model.graph.node if is_torch_detach(node)})
+    report.detached = [n for n in engine.trainable_names if n in before_detaches]
     report.gradients = _finite_differences(engine, values, result, function, rng, skip=set(report.detached))
     return report
 

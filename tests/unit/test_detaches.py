@@ -40,7 +40,8 @@ def _straight_through(*, detach_record: bool = True, optimized: bool = False) ->
                          helper.make_node("Add", ["linear", "detach"], ["add"], name="node_add"))
         nodes += [_recorded(identity, DETACH), _recorded(add, ADD)] if detach_record else [identity, add]
     nodes.append(helper.make_node("MatMul", ["add", "V"], ["y"]))
-    graph = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+    graph = helper.make_graph(nodes, "main_graph",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
                               [numpy_helper.from_array(rng.normal(size=(4, 3)).astype(np.float32), "W"),
                                numpy_helper.from_array(rng.normal(size=(3, 2)).astype(np.float32), "V")])

@@ -31,14 +31,16 @@ from onnx import helper
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.rewrites.detaches import is_torch_detach
-from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, TORCH_PRODUCER, VALUE_PRESERVING, consumers, from_torch_dynamo,
-                                            node_metadata, reads_torch_parameter, torch_export_name)
+from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, TORCH_PRODUCER, VALUE_PRESERVING, consumers,
+                                            from_torch_dynamo, node_metadata, reads_torch_parameter,
+                                            torch_export_name)
 from worker_client.engine.support import node_label, nodes_listed
 
 __all__ = ["DYNAMO_REMEDY", "dropped_detaches_warning", "dropped_torch_detaches", "folded_bias_layers",
-           "folded_torch_parameters", "folded_torch_parameters_warning", "folded_variables_warning", "from_torch_dynamo",
-           "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning", "restore_torch_training_batch_norms",
-           "torch_origin", "torch_padding_rows", "torch_parameters_renamed_or_dropped"]
+           "folded_torch_parameters", "folded_torch_parameters_warning", "folded_variables_warning",
+           "from_torch_dynamo", "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning",
+           "restore_torch_training_batch_norms", "torch_origin", "torch_padding_rows",
+           "torch_parameters_renamed_or_dropped"]
 
 #: Node metadata the dynamo exporter writes besides the torch.fx node a node came from (TORCH_FX_NODE): its module
 #: scopes, and the onnxscript rewrite rule that produced it (when one did).

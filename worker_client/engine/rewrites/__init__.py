@@ -119,9 +119,9 @@ from worker_client.engine.rewrites.recurrences import reuse_forward_values
 from worker_client.engine.rewrites.scans import rewrite_scan_bodies
 from worker_client.engine.rewrites.scatter import concat_padded_pieces, concat_piecewise_scatters
 from worker_client.engine.rewrites.sequences import split_constant_sequences
+from worker_client.engine.rewrites.singular import guard_singular_zeros
 from worker_client.engine.rewrites.stateless import batch_stateless_steps
 from worker_client.engine.rewrites.step_factors import regroup_step_factors
-from worker_client.engine.rewrites.singular import guard_singular_zeros
 from worker_client.engine.rewrites.sums import sums_as_adds
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs, restore_transposed_convs
 

@@ -10,8 +10,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 __all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "Writer", "auto_pads", "constants", "drop_values", "opset_of",
-           "read_stand_ins", "reader_counts", "readers_of", "rebuild", "reduction_axes", "replace_items", "set_attribute",
-           "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
+           "read_stand_ins", "reader_counts", "readers_of", "rebuild", "reduction_axes", "replace_items",
+           "set_attribute", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
 #: seed-axis Reshapes, its Expands of a tensor to its own shape, Identities).

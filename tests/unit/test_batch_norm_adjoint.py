@@ -158,3 +158,39 @@ def test_normalizations_outside_the_form_are_left_alone(variance_axes: list[int]
     before = model.SerializeToString()
     assert detach_batch_norm_statistics(model) == 0
     assert model.SerializeToString() == before
+
+
+@pytest.mark.filterwarnings("ignore:.*feeds 2 layers.*trained as one tied parameter")   # one module: it is tied
+def test_a_batch_norm_called_twice_moves_its_running_statistics_once_a_call(tmp_path) -> None:
+    """One BatchNorm module applied to two views (a siamese network): two training-mode nodes read the same running
+    statistics. torch moves them once a call, in order; the engine's state is the second call's moving average of
+    the first's, and the model loads (each call's update had an output of the same name)."""
+    from worker_client.engine import GradientEngine   # here: the other tests need no engine
+    rng = np.random.default_rng(6)
+    statistics = ["scale", "shift", "mean", "var"]
+    nodes = [helper.make_node("BatchNormalization", ["x", *statistics], ["a", "a_mean", "a_var"], training_mode=1,
+                              momentum=0.9),
+             helper.make_node("Neg", ["x"], ["flipped"]),
+             helper.make_node("Mul", ["flipped", "two"], ["view"]),
+             helper.make_node("BatchNormalization", ["view", *statistics], ["b", "b_mean", "b_var"], training_mode=1,
+                              momentum=0.9),
+             helper.make_node("Add", ["a", "b"], ["y"])]
+    graph = helper.make_graph(nodes, "siamese", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3, 4])], [
+        onnx.numpy_helper.from_array(np.ones(3, np.float32), "scale"),
+        onnx.numpy_helper.from_array(np.zeros(3, np.float32), "shift"),
+        onnx.numpy_helper.from_array(np.full(3, 0.5, np.float32), "mean"),
+        onnx.numpy_helper.from_array(np.full(3, 2.0, np.float32), "var"),
+        onnx.numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              tmp_path / "siamese.onnx")
+    engine = GradientEngine(tmp_path / "siamese.onnx", batch_size=5, loss="mse", cache_dir=tmp_path / "cache")
+    x = rng.normal(1.0, 2.0, size=(5, 3, 4)).astype(np.float32)
+    result = engine.step({**engine.parameters(), **engine.state()},
+                         {"x": x, "labels": np.zeros((5, 3, 4), np.float32)})
+    mean, var = np.full(3, 0.5), np.full(3, 2.0)
+    for view in (x, -2 * x):   # ONNX's variance is the biased one (a non-torch producer)
+        mean = 0.9 * mean + 0.1 * view.mean((0, 2))
+        var = 0.9 * var + 0.1 * view.var((0, 2))
+    np.testing.assert_allclose(result.state["mean"], mean, rtol=1e-5)
+    np.testing.assert_allclose(result.state["var"], var, rtol=1e-5)

@@ -486,3 +486,33 @@ def test_constants_written_as_plain_attributes_are_read_as_constants(tmp_path) -
     assert values["b"].dtype == np.int64 and values["b"].shape == () and int(values["b"]) == 7
     assert values["c"].dtype == np.float32 and values["c"].tolist() == [0.5, 1.5]
     assert values["d"].dtype == np.float32 and values["d"].shape == () and float(values["d"]) == 2.5
+
+
+def _called_twice(*, also_read: bool = False) -> onnx.ModelProto:
+    """One BatchNorm module called twice, as the dynamo exporter writes it: the second call reads the first's new
+    statistics, Identities of the buffers (its inference form moves nothing). With `also_read`, another op reads
+    the mean too, as when the optimizer merges it with an equal value."""
+    second = TRAINING.replace("%_native_batch_norm_legit_functional :", "%_native_batch_norm_legit_functional_1 :")
+    nodes = [_record(helper.make_node("BatchNormalization", ["x", "bn.weight", "bn.bias", "bn.running_mean",
+                                                              "bn.running_var"], ["a"], name="node_bn_0"), TRAINING),
+             _record(helper.make_node("Identity", ["bn.running_mean"], ["getitem_3"]), TRAINING),
+             _record(helper.make_node("Identity", ["bn.running_var"], ["getitem_4"]), TRAINING),
+             helper.make_node("Add", ["a", "getitem_3"], ["r"]) if also_read else
+             helper.make_node("Relu", ["a"], ["r"]),
+             _record(helper.make_node("BatchNormalization", ["r", "bn.weight", "bn.bias", "getitem_3", "getitem_4"],
+                                      ["y"], name="node_bn_1"), second)]
+    return _model(nodes, {"bn.weight": np.ones(3, np.float32), "bn.bias": np.zeros(3, np.float32),
+                          "bn.running_mean": np.zeros(3, np.float32), "bn.running_var": np.ones(3, np.float32)})
+
+
+def test_a_batch_norm_module_called_twice_reads_its_own_buffers_both_times() -> None:
+    """A siamese network's second view through the same BatchNorm: both calls train, both read the buffers
+    (training_form moves them once a call, in order), and nothing is reported merged."""
+    model = _called_twice()
+    assert restore_torch_training_batch_norms(model, "m.onnx") == 2
+    norms = [n for n in model.graph.node if n.op_type == "BatchNormalization"]
+    assert [list(n.input[3:5]) for n in norms] == [["bn.running_mean", "bn.running_var"]] * 2
+    assert all(helper.get_node_attr_value(n, "training_mode") == 1 for n in norms)
+    with pytest.raises(UnsupportedModelError, match=r"'node_bn_0': its running statistics \['bn.running_mean', "
+                                                    r"'bn.running_var'\] are merged with other values"):
+        restore_torch_training_batch_norms(_called_twice(also_read=True), "m.onnx")

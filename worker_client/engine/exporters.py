@@ -223,6 +223,7 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
     uses = consumers(graph)
+    producers = {out: node for node in graph.node for out in node.output}
     lost, restored = [], 0
     for node in graph.node:
         if not _torch_batch_norm_training(node):
@@ -234,9 +235,10 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
             continue
         if any(a.name == "training_mode" and a.i for a in node.attribute) or any(node.output[1:]):
             continue   # already in training form
-        statistics = list(node.input[3:5])
-        own = [name in initializers and name not in node.input[:3] and
-               all(user is node and index in (3, 4) for user, index in uses.get(name, []))
+        # a module called twice reads, the second time, the first call's new statistics: Identities of its own
+        # (the exporter's inference form moves nothing), which lead back to the same buffers
+        statistics = [_through_identities(name, producers) for name in node.input[3:5]]
+        own = [name in initializers and name not in node.input[:3] and _only_running_statistics(name, uses)
                for name in statistics]
         # a BatchNorm without running statistics (track_running_stats=False) is fed the batch's mean and variance,
         # computed in the graph: in training mode it computes the same ones itself, and its gradient reaches the
@@ -245,6 +247,8 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
             lost.append(f"{_module_of(node)} ({node_label(node)!r}: its running statistics {statistics} are merged "
                         f"with other values)")
             continue
+        if all(own):
+            node.input[3:5] = statistics
         node.attribute.append(helper.make_attribute("training_mode", 1))
         # training mode has three outputs (onnx's shape inference insists): the new running statistics, unread
         del node.output[1:]
@@ -270,6 +274,21 @@ def torch_parameters_renamed_or_dropped(model: onnx.ModelProto) -> list[str]:
                   for match in re.findall(r"%(p_\w+)", node_metadata(node).get(TORCH_FX_NODE, ""))}
     held = {torch_export_name(t.name) for t in model.graph.initializer}
     return sorted(referenced - held)
+
+
+def _through_identities(name: str, producers: dict[str, onnx.NodeProto]) -> str:
+    """The value `name` is an Identity (of an Identity...) of."""
+    while name in producers and producers[name].op_type == "Identity":
+        name = producers[name].input[0]
+    return name
+
+
+def _only_running_statistics(name: str, uses) -> bool:
+    """Whether every reader of `name`, followed through Identities, reads it as a BatchNormalization's running
+    mean or variance."""
+    return all((user.op_type == "BatchNormalization" and index in (3, 4)) or
+               (user.op_type == "Identity" and _only_running_statistics(user.output[0], uses))
+               for user, index in uses.get(name, []))
 
 
 def renamed_or_dropped_warning(names: list[str]) -> str:

@@ -25,6 +25,7 @@ parameters, never differentiated; the step returns their new values.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,13 +156,20 @@ def training_form(model: onnx.ModelProto, state: list[str], *, scaled_masks: boo
     unbiased = result.producer_name in _UNBIASED_PRODUCERS
     opset = opset_of(result)
     nodes: list[onnx.NodeProto] = []
+    # a BatchNorm module called more than once (a siamese network's two views through one encoder): torch moves
+    # its running statistics once a call, in order, so each call's moving average starts from the last one's
+    readers = Counter(name for node in result.graph.node if _is_training_batch_norm(node) for name in node.input[3:5])
+    moved: dict[str, str] = {}
     for node in result.graph.node:
         if _is_training_batch_norm(node):
-            nodes += _batch_norm(node, ranks, emit, forms, state, unbiased, opset)
+            nodes += _batch_norm(node, ranks, emit, forms, state, unbiased, opset, moved, readers)
         elif _dropout_training(node, values):
             nodes += _dropout(node, values, result, emit, forms, scaled_masks)
         else:
             nodes.append(node)
+    for running in [name for name in moved if readers[name] > 1 and name in state]:   # after the last call
+        nodes.append(helper.make_node("Identity", [moved[running]], [STATE_PREFIX + running], name=emit.name()))
+        forms.state_outputs[running] = STATE_PREFIX + running
     result.graph.ClearField("node")
     result.graph.node.extend(nodes)
     result.graph.initializer.extend(emit.initializers)
@@ -191,7 +199,10 @@ def _reduce_mean(opset: int, axes: list[int], axes_input: str):
 
 def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
                 forms: TrainingForms, state: list[str], unbiased: bool,
-                opset_of_axes: int) -> list[onnx.NodeProto]:
+                opset_of_axes: int, moved: dict[str, str], readers: Counter) -> list[onnx.NodeProto]:
+    """The node's training form; `moved` holds each running statistic's latest moving average (this node's
+    added), `readers` how many BatchNormalizations read each: one that several read gets its state output after
+    the last of them (`training_form`)."""
     x, scale, bias, running_mean, running_var = node.input[:5]
     rank = ranks.get(x)
     if rank is None or rank < 2:
@@ -234,13 +245,13 @@ def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
         batch_var = nodes[-1].output[0]
     for running, batch, index in ((running_mean, n["flat_mean"], 1),
                                   (running_var, batch_var, 2)):
-        moved = _moving_average(running, batch, momentum, emit)
-        nodes += moved
-        new_value = moved[-1].output[0]
+        average = _moving_average(moved.get(running, running), batch, momentum, emit)
+        nodes += average
+        new_value = moved[running] = average[-1].output[0]
         if len(node.output) > index and node.output[index]:
             nodes.append(helper.make_node("Identity", [new_value], [node.output[index]],
                                           name=emit.name()))
-        if running in state:
+        if running in state and readers[running] == 1:
             output = STATE_PREFIX + running
             nodes.append(helper.make_node("Identity", [new_value], [output], name=emit.name()))
             forms.state_outputs[running] = output

@@ -1,14 +1,14 @@
 """The engine's gradients against torch autograd on architectures its rewrites were never tuned on.
 
-Each model below (41) is a small torch module built around the edge cases of the engine's matchers and export paths:
+Each model below (43) is a small torch module built around the edge cases of the engine's matchers and export paths:
 normalizations over one group or one channel a group, activations after them, transposed convolutions with output
 padding, groups and dilation, ceil-mode and dilated pools, recurrent layers of several kinds, views and flips as
 torch's dynamo exporter writes them, a segmentation map's per-pixel loss, masks and tied weights, BatchNorms
 without running statistics, learned exponents and clipping levels, detach() (straight-through estimators),
 spatial transformers, attention modules, routing by argmax and scatters, resampling, unpooling, bags, roots at
-exactly zero. Each is exported (torch.onnx's legacy exporter with the documented recipe, its dynamo exporter with
-optimize=False, or both), built into a GradientEngine, and one step is compared with torch's on the same weights
-and batch.
+exactly zero, modules shared by two branches. Each is exported (torch.onnx's legacy exporter with the documented
+recipe, its dynamo exporter with optimize=False, or both), built into a GradientEngine, and one step is compared
+with torch's on the same weights and batch.
 
 JSON lines (ps_bench.harness.emit), one per model and exporter: ``grad_sweep_error_NAME``, in millionths, the
 largest over the parameters of ||engine - exact|| / max(||exact||, 1e-2 x the largest parameter's ||exact||),
@@ -456,6 +456,38 @@ class _Roots(nn.Module):   # roots at exactly zero: an LPPool after a ReLU, sqrt
         return self.out(torch.cat([pooled, torch.sqrt(h), h.pow(0.3), h.view(-1, 6, 4).norm(dim=-1)], -1))
 
 
+class _Siamese(nn.Module):   # one encoder over two views: shared BatchNorm, GroupNorm, grouped and transposed Convs
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.grouped = nn.Conv2d(16, 16, 3, padding=1, groups=4)
+        self.up, self.out = nn.ConvTranspose2d(16, 8, 4, 2, 1), nn.Linear(8, 5)
+        self.norm, self.group_norm = nn.BatchNorm2d(16), nn.GroupNorm(4, 16)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.group_norm(self.grouped(F.relu(self.norm(self.depthwise(F.relu(self.stem(x)))))))
+        return F.relu(self.up(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out((self.encode(x) - self.encode(x.flip(-1))).pow(2).mean([2, 3]))
+
+
+class _SharedSequence(nn.Module):   # one embedding, LayerNorm, LSTM and attention over two halves of a sequence
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(100, 32), nn.LayerNorm(32)
+        self.lstm, self.attention = nn.LSTM(32, 32, batch_first=True), nn.MultiheadAttention(32, 4, batch_first=True)
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        a, _ = self.lstm(self.norm(self.embed(ids[:, :6])))
+        b, _ = self.lstm(self.norm(self.embed(ids[:, 6:])))
+        c, _ = self.attention(a, b, b, need_weights=False)
+        d, _ = self.attention(b, a, a, need_weights=False)
+        return self.out(c.mean(1) * d.mean(1))
+
+
 #: name -> (module factory, batch drawer, loss). "cross_entropy" draws a class per example -- or per position
 #: when the output has more axes than (batch, classes) --, "mse" targets of the output's shape.
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], torch.Tensor], str]] = {
@@ -537,6 +569,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "max_unpool": (_Unpooling, images(3, 8), "mse"),
     "embedding_bags": (_Bags, tokens(300, 10), "cross_entropy"),
     "roots_at_zero": (_Roots, images(3, 8), "cross_entropy"),
+    "siamese": (_Siamese, images(3, 8), "cross_entropy"),
+    "shared_sequence": (_SharedSequence, tokens(100, 12), "cross_entropy"),
 }
 #: (model, exporter) -> why the engine cannot match torch there: a limit docs/models.md states ("Known limits"). The
 #: record's status is "known_limit" with the reason, unless the pair passes after all.

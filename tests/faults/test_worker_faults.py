@@ -45,7 +45,13 @@ def test_a_killed_worker_restarted_with_its_id_rejoins_at_the_current_step_and_t
     job = start_job(mode="sync", shards=2, workers=3, steps=500)
     job.chief.wait_for_step(100, timeout=90)
     job.workers[2].kill()
-    reached = job.chief.wait_for_step(150, timeout=60)["step"]          # past the dead worker's lease
+    killed_at = time.time()
+    # Past the dead worker's lease. Not "a step past the kill's": the chief's events can reach the test after it
+    # has run 50 steps more (the MLP runs ~400 a second), so a later step may already have been reported when the
+    # kill lands, and the worker came back inside its lease, uncapped (one CI run). Without the dead worker a sync
+    # step waits for its lease to run out (LEASE s), so progress a second after the kill comes after the cap.
+    reached = job.chief.wait_for(lambda e: e["event"] == "progress" and e["time"] >= killed_at + 1.0, timeout=60,
+                                 what="progress past the dead worker's lease")["step"]
     back = job.restart_worker(2)
     start = back.wait_for(lambda e: e["event"] == "start", timeout=60, what="the start event")
     assert start["resumed"] and start["step"] >= reached, start          # no start barrier, the current step

@@ -57,6 +57,7 @@ from worker_client.engine.coverage import unsupported_nodes
 from worker_client.engine.lift import lift_parameters
 from worker_client.engine.exporters import restore_torch_training_batch_norms
 from worker_client.engine.rewrites.detaches import is_torch_detach
+from worker_client.engine.rewrites.prune import live
 from worker_client.engine.load import load_model
 from worker_client.engine.loss import attach_loss, parse_loss
 from worker_client.engine.opset import upgrade_opset
@@ -228,7 +229,7 @@ def check_model(path: str | Path, *, batch_size: int = DEFAULT_BATCH,
     report.differences = function.how
     # a parameter before a torch detach(): its gradient is torch's, not the loss's derivative (a straight-through
     # estimator's passes round() as if it were the identity), so differences of the loss cannot check it
-    before_detaches = _upstream(model, {node.input[0] for node in model.graph.node if is_torch_detach(node)})
+    _, before_detaches = live(model.graph, [node.input[0] for node in model.graph.node if is_torch_detach(node)])
     report.detached = [n for n in engine.trainable_names if n in before_detaches]
     report.gradients = _finite_differences(engine, values, result, function, rng, skip=set(report.detached))
     return report
@@ -243,15 +244,6 @@ def _engine(report: CheckReport, path, batch_size, loss, include, exclude, expec
     except (UnsupportedModelError, ModelLoadError, DeviceUnavailableError, ValueError) as exc:
         report.error = f"{type(exc).__name__}: {exc}"
         return None
-
-
-def _upstream(model: onnx.ModelProto, values: set[str]) -> set[str]:
-    """Every value (initializers and inputs included) that one of `values` is computed from."""
-    reached = set(values)
-    for node in reversed(model.graph.node):
-        if reached.intersection(node.output):
-            reached.update(name for name in node.input if name)
-    return reached
 
 
 def _downstream(model: onnx.ModelProto, sources: set[str],

@@ -32,8 +32,8 @@ from onnx import helper
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.rewrites.detaches import is_torch_detach
 from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, TORCH_PRODUCER, VALUE_PRESERVING, consumers,
-                                            from_torch_dynamo, node_metadata, reads_torch_parameter,
-                                            torch_export_name)
+                                            from_torch_dynamo, node_metadata, only_running_statistics,
+                                            reads_torch_parameter, torch_export_name)
 from worker_client.engine.support import node_label, nodes_listed
 
 __all__ = ["DYNAMO_REMEDY", "dropped_detaches_warning", "dropped_torch_detaches", "folded_bias_layers",
@@ -238,7 +238,7 @@ def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> i
         # a module called twice reads, the second time, the first call's new statistics: Identities of its own
         # (the exporter's inference form moves nothing), which lead back to the same buffers
         statistics = [_through_identities(name, producers) for name in node.input[3:5]]
-        own = [name in initializers and name not in node.input[:3] and _only_running_statistics(name, uses)
+        own = [name in initializers and name not in node.input[:3] and only_running_statistics(name, uses)
                for name in statistics]
         # a BatchNorm without running statistics (track_running_stats=False) is fed the batch's mean and variance,
         # computed in the graph: in training mode it computes the same ones itself, and its gradient reaches the
@@ -281,14 +281,6 @@ def _through_identities(name: str, producers: dict[str, onnx.NodeProto]) -> str:
     while name in producers and producers[name].op_type == "Identity":
         name = producers[name].input[0]
     return name
-
-
-def _only_running_statistics(name: str, uses) -> bool:
-    """Whether every reader of `name`, followed through Identities, reads it as a BatchNormalization's running
-    mean or variance."""
-    return all((user.op_type == "BatchNormalization" and index in (3, 4)) or
-               (user.op_type == "Identity" and _only_running_statistics(user.output[0], uses))
-               for user, index in uses.get(name, []))
 
 
 def renamed_or_dropped_warning(names: list[str]) -> str:

@@ -54,8 +54,8 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 __all__ = ["CONFIGURATION_OPERANDS", "FLOAT_TYPES", "TORCH_FX_NODE", "Role", "classify", "consumers",
-           "from_torch_dynamo", "names_torch_parameter", "node_metadata", "reads_torch_parameter",
-           "torch_export_name"]
+           "from_torch_dynamo", "names_torch_parameter", "node_metadata", "only_running_statistics",
+           "reads_torch_parameter", "torch_export_name"]
 
 #: Element types a parameter can have.
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
@@ -186,7 +186,7 @@ def classify(model: onnx.ModelProto) -> dict[str, Role]:
         if tensor.data_type not in FLOAT_TYPES:
             continue
         single = int(np.prod(tensor.dims, dtype=np.int64)) == 1
-        if _only(tensor.name, uses, _is_running_statistic, follow={"Identity"}):
+        if only_running_statistics(tensor.name, uses):
             roles[tensor.name] = Role("state", "BatchNormalization running statistics")
         elif _only(tensor.name, uses, lambda node, index: _is_configuration(node, index, from_torch),
                    follow=VALUE_PRESERVING):
@@ -251,6 +251,12 @@ def _is_layer_bias(name: str, uses: Uses, producers: dict[str, onnx.NodeProto]) 
         index == _BIASED_LAYERS.get(node.op_type)
         or (node.op_type == "Add" and len(node.input) == 2 and layer_output(node.input[1 - index]))
         for node, index in found)
+
+
+def only_running_statistics(name: str, uses: Uses) -> bool:
+    """Whether `name` is read, and every reader (followed through Identities) reads it as a BatchNormalization's
+    running mean or variance: rule 1's state."""
+    return _only(name, uses, _is_running_statistic, follow={"Identity"})
 
 
 def _is_running_statistic(node: onnx.NodeProto, index: int) -> bool:

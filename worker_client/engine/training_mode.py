@@ -225,7 +225,7 @@ def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
         helper.make_node("Sub", [x, n["mean"]], [n["centred"]], name=n["centred"]),
         helper.make_node("Mul", [n["centred"], n["centred"]], [n["squared"]], name=n["squared"]),
         reduce(n["squared"], n["var"]),
-        helper.make_node("Add", [n["var"], _scalar(emit, epsilon)], [n["stabilized"]],
+        helper.make_node("Add", [n["var"], emit.scalar(epsilon)], [n["stabilized"]],
                          name=n["stabilized"]),
         helper.make_node("Sqrt", [n["stabilized"]], [n["std"]], name=n["std"]),
         helper.make_node("Reshape", [scale, channel_shape], [n["scale"]], name=n["scale"]),
@@ -266,7 +266,7 @@ def _unbiased(x: str, variance: str, axes: str, emit: Emitter) -> list[onnx.Node
         helper.make_node("Gather", [shape, axes], [picked], name=picked, axis=0),
         helper.make_node("ReduceProd", [picked], [count], name=count, keepdims=0),
         helper.make_node("Cast", [count], [as_float], name=as_float, to=TensorProto.FLOAT),
-        helper.make_node("Sub", [as_float, _scalar(emit, 1.0)], [less], name=less),
+        helper.make_node("Sub", [as_float, emit.scalar(1.0)], [less], name=less),
         helper.make_node("Div", [as_float, less], [ratio], name=ratio),
         helper.make_node("Mul", [variance, ratio], [out], name=out),
     ]
@@ -275,8 +275,8 @@ def _unbiased(x: str, variance: str, axes: str, emit: Emitter) -> list[onnx.Node
 def _moving_average(running: str, batch: str, momentum: float,
                     emit: Emitter) -> list[onnx.NodeProto]:
     kept, added, out = emit.name(), emit.name(), emit.name()
-    return [helper.make_node("Mul", [running, _scalar(emit, momentum)], [kept], name=kept),
-            helper.make_node("Mul", [batch, _scalar(emit, 1.0 - momentum)], [added],
+    return [helper.make_node("Mul", [running, emit.scalar(momentum)], [kept], name=kept),
+            helper.make_node("Mul", [batch, emit.scalar(1.0 - momentum)], [added],
                              name=added),
             helper.make_node("Add", [kept, added], [out], name=out)]
 
@@ -321,19 +321,12 @@ def _dropout(node: onnx.NodeProto, values: dict[str, np.ndarray], model: onnx.Mo
     else:
         kept = emit.name()
         nodes = [helper.make_node("Mul", [node.input[0], mask], [kept], name=kept),
-                 helper.make_node("Mul", [kept, _scalar(emit, 1.0 / (1.0 - ratio), elem)],
+                 helper.make_node("Mul", [kept, emit.scalar(1.0 / (1.0 - ratio), elem)],
                                   [node.output[0]], name=node.name or emit.name())]
     if len(node.output) > 1 and node.output[1]:
         nodes.append(helper.make_node("Cast", [mask], [node.output[1]], name=emit.name(),
                                       to=TensorProto.BOOL))
     return nodes
-
-
-def _scalar(emit: Emitter, value: float, elem: int = TensorProto.FLOAT) -> str:
-    name = emit.name()
-    emit.initializers.append(numpy_helper.from_array(
-        np.array(value, helper.tensor_dtype_to_np_dtype(elem)), name))
-    return name
 
 
 def _all_true_like(value: str, out: str, emit: Emitter) -> list[onnx.NodeProto]:

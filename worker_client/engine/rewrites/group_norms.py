@@ -202,7 +202,7 @@ def _detached(norm: onnx.NodeProto, x: str, groups: int, gamma: _Vector | None, 
     grouped = reshape(stand_x, [batch, groups, size])
     centred = node("Sub", [grouped, _mean(grouped, opset, emit, nodes)])
     variance = _mean(node("Mul", [centred, centred]), opset, emit, nodes)
-    eps = _float(emit, epsilon)
+    eps = emit.scalar(epsilon)
     rate = node("Reciprocal", [node("Sqrt", [node("Add", [variance, eps])])])
     factor = node("Mul", [rate, reshape(stand_k, [1, groups, width])])          # r * k: [N, G, C / G]
     shifts = reshape(node("Expand", [reshape(stand_t, [1, channels]), emit.ints([batch, channels])]),
@@ -242,12 +242,6 @@ def _mean(value: str, opset: int, emit: Emitter, nodes: list[onnx.NodeProto]) ->
         nodes.append(helper.make_node("ReduceMean", [value], [name], name=name, axes=[2], keepdims=1))
     else:
         nodes.append(helper.make_node("ReduceMean", [value, emit.ints([2])], [name], name=name, keepdims=1))
-    return name
-
-
-def _float(emit: Emitter, value: float) -> str:
-    name = emit.name()
-    emit.initializers.append(numpy_helper.from_array(np.array(value, np.float32), name))
     return name
 
 
@@ -364,7 +358,7 @@ def _adjoints(unit: dict, dy: str, wanted: dict[str, bool], emit: Emitter
         values["t"] = summed(totals, 0, 0)
     if wanted["x"]:
         gains = reshape(unit["k"], [1, channels])
-        inverse = _float(emit, -1.0 / size)
+        inverse = emit.scalar(-1.0 / size)
 
         def per_group(value: str) -> str:   # sum over each group's channels of k * value, times -1 / M: [N, G, 1]
             return node("Mul", [summed(reshape(node("Mul", [value, gains]), [batch, groups, width]), 2, 1),

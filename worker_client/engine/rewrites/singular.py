@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from worker_client.engine.rewrites.toolkit import Emitter, Writer, constants, rebuild, shapes_and_types
 
@@ -50,15 +50,6 @@ def guard_singular_zeros(model: onnx.ModelProto) -> int:
     producers = {out: node for node in model.graph.node for out in node.output}
     types = shapes_and_types(model)[1]
     emit = Emitter(model, "singular_zero")
-    floats: dict[tuple[int, float], str] = {}
-
-    def scalar(element: int, number: float) -> str:
-        if (element, number) not in floats:
-            name = emit.name()
-            emit.initializers.append(numpy_helper.from_array(
-                np.array(number, helper.tensor_dtype_to_np_dtype(element)), name))
-            floats[element, number] = name
-        return floats[element, number]
 
     def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         if node.op_type == "Pow":
@@ -78,8 +69,8 @@ def guard_singular_zeros(model: onnx.ModelProto) -> int:
             squares.attribute.extend(node.attribute)
             write.nodes.append(squares)
             base = squares.output[0]
-        zero = write.node("Equal", [base, scalar(element, 0.0)])
-        safe = write.node("Where", [zero, scalar(element, 1.0), base])
+        zero = write.node("Equal", [base, emit.scalar(0.0, element)])
+        safe = write.node("Where", [zero, emit.scalar(1.0, element), base])
         root = write.node("Pow", [safe, node.input[1]]) if node.op_type == "Pow" else write.node("Sqrt", [safe])
         write.node("Sub", [root, write.node("Cast", [zero], to=element)], out=node.output[0])
         return write.nodes

@@ -191,6 +191,13 @@ class Emitter:
         self.initializers.append(numpy_helper.from_array(np.array(values, np.int64), name))
         return name
 
+    def scalar(self, value: float, element: int = onnx.TensorProto.FLOAT) -> str:
+        """A new 0-d initializer holding `value` as the ONNX element type `element`; returns its name."""
+        name = self.name()
+        self.initializers.append(numpy_helper.from_array(
+            np.array(value, helper.tensor_dtype_to_np_dtype(element)), name))
+        return name
+
     def reshape(self, value: str, shape: Sequence[int], out: str | None = None
                 ) -> tuple[onnx.NodeProto, str]:
         """A Reshape of `value` to the static `shape`, and its output name."""

@@ -27,6 +27,9 @@ from worker_client.engine.rewrites.toolkit import Emitter, Writer, constants, re
 
 __all__ = ["guard_singular_zeros"]
 
+#: The ops the rewrite guards (a Pow only with an exponent between 0 and 1).
+_ROOTS = frozenset({"Sqrt", "Pow", "ReduceL2"})
+
 
 def _exponent(node: onnx.NodeProto, known: dict[str, np.ndarray]) -> float | None:
     """A Pow's exponent when it is one constant value."""
@@ -46,6 +49,8 @@ def _stabilized(value: str, producers: dict[str, onnx.NodeProto], known: dict[st
 def guard_singular_zeros(model: onnx.ModelProto) -> int:
     """Each Sqrt, Pow with a constant exponent strictly between 0 and 1, and ReduceL2 of a floating-point value,
     written with a zero derivative at zero (module docstring); in place. Returns the number rewritten."""
+    if not any(node.op_type in _ROOTS for node in model.graph.node):
+        return 0   # no shape inference for a graph without a root (most)
     known = constants(model)
     producers = {out: node for node in model.graph.node for out in node.output}
     types = shapes_and_types(model)[1]
@@ -56,7 +61,7 @@ def guard_singular_zeros(model: onnx.ModelProto) -> int:
             exponent = _exponent(node, known)
             if exponent is None or not 0 < exponent < 1:
                 return None
-        elif node.op_type not in ("Sqrt", "ReduceL2"):
+        elif node.op_type not in _ROOTS:
             return None
         element = types.get(node.input[0])
         if element not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16) or \

@@ -194,12 +194,12 @@ def torch_origin(model: onnx.ModelProto, name: str) -> tuple[str, str]:
     if remedy is None:
         # the failure can surface after the untrainable op: an Add of an EmbeddingBag's output, whose rank the
         # bag's Loop over sequences hides
-        known = next((n for n in model.graph.node if (_aten_target(n) or ("",))[0] in _TORCH_OP_REMEDIES), None)
+        known = next(((n, target[0]) for n in model.graph.node
+                      if (target := _aten_target(n)) and target[0] in _TORCH_OP_REMEDIES), None)
         if known is not None:
-            known_module = _module_path(known)
-            remedy = (f"The model has aten.{_aten_target(known)[0]}" +
-                      (f" (module {known_module!r})" if known_module else "") +
-                      f": {_TORCH_OP_REMEDIES[_aten_target(known)[0]]}")
+            known_module = _module_path(known[0])
+            remedy = (f"The model has aten.{known[1]}" + (f" (module {known_module!r})" if known_module else "") +
+                      f": {_TORCH_OP_REMEDIES[known[1]]}")
     return (f", from torch's aten.{op}" + (f".{overload}" if overload else "") +
             (f" in module {module!r}" if module else ""), f" {remedy}." if remedy else "")
 

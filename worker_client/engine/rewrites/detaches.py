@@ -16,9 +16,8 @@ from __future__ import annotations
 import re
 
 import onnx
-from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import read_stand_ins
+from worker_client.engine.rewrites.toolkit import read_stand_ins, value_types
 from worker_client.engine.selection import TORCH_FX_NODE, node_metadata
 
 __all__ = ["DETACHED_PREFIX", "attach_detached", "is_torch_detach", "stop_torch_detaches"]
@@ -44,7 +43,7 @@ def stop_torch_detaches(model: onnx.ModelProto) -> int:
         return 0
     # the stand-in declares the value's inferred type: its rank, with the dims inference could not fix symbolic
     # (a dynamo flatten's Reshape to [Squeeze(Shape(x)), 48] keeps the batch axis unknown until later passes fold it)
-    declared = _value_types(model)
+    declared = {name: value for name, value in value_types(model).items() if value.tensor_type.elem_type}
     stand_ins: dict[str, onnx.ValueInfoProto] = {}
     for node in graph.node:
         for index, name in enumerate(node.input):
@@ -58,19 +57,6 @@ def stop_torch_detaches(model: onnx.ModelProto) -> int:
                 stand_ins[stand_in].type.CopyFrom(declared[source])
     graph.input.extend(stand_ins.values())
     return len(stand_ins)
-
-
-def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """Every tensor value's type as onnx's shape inference gives it, initializers' included."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except onnx.shape_inference.InferenceError:
-        inferred = model
-    graph = inferred.graph
-    found = {t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
-    found.update({value.name: value.type for value in [*graph.input, *graph.value_info, *graph.output]
-                  if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type})
-    return found
 
 
 def attach_detached(model: onnx.ModelProto) -> int:

@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 
 __all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "Writer", "auto_pads", "constants", "drop_values", "opset_of",
            "read_stand_ins", "reader_counts", "readers_of", "rebuild", "reduction_axes", "replace_items",
-           "set_attribute", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs"]
+           "set_attribute", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs", "value_types"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
 #: seed-axis Reshapes, its Expands of a tensor to its own shape, Identities).
@@ -36,25 +36,29 @@ def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
 def shapes_and_types(model: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
     """(every value whose shape is fully static; the element type, onnx.TensorProto's enum, of every value
     whose type onnx infers), from one run of onnx's shape inference."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    types: dict[str, int] = {}
+    for name, value in value_types(model).items():
+        tensor_type = value.tensor_type
+        if tensor_type.elem_type:
+            types[name] = tensor_type.elem_type
+        if tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in tensor_type.shape.dim):
+            shapes[name] = tuple(d.dim_value for d in tensor_type.shape.dim)
+    return shapes, types
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Every tensor value's type (initializers', inputs', inferred values', outputs') from one run of onnx's shape
+    inference, the dims it could not fix left symbolic or unknown."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except onnx.shape_inference.InferenceError:
         inferred = model
     graph = inferred.graph
-    shapes: dict[str, tuple[int, ...]] = {t.name: tuple(t.dims) for t in graph.initializer}
-    types = {t.name: t.data_type for t in graph.initializer}
-    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
-        tensor_type = value.type.tensor_type
-        if not value.type.HasField("tensor_type"):
-            continue
-        if tensor_type.elem_type:
-            types[value.name] = tensor_type.elem_type
-        if not tensor_type.HasField("shape"):
-            continue
-        dims = tensor_type.shape.dim
-        if all(d.HasField("dim_value") for d in dims):
-            shapes[value.name] = tuple(d.dim_value for d in dims)
-    return shapes, types
+    found = {t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer}
+    found.update({value.name: value.type for value in [*graph.input, *graph.value_info, *graph.output]
+                  if value.type.HasField("tensor_type")})
+    return found
 
 
 def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

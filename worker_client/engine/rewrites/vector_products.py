@@ -15,7 +15,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, opset_of
+from worker_client.engine.rewrites.toolkit import Emitter, opset_of, value_types
 
 __all__ = ["vector_products_as_columns"]
 
@@ -32,9 +32,8 @@ def _ranks(model: onnx.ModelProto, names: set[str]) -> dict[str, int]:
     ranks.update({v.name: len(v.type.tensor_type.shape.dim) for v in declared
                   if v.name in names and v.type.tensor_type.HasField("shape")})
     if names - set(ranks):
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-        ranks.update({v.name: len(v.type.tensor_type.shape.dim) for v in inferred.graph.value_info
-                      if v.name in names and v.type.tensor_type.HasField("shape")})
+        ranks.update({name: len(value.tensor_type.shape.dim) for name, value in value_types(model).items()
+                      if name in names and value.tensor_type.HasField("shape")})
     return ranks
 
 

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import queue
+import random
 import signal
 import socket
 import sys
@@ -71,14 +72,48 @@ RUN_POLL_INTERVAL = 0.2
 RECORD_KEYS = ("ts", "level", "logger", "msg")
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on 127.0.0.1 now (bound to port 0 together, then released: a replicated job's
-    processes must know each other's addresses before they start)."""
-    sockets = []
+#: Where the kernel keeps the ports it gives to port-0 binds and to outgoing connections' source ports.
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+#: The lowest port `free_ports` picks: above the registered services most machines run.
+LOWEST_PICKED_PORT = 10000
+
+
+def ephemeral_range() -> tuple[int, int] | None:
+    """The kernel's ephemeral port range (low, high), None where it cannot be read (not Linux)."""
     try:
-        for _ in range(count):
+        with open(EPHEMERAL_RANGE_FILE) as handle:
+            low, high = (int(field) for field in handle.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def free_ports(count: int, *, attempts: int = 200) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now: a replicated job's processes must know each other's addresses
+    before they start, so the ports are picked, released, and bound again by the processes.
+
+    They are picked at random between LOWEST_PICKED_PORT and the kernel's ephemeral range where there is room:
+    a port from port 0 lies inside that range, where any outgoing connection on the machine may take it as its
+    source port between the pick and the bind ("Address already in use" at a replica's start). Where the range
+    cannot be read or leaves no room, or `attempts` random ports were taken, the rest are port-0 choices."""
+    kernel = ephemeral_range()
+    below = kernel is not None and kernel[0] - LOWEST_PICKED_PORT > 4 * count
+    sockets: list[socket.socket] = []
+    try:
+        tries = 0
+        while len(sockets) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
+            port = 0
+            if below and tries < attempts:
+                port = random.randint(LOWEST_PICKED_PORT, kernel[0] - 1)
+                tries += 1
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                if port == 0:
+                    raise
+                continue
             sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:

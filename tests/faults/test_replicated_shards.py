@@ -244,14 +244,21 @@ def test_a_lost_replica_rejoins_by_state_transfer_and_can_take_over_again(replic
         found = status(address)
         return found is not None and found.role == "BACKUP" and len(status(job.groups[0][1 - index]).isr) == 2
 
-    deadline = time.monotonic() + 20
-    while not rejoined():
-        assert time.monotonic() < deadline, f"replica {address} did not rejoin: {status(address)}"
+    # In the ISR for a second on end: a backup that misses one replication deadline (1 s) under the suite's load
+    # leaves the ISR, and a shard whose only in-sync replica dies has, by design, no candidate to take over.
+    deadline, steady = time.monotonic() + 30, 0
+    while steady < 10:
+        assert time.monotonic() < deadline, f"replica {address} did not rejoin for 1 s on end: {status(address)}"
+        steady = steady + 1 if rejoined() else 0
         time.sleep(0.1)
     assert len(job.primaries(0)) == 1
     at = job.chief.events[-1].get("step", 0)
     second.kill()   # the rejoined replica takes over
-    assert job.primary(0) is job.replicas[0][index]
+    try:
+        assert job.primary(0) is job.replicas[0][index]
+    except AssertionError as error:
+        raise AssertionError(f"{error}; the rejoined replica says {status(address)}; its log ends "
+                             f"{job.replicas[0][index].log_tail()}") from None
     results = job.finish()
     assert at < 4000 - 200, f"the job was nearly over ({at} steps) when the second primary was killed"
     check_applied_equals_acknowledged(job, results)

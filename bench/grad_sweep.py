@@ -1,14 +1,16 @@
 """The engine's gradients against torch autograd on architectures its rewrites were never tuned on.
 
-Each model below (43) is a small torch module built around the edge cases of the engine's matchers and export paths:
+Each model below (57) is a small torch module built around the edge cases of the engine's matchers and export paths:
 normalizations over one group or one channel a group, activations after them, transposed convolutions with output
 padding, groups and dilation, ceil-mode and dilated pools, recurrent layers of several kinds, views and flips as
 torch's dynamo exporter writes them, a segmentation map's per-pixel loss, masks and tied weights, BatchNorms
 without running statistics, learned exponents and clipping levels, detach() (straight-through estimators),
 spatial transformers, attention modules, routing by argmax and scatters, resampling, unpooling, bags, roots at
-exactly zero, modules shared by two branches. Each is exported (torch.onnx's legacy exporter with the documented
-recipe, its dynamo exporter with optimize=False, or both), built into a GradientEngine, and one step is compared
-with torch's on the same weights and batch.
+exactly zero, modules shared by two branches, buffers named like torch ops, padding indices, statistics, bilinear
+and spectral layers, learned frequencies and temperatures, slice assignment, many-operand products, padding modes,
+volumes, timestep conditioning, attention masks and weights, relative position biases. Each is exported
+(torch.onnx's legacy exporter with the documented recipe, its dynamo exporter with optimize=False, or both), built
+into a GradientEngine, and one step is compared with torch's on the same weights and batch.
 
 JSON lines (ps_bench.harness.emit), one per model and exporter: ``grad_sweep_error_NAME``, in millionths, the
 largest over the parameters of ||engine - exact|| / max(||exact||, 1e-2 x the largest parameter's ||exact||),
@@ -488,6 +490,198 @@ class _SharedSequence(nn.Module):   # one embedding, LayerNorm, LSTM and attenti
         return self.out(c.mean(1) * d.mean(1))
 
 
+class _Normalized(nn.Module):   # input normalization by top-level buffers named "mean" and "std", .mean() and .std()
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1))
+        self.conv, self.out = nn.Conv2d(3, 8, 3), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv((x - self.mean) / self.std)
+        return self.out(h.mean((2, 3)) + h.std((2, 3)))
+
+
+class _PaddedEmbedding(nn.Module):   # an Embedding's padding_idx, the padding written into the ids
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(100, 16, padding_idx=0), nn.Linear(16, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.clone()
+        ids[:, :3] = 0
+        return self.out(self.embed(ids).mean(1))
+
+
+class _Statistics(nn.Module):   # var, std, logsumexp, amax and amin, maximum, a product by cumsum of logs
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.out = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(40, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        products = torch.sigmoid(h.mean((2, 3))).log().cumsum(1).exp()
+        return self.out(torch.cat([h.var((2, 3)), h.std((2, 3)), torch.logsumexp(h.flatten(2), 2),
+                                   torch.maximum(h.amax((2, 3)), h.amin((2, 3)).abs()), products], 1))
+
+
+class _Bilinear(nn.Module):   # nn.Bilinear of a hidden layer and the input
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.bilinear = nn.Linear(12, 8), nn.Bilinear(8, 12, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bilinear(torch.tanh(self.hidden(x)), x)
+
+
+class _Fourier(nn.Module):   # learned frequencies through sin and cos, a learned temperature through exp (CLIP)
+    def __init__(self) -> None:
+        super().__init__()
+        self.frequencies, self.logit_scale = nn.Parameter(torch.randn(12, 16)), nn.Parameter(torch.tensor(2.0))
+        self.project, self.classes = nn.Linear(32, 8), nn.Parameter(torch.randn(5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x @ self.frequencies
+        features = F.normalize(self.project(torch.cat([torch.sin(z), torch.cos(z)], -1)), dim=-1)
+        return self.logit_scale.exp() * features @ F.normalize(self.classes, dim=-1).t()
+
+
+class _RMSSwiGLU(nn.Module):   # nn.RMSNorm, a LayerNorm over two axes, a SwiGLU feed-forward
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.rms, self.norm = nn.Embedding(100, 32), nn.RMSNorm(32), nn.LayerNorm([10, 32])
+        self.gate, self.up = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False)
+        self.down, self.out = nn.Linear(64, 32, bias=False), nn.Linear(32, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(ids))
+        g = self.rms(h)
+        return self.out((h + self.down(F.silu(self.gate(g)) * self.up(g))).mean(1))
+
+
+class _SliceAssign(nn.Module):   # in-place assignment to slices, to a column, to rows by an index tensor
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(48, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x.transpose(1, 2))
+        g = h.clone()
+        g[:, 1:3] = self.b(h[:, 1:3])
+        g[:, :, 0] = h[:, :, 0] * 2
+        rows = torch.tensor([5, 0])
+        g[:, rows] = g[:, rows] + 1
+        return self.out(g.flatten(1))
+
+
+class _ManyOperands(nn.Module):   # a three-operand einsum, baddbmm with alpha and beta, cdist, cosine similarity
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.v = nn.Parameter(torch.randn(8, 8) * 0.3), nn.Parameter(torch.randn(8, 4) * 0.3)
+        self.centres, self.bias = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(10, 4) * 0.1)
+        self.out = nn.Linear(70, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        h = torch.einsum("bil,ij,jk->blk", x, self.w, self.v)
+        h = torch.baddbmm(self.bias.expand(n, -1, -1), h, torch.eye(4, dtype=x.dtype).expand(n, -1, -1),
+                          alpha=0.5, beta=2.0)
+        distances = torch.cdist(h, self.centres.expand(n, -1, -1))
+        cosines = F.cosine_similarity(h, self.bias.unsqueeze(0), dim=-1)
+        return self.out(torch.cat([distances.flatten(1), cosines], 1))
+
+
+class _PaddingModes(nn.Module):   # Convs padding by reflection, replication and wrapping; a dilated depthwise Conv1d
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect")
+        self.b = nn.Conv2d(8, 8, 3, padding=2, padding_mode="replicate", dilation=2)
+        self.c = nn.Conv2d(8, 8, 3, padding=1, padding_mode="circular")
+        self.d, self.out = nn.Conv1d(8, 8, 3, padding=2, dilation=2, groups=8), nn.Linear(40, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c(F.relu(self.b(F.relu(self.a(x)))))).flatten(2)
+        return self.out(F.adaptive_avg_pool1d(F.avg_pool1d(F.relu(self.d(h)), 4), 5).flatten(1))
+
+
+class _Volumes(nn.Module):   # ConvTranspose3d, a ceil-mode AvgPool3d, trilinear upsampling, AdaptiveAvgPool3d
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv3d(2, 6, 3, stride=2, padding=1), nn.ConvTranspose3d(6, 4, 2, stride=2)
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.avg_pool3d(F.relu(self.a(x)), 3, 2, ceil_mode=True)
+        h = torch.tanh(self.b(F.interpolate(h, scale_factor=2, mode="trilinear", align_corners=False)))
+        return self.out(F.adaptive_avg_pool3d(h, 2).flatten(1))
+
+
+class _Spectral(nn.Module):   # mixing by the magnitudes of an rfft along the sequence (FNet)
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.out = nn.Linear(8, 16), nn.Linear(96, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.fft.rfft(self.a(x.transpose(1, 2)), dim=1).abs().flatten(1))
+
+
+class _Timestep(nn.Module):   # a diffusion model's sinusoidal embedding of a number per example, FiLM conditioning
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16))
+        self.conv, self.out = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angles = (x[:, 0, 0, 0] * 100)[:, None] * torch.exp(-torch.arange(8, dtype=x.dtype) * 0.5)[None]
+        scale, shift = self.embed(torch.cat([angles.sin(), angles.cos()], 1)).chunk(2, 1)
+        return self.out(F.silu(self.conv(x) * (1 + scale[:, :, None, None]) + shift[:, :, None, None]))
+
+
+class _Masks(nn.Module):   # a key padding mask from the ids, attention weights used, masked mean, a Where of parameters
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.attention = nn.Embedding(50, 16), nn.MultiheadAttention(16, 2)
+        self.above, self.below = nn.Parameter(torch.randn(16)), nn.Parameter(torch.randn(16))
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.clone()
+        ids[:, -2:] = 0
+        padding = ids == 0
+        h = self.embed(ids).transpose(0, 1)
+        h, weights = self.attention(h, h, h, key_padding_mask=padding, need_weights=True)
+        h = h.transpose(0, 1) * weights.sum(1, keepdim=True).transpose(1, 2)
+        keep = (~padding).unsqueeze(-1).float()
+        pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1)
+        return self.out(pooled + torch.where(pooled > 0, self.above, self.below))
+
+
+class _RelativeBias(nn.Module):   # a Swin relative position bias: a parameter table gathered by a buffer "index"
+    def __init__(self, side: int = 4) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn((2 * side - 1) ** 2, 2) * 0.1)
+        coords = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")).flatten(1)
+        relative = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + side - 1
+        self.register_buffer("index", relative[..., 0] * (2 * side - 1) + relative[..., 1])
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.flatten(2).transpose(1, 2)
+        n, length = t.shape[0], t.shape[1]
+        q, k, v = self.qkv(t).reshape(n, length, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index.view(-1)].view(length, length, 2).permute(2, 0, 1)
+        h = ((q @ k.transpose(-2, -1)) * 0.5 + bias).softmax(-1) @ v
+        return self.out(h.transpose(1, 2).reshape(n, length, 8).mean(1))
+
+
+def volumes(channels: int, side: int) -> Callable[[int, torch.Generator], torch.Tensor]:
+    return lambda batch, generator: torch.randn(batch, channels, side, side, side, generator=generator)
+
+
+def vectors(features: int) -> Callable[[int, torch.Generator], torch.Tensor]:
+    return lambda batch, generator: torch.randn(batch, features, generator=generator)
+
+
 #: name -> (module factory, batch drawer, loss). "cross_entropy" draws a class per example -- or per position
 #: when the output has more axes than (batch, classes) --, "mse" targets of the output's shape.
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], torch.Tensor], str]] = {
@@ -571,12 +765,27 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "roots_at_zero": (_Roots, images(3, 8), "cross_entropy"),
     "siamese": (_Siamese, images(3, 8), "cross_entropy"),
     "shared_sequence": (_SharedSequence, tokens(100, 12), "cross_entropy"),
+    "normalized_input": (_Normalized, images(3, 8), "cross_entropy"),
+    "padded_embedding": (_PaddedEmbedding, tokens(100, 10), "cross_entropy"),
+    "statistics": (_Statistics, images(3, 8), "cross_entropy"),
+    "bilinear": (_Bilinear, vectors(12), "cross_entropy"),
+    "fourier": (_Fourier, vectors(12), "cross_entropy"),
+    "rms_swiglu": (_RMSSwiGLU, tokens(100, 10), "cross_entropy"),
+    "slice_assign": (_SliceAssign, sequences(8, 6), "cross_entropy"),
+    "many_operands": (_ManyOperands, sequences(8, 10), "cross_entropy"),
+    "padding_modes": (_PaddingModes, images(3, 10), "cross_entropy"),
+    "volumes": (_Volumes, volumes(2, 8), "cross_entropy"),
+    "spectral": (_Spectral, sequences(8, 10), "cross_entropy"),
+    "timestep": (_Timestep, images(3, 8), "mse"),
+    "masks": (_Masks, tokens(50, 9), "cross_entropy"),
+    "relative_bias": (_RelativeBias, images(8, 4), "cross_entropy"),
 }
 #: (model, exporter) -> why the engine cannot match torch there: a limit docs/models.md states ("Known limits"). The
 #: record's status is "known_limit" with the reason, unless the pair passes after all.
 KNOWN_LIMITS = {
     ("straight_through", "legacy"): "the legacy exporter drops detach() without a trace",
     ("embedding_bags", "dynamo"): "the dynamo exporter writes an EmbeddingBag as a Loop over sequences",
+    ("padded_embedding", "legacy"): "the legacy exporter drops an Embedding's padding_idx",
 }
 EXPORTERS = ("legacy", "dynamo")
 

@@ -22,6 +22,7 @@ from worker_client.engine.differentiate import (
     gradient_graph,
 )
 from worker_client.engine.exporters import (dropped_detaches_warning, dropped_torch_detaches, folded_bias_layers,
+                                             folded_keras_batch_norms, folded_keras_batch_norms_warning,
                                              folded_torch_parameters, folded_torch_parameters_warning,
                                              folded_variables_warning, renamed_or_dropped_warning,
                                              restore_torch_training_batch_norms, torch_padding_rows,
@@ -48,7 +49,7 @@ from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
 from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.session import open_session, placement, run_bound
 from worker_client.engine.sparse import SparsePlan, declared_dynamic_tables, find_sparse_tables, rewrite_sparse
-from worker_client.engine.support import warn_caller
+from worker_client.engine.support import check_registered_ops, warn_caller
 from worker_client.engine.thread_choice import ThreadChoice, loops
 from worker_client.engine.trainables import FLOAT_TYPES, initial_values, trainable_parameters
 from worker_client.engine.training_mode import (
@@ -179,6 +180,10 @@ class GradientEngine:
         for name, row in padding.items():   # a table by rows: its row gradients keep that row at zero
             if name in self.sparse.tables:
                 self.sparse.tables[name].padding_row = row
+        check_registered_ops(model, str(self.model_path))
+        keras_norms = folded_keras_batch_norms(model)
+        if keras_norms:
+            warn_caller(f"{self.model_path}: {folded_keras_batch_norms_warning(keras_norms)}")
         detaches = dropped_torch_detaches(model)
         if detaches:
             warn_caller(f"{self.model_path}: {dropped_detaches_warning(detaches)}")

@@ -37,7 +37,8 @@ from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, TORCH_PRODUC
 from worker_client.engine.support import node_label, nodes_listed
 
 __all__ = ["DYNAMO_REMEDY", "dropped_detaches_warning", "dropped_torch_detaches", "folded_bias_layers",
-           "folded_torch_parameters", "folded_torch_parameters_warning", "folded_variables_warning",
+           "folded_keras_batch_norms", "folded_keras_batch_norms_warning", "folded_torch_parameters",
+           "folded_torch_parameters_warning", "folded_variables_warning",
            "from_torch_dynamo", "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning",
            "restore_torch_training_batch_norms", "torch_origin", "torch_padding_rows",
            "torch_parameters_renamed_or_dropped"]
@@ -100,6 +101,32 @@ def folded_variables_warning(layers: list[onnx.NodeProto]) -> str:
             f"zero-initialized bias away and it will not train; LayerNormalization's beta "
             f"goes the same way. Re-export with the marker recipe in docs/models.md, or "
             f"pass --expect-parameters N to make a mismatch an error")
+
+
+#: The TensorFlow op names a Keras BatchNormalization layer leaves on the nodes tf2onnx writes for it: Keras 3 spells
+#: the layer's inference form out ("<layer>/batchnorm/mul_1"), Keras 2 calls FusedBatchNormV3 ("<layer>/FusedBatch...").
+_KERAS_BATCH_NORM = re.compile(r"^(.*?)/(?:batchnorm/|FusedBatchNorm)")
+
+
+def folded_keras_batch_norms(model: onnx.ModelProto) -> list[str]:
+    """The Keras BatchNormalization layers of a tf2onnx model, by their node names, when no BatchNormalization node
+    is left of them: tf2onnx exports the inference graph, in which a BatchNormalization is a per-channel scale and
+    shift by its moving statistics, and folds that into the Conv or MatMul beside it. [] for other producers."""
+    if model.producer_name != TF2ONNX or any(n.op_type == "BatchNormalization" for n in model.graph.node):
+        return []
+    layers = (_KERAS_BATCH_NORM.match(node.name) for node in model.graph.node)
+    return list(dict.fromkeys(match.group(1) for match in layers if match))
+
+
+def folded_keras_batch_norms_warning(layers: list[str]) -> str:
+    """The warning about `layers` (from `folded_keras_batch_norms`)."""
+    shown = ", ".join(layers[:5]) + (f" and {len(layers) - 5} more" if len(layers) > 5 else "")
+    return (f"{len(layers)} Keras BatchNormalization layer(s) reached this tf2onnx model in inference form ({shown}): "
+            f"tf2onnx exports the inference graph and folds each into the layer beside it, so they train as fixed "
+            f"per-channel scales and shifts, not with batch statistics as Keras trains them, and their moving "
+            f"statistics never move. Keras' own fit() normalizes by each batch; to train so here, export the model "
+            f"from torch by the recipe in docs/models.md, or leave the layers out (docs/models.md, \"Keras / "
+            f"TensorFlow\")")
 
 
 #: How torch.onnx's legacy exporter names a value computed in the graph (an op's output: "onnx::Conv_32"), which

@@ -14,8 +14,9 @@ from onnx import TensorProto, helper
 
 from ps_common.errors import ModelLoadError
 from worker_client.engine.external_data import check_model_tensors, load_external_data
+from worker_client.engine.repairs import repair_exporter_faults
 
-__all__ = ["clamp_ir_version", "load_model", "max_ir_version", "read_model", "unique_definitions"]
+__all__ = ["clamp_ir_version", "load_model", "max_ir_version", "read_model"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ def read_model(path: str | os.PathLike[str], *, external_data: bool = True) -> o
     here rather than in some later stage. Every tensor's data is checked against its dims,
     and external data is opened by the project's own rules (engine/external_data.py: inside
     the model's folder, no symbolic link, the bytes within the file), read when
-    `external_data`, else only checked. A value defined twice is renamed (`unique_definitions`).
+    `external_data`, else only checked. Faults of exporters that onnxruntime would refuse are
+    mended (engine/repairs.py).
     """
     path = Path(path)
     try:
@@ -67,72 +69,9 @@ def read_model(path: str | os.PathLike[str], *, external_data: bool = True) -> o
     if external_data:
         load_external_data(model, path.parent, where=f"model {path}")
     check_model_tensors(model, path.parent, where=f"model {path}")
-    renamed = unique_definitions(model.graph)
-    if renamed:
-        log.info("model %s: renamed the second definition of %s (a node's output named like a weight or an "
-                 "earlier node's output)", path, ", ".join(sorted(set(renamed))))
+    for repair in repair_exporter_faults(model):
+        log.info("model %s: %s", path, repair)
     return model
-
-
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
-
-
-def _rename_outer_reads(graph: onnx.GraphProto, current: dict[str, str]) -> None:
-    """Points the reads of outer values inside `graph` (a Loop's body, an If's branch, nested) at their current
-    names, where the subgraph does not define a value of that name itself."""
-    own = {*(v.name for v in graph.input), *(t.name for t in graph.initializer),
-           *(out for node in graph.node for out in node.output)}
-    visible = {name: new for name, new in current.items() if name not in own}
-    if not visible:
-        return
-    for node in graph.node:
-        node.input[:] = [visible.get(name, name) for name in node.input]
-        for inner in _subgraphs(node):
-            _rename_outer_reads(inner, visible)
-    for value in graph.output:
-        value.name = visible.get(value.name, value.name)
-
-
-def unique_definitions(graph: onnx.GraphProto) -> list[str]:
-    """Renames each value a node defines again after a graph input, an initializer or an earlier node defined it
-    (in place), its readers after it following; returns the names renamed.
-
-    torch.onnx.export's dynamo exporter names a node's output after its torch.fx node ("mean", "index", "std")
-    and a buffer after its module path: a top-level buffer named like an op -- register_buffer("mean", ...) for
-    an image normalization, beside a .mean() in forward() -- is defined twice, and onnxruntime refuses the file
-    ("Duplicate definition of name (mean)"), as onnx's shape inference does (a type or rank "differs"). Nodes are
-    in topological order, so each read means the latest definition before it; the later definitions get fresh
-    names (`mean__2`), the weights keep theirs. The type annotations of a renamed name (value_info) are dropped:
-    which definition each meant is not recorded, and shape inference writes them again."""
-    defined = {*(v.name for v in graph.input), *(t.name for t in graph.initializer)}
-    taken = set(defined) | {out for node in graph.node for out in node.output}
-    current: dict[str, str] = {}
-    renamed: list[str] = []
-    for node in graph.node:
-        if current:
-            node.input[:] = [current.get(name, name) for name in node.input]
-            for inner in _subgraphs(node):
-                _rename_outer_reads(inner, current)
-        for i, name in enumerate(node.output):
-            if not name:
-                continue
-            if name in defined:
-                fresh, k = name, 1
-                while fresh in taken:
-                    k += 1
-                    fresh = f"{name}__{k}"
-                taken.add(fresh)
-                node.output[i] = current[name] = fresh
-                renamed.append(name)
-            defined.add(node.output[i])
-    if renamed:
-        for value in graph.output:
-            value.name = current.get(value.name, value.name)
-        kept = [v for v in graph.value_info if v.name not in set(renamed)]
-        del graph.value_info[:]
-        graph.value_info.extend(kept)
-    return renamed
 
 
 def _size(path: Path) -> str:

@@ -10,7 +10,7 @@ import onnx
 
 from ps_common.errors import UnsupportedModelError
 
-__all__ = ["infer_shapes", "node_label", "warn_caller"]
+__all__ = ["check_registered_ops", "infer_shapes", "node_label", "warn_caller"]
 
 #: This package's folder: frames in files under it are the engine's own, not its caller's.
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -24,6 +24,33 @@ def node_label(node: onnx.NodeProto) -> str:
 def nodes_listed(nodes) -> str:
     """Nodes for a message: "name (OpType), name (OpType)"."""
     return ", ".join(f"{node_label(n)} ({n.op_type})" for n in nodes)
+
+
+#: Domains whose every op onnx's schema registry knows.
+_REGISTERED_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+
+
+def _unregistered(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    found = []
+    for node in graph.node:
+        if node.domain in _REGISTERED_DOMAINS and not onnx.defs.has(node.op_type, node.domain):
+            found.append(node)
+        for attribute in node.attribute:
+            for inner in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
+                found.extend(_unregistered(inner))
+    return found
+
+
+def check_registered_ops(model: onnx.ModelProto, source: str) -> None:
+    """UnsupportedModelError naming each node whose op the ONNX domains it claims do not have (no runtime can run
+    the model; left alone, it surfaces later as a value without a shape), with the producer that wrote it."""
+    unknown = _unregistered(model.graph)
+    if unknown:
+        producer = " ".join(p for p in (model.producer_name, model.producer_version) if p) or "its exporter"
+        raise UnsupportedModelError(
+            f"{source}: {len(unknown)} node(s) use ops that no ONNX opset has, so no runtime can run the model: "
+            + ", ".join(f"{node_label(n)} ({n.op_type}, domain {n.domain!r})" for n in unknown[:10])
+            + f". {producer} wrote them; export with an op set it maps to standard ONNX ops, or replace them")
 
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,0 +1,239 @@
+"""Exporter faults that read_model mends (engine/repairs.py), and ops no runtime has, refused by name.
+
+A value defined twice: torch's dynamo exporter names a node's output after its torch.fx node ("mean") and a
+buffer after its module path, so a buffer called like an op is defined twice and onnxruntime refuses the file.
+read_model renames the later definition; every reader gets the value it meant. An Erfc node in the ONNX domain:
+tf2onnx's exact GELU, which no opset has; read_model writes it as 1 - Erf."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ps_common.errors import UnsupportedModelError
+
+from worker_client.engine import GradientEngine
+from worker_client.engine.load import read_model
+from worker_client.engine.repairs import unique_definitions
+
+MEAN = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+
+
+def normalizing_model(path: Path) -> Path:
+    """x [N, 3] -> (x - mean) @ W, then ReduceMean of that as "mean" again, read by the output and by an If's
+    branch: the initializer `mean` and a node's output `mean`, as the dynamo exporter writes them."""
+    rng = np.random.default_rng(0)
+    then = helper.make_graph([helper.make_node("Identity", ["mean"], ["branch"])], "then", [],
+                             [helper.make_tensor_value_info("branch", TensorProto.FLOAT, None)])
+    otherwise = helper.make_graph([helper.make_node("Neg", ["mean"], ["branch2"])], "else", [],
+                                  [helper.make_tensor_value_info("branch2", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("Sub", ["x", "mean"], ["centred"]),
+             helper.make_node("MatMul", ["centred", "W"], ["h"]),
+             helper.make_node("ReduceMean", ["h", "axes"], ["mean"], keepdims=1),
+             helper.make_node("Greater", ["one", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["picked"], then_branch=then, else_branch=otherwise),
+             helper.make_node("Add", ["h", "picked"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "normalize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        [numpy_helper.from_array(MEAN, "mean"),
+         numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.array([1], dtype=np.int64), "axes"),
+         numpy_helper.from_array(np.array(1.0, dtype=np.float32), "one"),
+         numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero")],
+        value_info=[helper.make_tensor_value_info("mean", TensorProto.FLOAT, ["N", 1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def expected(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "W"))
+    h = (x - MEAN) @ w
+    return h + h.mean(axis=1, keepdims=True)
+
+
+def test_onnxruntime_refuses_the_file_as_written(tmp_path):
+    path = normalizing_model(tmp_path / "m.onnx")
+    try:
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as exc:   # noqa: BLE001 -- onnxruntime's own Fail class
+        assert "Duplicate definition" in str(exc) and "mean" in str(exc), exc
+    else:
+        raise AssertionError("onnxruntime loaded a graph with a value defined twice: the test proves nothing")
+
+
+def test_read_model_renames_the_later_definition_and_every_reader_gets_what_it_meant(tmp_path):
+    model = read_model(normalizing_model(tmp_path / "m.onnx"))
+    assert [t.name for t in model.graph.initializer][0] == "mean"   # the weight keeps its name
+    reduce = next(n for n in model.graph.node if n.op_type == "ReduceMean")
+    assert reduce.output[0] == "mean__2"
+    assert next(n for n in model.graph.node if n.op_type == "Sub").input[1] == "mean"    # before: the weight
+    branch = next(n for n in model.graph.node if n.op_type == "If").attribute[0].g.node[0]
+    assert branch.input[0] == "mean__2"                                                 # after: the node's
+    assert not [v for v in model.graph.value_info if v.name == "mean"]
+    x = np.random.default_rng(1).standard_normal((5, 3)).astype(np.float32)
+    out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(out, expected(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_without_duplicates_is_left_as_it_is(tmp_path):
+    model = read_model(normalizing_model(tmp_path / "m.onnx"))
+    before = model.SerializeToString()
+    assert unique_definitions(model.graph) == []
+    assert model.SerializeToString() == before
+
+
+def test_a_third_definition_gets_a_name_of_its_own(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["a"]),
+         helper.make_node("Neg", ["a"], ["a"]), helper.make_node("Identity", ["a"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    assert unique_definitions(graph) == ["a", "a"]
+    assert [list(n.output) for n in graph.node] == [["a"], ["a__2"], ["a__3"], ["y"]]
+    assert [list(n.input) for n in graph.node] == [["x"], ["a"], ["a__2"], ["a__3"]]
+
+
+def test_the_engine_trains_such_a_model(tmp_path):
+    path = normalizing_model(tmp_path / "m.onnx")
+    engine = GradientEngine(path, batch_size=4, loss="mse", intra_op_threads=1)
+    x = np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32)
+    labels = np.zeros((4, 4), dtype=np.float32)
+    result = engine.step({**engine.parameters(), **engine.state()}, {"x": x, "labels": labels})
+    model = read_model(path)
+    out = expected(model, x)
+    np.testing.assert_allclose(result.loss, np.mean(out ** 2), rtol=1e-5)
+    d_out = 2 * out / out.size
+    d_h = d_out @ (np.eye(4) + np.full((4, 4), 0.25))   # out = h (I + J / 4), J symmetric
+    np.testing.assert_allclose(result.gradients["W"], (x - MEAN).T @ d_h, rtol=1e-4, atol=1e-6)
+
+
+def erfc_model(path: Path, dtype: int = TensorProto.FLOAT, opset: int = 15) -> Path:
+    """y = Erfc(x) + If(true, Erfc(x), 0): tf2onnx's exact GELU fault, at the top and inside a branch."""
+    then = helper.make_graph([helper.make_node("Erfc", ["x"], ["inner"])], "then", [],
+                             [helper.make_tensor_value_info("inner", dtype, None)])
+    otherwise = helper.make_graph([helper.make_node("Sub", ["x", "x"], ["zero"])], "else", [],
+                                  [helper.make_tensor_value_info("zero", dtype, None)])
+    graph = helper.make_graph(
+        [helper.make_node("Erfc", ["x"], ["e"], name="gelu/Erfc"),
+         helper.make_node("Constant", [], ["cond"], value=helper.make_tensor("c", TensorProto.BOOL, [], [True])),
+         helper.make_node("If", ["cond"], ["branch"], then_branch=then, else_branch=otherwise),
+         helper.make_node("Add", ["e", "branch"], ["y"])], "erfc",
+        [helper.make_tensor_value_info("x", dtype, ["N", 3])], [helper.make_tensor_value_info("y", dtype, ["N", 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="tf2onnx",
+                              producer_version="1.17.0")
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+# (onnxruntime 1.32 has no float64 Erf kernel: a float64 model gets its CastLike, then onnxruntime's refusal)
+@pytest.mark.parametrize("dtype, numpy_type, opset", [(TensorProto.FLOAT, np.float32, 15),
+                                                      (TensorProto.FLOAT, np.float32, 13)])
+def test_an_erfc_node_is_written_as_one_minus_erf_and_computes_erfc(tmp_path, dtype, numpy_type, opset):
+    path = erfc_model(tmp_path / "m.onnx", dtype, opset)
+    with pytest.raises(Exception, match="Erfc"):   # as written, onnxruntime has no such op
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    model = read_model(path)
+    assert not [n for n in model.graph.node if n.op_type == "Erfc"]
+    assert next(n for n in model.graph.node if n.output[0] == "e").name == "gelu/Erfc"   # the node keeps its name
+    x = np.linspace(-3, 3, 12).reshape(4, 3).astype(numpy_type)
+    out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert out.dtype == numpy_type
+    expected = 2 * np.array([math.erfc(v) for v in x.ravel().astype(np.float64)]).reshape(x.shape)
+    np.testing.assert_allclose(out, expected, rtol=2e-6, atol=1e-7)
+
+
+def test_the_engine_differentiates_through_the_repaired_erfc(tmp_path):
+    # y = Erfc(x W): dL/dW = x^T (dL/dy * -2/sqrt(pi) exp(-(xW)^2)), with the If's copy doubling it
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((3, 3)) * 0.5).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Erfc", ["h"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    engine = GradientEngine(tmp_path / "m.onnx", batch_size=4, loss="mse", intra_op_threads=1)
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    result = engine.step({**engine.parameters(), **engine.state()},
+                         {"x": x, "labels": np.zeros((4, 3), np.float32)})
+    h = x.astype(np.float64) @ w
+    y = np.vectorize(math.erfc)(h)
+    d_h = (2 * y / y.size) * (-2 / math.sqrt(math.pi) * np.exp(-h * h))
+    np.testing.assert_allclose(result.gradients["W"], x.T @ d_h, rtol=1e-4, atol=1e-7)
+
+
+def test_an_op_no_onnx_opset_has_is_refused_by_name_with_its_producer(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"], name="dense"),
+         helper.make_node("FancyGelu", ["h"], ["y"], name="block/act")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(np.eye(3, dtype=np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], producer_name="someexporter",
+                              producer_version="0.1")
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    with pytest.raises(UnsupportedModelError) as caught:
+        GradientEngine(tmp_path / "m.onnx", batch_size=2, loss="mse", intra_op_threads=1)
+    message = str(caught.value)
+    assert "block/act (FancyGelu, domain '')" in message and "someexporter 0.1" in message, message
+    assert "m.onnx" in message, message
+
+
+def keras_dense_bn(path: Path, *, folded: bool, keras2: bool = False) -> Path:
+    """A tf2onnx-style Dense + BatchNormalization: folded, the BN is a Mul and an Add named after the layer's TF ops
+    (Keras 3: <layer>/batchnorm/mul_1; Keras 2: <layer>/FusedBatchNormV3); else a BatchNormalization node."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "kernel:0"),
+             numpy_helper.from_array(np.ones(3, np.float32), "bn/scale:0"),
+             numpy_helper.from_array(np.zeros(3, np.float32), "bn/shift:0")]
+    layer = "functional_1/batch_normalization_1"
+    if folded:
+        op = f"{layer}/FusedBatchNormV3" if keras2 else f"{layer}/batchnorm/mul_1"
+        nodes = [helper.make_node("MatMul", ["x", "kernel:0"], ["h"], name="functional_1/dense_1/MatMul"),
+                 helper.make_node("Mul", ["h", "bn/scale:0"], ["s"], name=op),
+                 helper.make_node("Add", ["s", "bn/shift:0"], ["y"], name=f"{op}_add")]
+    else:
+        inits += [numpy_helper.from_array(np.zeros(3, np.float32), "bn/mean:0"),
+                  numpy_helper.from_array(np.ones(3, np.float32), "bn/var:0")]
+        nodes = [helper.make_node("MatMul", ["x", "kernel:0"], ["h"], name="functional_1/dense_1/MatMul"),
+                 helper.make_node("BatchNormalization", ["h", "bn/scale:0", "bn/shift:0", "bn/mean:0", "bn/var:0"],
+                                  ["y"], name=f"{layer}/FusedBatchNormV3")]
+    graph = helper.make_graph(nodes, "keras", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], producer_name="tf2onnx",
+                              producer_version="1.17.0")
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize("keras2", [False, True])
+def test_a_keras_batch_norm_folded_by_tf2onnx_is_named_in_a_warning(tmp_path, keras2):
+    path = keras_dense_bn(tmp_path / "m.onnx", folded=True, keras2=keras2)
+    with pytest.warns(UserWarning, match="BatchNormalization") as caught:
+        GradientEngine(path, batch_size=2, loss="mse", intra_op_threads=1)
+    message = next(str(w.message) for w in caught if "BatchNormalization" in str(w.message))
+    assert "1 Keras BatchNormalization layer(s)" in message and "(functional_1/batch_normalization_1)" in message
+    assert "batch statistics" in message and str(path) in message, message
+
+
+def test_a_batch_norm_node_left_in_a_tf2onnx_model_draws_no_such_warning(tmp_path):
+    import warnings
+
+    path = keras_dense_bn(tmp_path / "m.onnx", folded=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GradientEngine(path, batch_size=2, loss="mse", intra_op_threads=1)
+    assert not [w for w in caught if "BatchNormalization layer" in str(w.message)], [str(w.message) for w in caught]

@@ -39,7 +39,7 @@ from worker_client.engine.feeds import (
 from worker_client.engine.lift import lift_parameters
 from worker_client.engine.external_data import load_external_data
 from worker_client.engine.load import clamp_ir_version, load_model, read_model
-from worker_client.engine.loss import LossSpec, attach_loss, parse_loss
+from worker_client.engine.loss import LossSpec, attach_loss, parse_loss, probability_output
 from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.rewrites.affine import channel_affines
@@ -542,6 +542,14 @@ class GradientEngine:
     def loss_kind(self) -> str | None:
         """The attached loss: "cross_entropy", "bce", "mse", "output", "vjp", or None (predict only)."""
         return None if self._loss is None else self._loss.kind
+
+    @property
+    def output_activation(self) -> str | None:
+        """"softmax" or "sigmoid" when the first output is probabilities whose logits the loss reads
+        (loss.probability_output); None otherwise, and for other losses."""
+        kind = probability_output(self._lifted)
+        matches = {"softmax": "cross_entropy", "sigmoid": "bce"}
+        return kind if kind is not None and self._loss is not None and matches[kind] == self._loss.kind else None
 
     @property
     def num_classes(self) -> int | None:

@@ -12,7 +12,7 @@ from ps_common.errors import UnsupportedModelError
 from worker_client.engine.rewrites.toolkit import opset_of
 from worker_client.engine.trainables import FLOAT_TYPES
 
-__all__ = ["LossSpec", "attach_loss", "parse_loss"]
+__all__ = ["LossSpec", "attach_loss", "parse_loss", "probability_output"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,45 @@ def _shape_of(model: onnx.ModelProto, name: str) -> tuple[int, list[int | str | 
         if tensor.name == name:
             return tensor.data_type, list(tensor.dims)
     return TensorProto.UNDEFINED, None
+
+
+#: The first output's activation that makes it probabilities, and the loss that reads the activation's input
+#: (the logits) in its place.
+_PROBABILITIES = {"Softmax": "cross_entropy", "Sigmoid": "bce"}
+
+
+def _probability_node(model: onnx.ModelProto) -> onnx.NodeProto | None:
+    """The node that makes the first output probabilities: a Softmax over the classes' axis (1) or a Sigmoid."""
+    graph = model.graph
+    if not graph.output:
+        return None
+    prediction = graph.output[0].name
+    node = next((n for n in graph.node if prediction in n.output), None)
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _PROBABILITIES:
+        return None
+    if node.op_type == "Sigmoid":
+        return node
+    _, dims = _shape_of(model, prediction)
+    if dims is None:
+        return None
+    rank = len(dims)
+    default = -1 if opset_of(model) >= _LOG_SOFTMAX_ON_AN_AXIS else 1
+    axis = next((a.i for a in node.attribute if a.name == "axis"), default)
+    axis = axis + rank if axis < 0 else axis
+    # below opset 13 a Softmax flattens from its axis: one row of classes only for (batch, classes)
+    if axis != 1 or (opset_of(model) < _LOG_SOFTMAX_ON_AN_AXIS and rank != 2):
+        return None
+    return node
+
+
+def probability_output(model: onnx.ModelProto) -> str | None:
+    """"softmax" when the model's first output is a Softmax over the classes' axis (a Keras classifier's
+    Dense(activation="softmax"), a torch model ending in nn.Softmax(dim=1)), "sigmoid" when it is a Sigmoid, else
+    None. The cross-entropy (binary cross-entropy) loss then reads the activation's input, the logits: applied to
+    the probabilities themselves it would take a second softmax (sigmoid), a different loss, and train the model
+    towards it."""
+    node = _probability_node(model)
+    return None if node is None else node.op_type.lower()
 
 
 class _Names:
@@ -169,6 +208,9 @@ def attach_loss(model: onnx.ModelProto, spec: LossSpec,
                 f"(re-export it with its prediction as an output)")
         prediction = graph.output[0].name
         elem_type, dims = _shape_of(model, prediction)
+        activation = _probability_node(model)
+        if activation is not None and _PROBABILITIES[activation.op_type] == spec.kind:
+            prediction = activation.input[0]   # the logits, of the probabilities' shape (probability_output)
         if elem_type not in FLOAT_TYPES:
             raise UnsupportedModelError(
                 f"the loss {spec.kind!r} needs a floating-point first output, but "

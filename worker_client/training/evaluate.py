@@ -9,7 +9,7 @@ import numpy as np
 
 from worker_client.engine import GradientEngine
 
-__all__ = ["binary_auc", "evaluate", "finite", "metrics_of"]
+__all__ = ["binary_auc", "evaluate", "finite", "logits_of", "metrics_of"]
 
 
 def finite(value: float) -> float | None:
@@ -23,19 +23,34 @@ def evaluate(engine: GradientEngine, parameters: Mapping[str, np.ndarray], x: np
     see metrics_of."""
     inputs = dict(x) if isinstance(x, Mapping) else {input_name: x}
     outputs = engine.predict(parameters, inputs)
-    return metrics_of(outputs[engine.output_names[0]], y, num_classes, kind=kind)
+    return metrics_of(outputs[engine.output_names[0]], y, num_classes, kind=kind, activation=engine.output_activation)
 
 
-def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int, *, kind: str | None = None
-               ) -> dict[str, float | None]:
+def logits_of(probabilities: np.ndarray, activation: str) -> np.ndarray:
+    """Logits that give `probabilities` back through `activation` ("softmax": log p, up to the constant a softmax
+    ignores; "sigmoid": log p - log(1 - p)), float64, clipped where a probability rounded to 0 or 1."""
+    tiny = np.finfo(np.float64).tiny
+    p = np.asarray(probabilities, dtype=np.float64)
+    if activation == "softmax":
+        return np.log(np.maximum(p, tiny))
+    p = np.clip(p, tiny, 1 - np.finfo(np.float64).epsneg)
+    return np.log(p) - np.log1p(-p)
+
+
+def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int, *, kind: str | None = None,
+               activation: str | None = None) -> dict[str, float | None]:
     """Test loss, accuracy and AUC of a model's first output against the labels.
 
     `kind`: "classes" (logits of num_classes classes on axis 1, a label per example or per position:
     cross-entropy, accuracy, AUC for two), "binary" (a logit per label: binary cross-entropy, accuracy
     at 0.5, AUC) or "targets" (regression: mean squared error); default: classes when num_classes > 0.
+    `activation`: "softmax" or "sigmoid" when the output is probabilities rather than logits
+    (GradientEngine.output_activation): they are taken back to logits first.
     """
     prediction = np.asarray(output, dtype=np.float64)
     kind = kind or ("classes" if num_classes > 0 else "targets")
+    if activation is not None and kind in ("classes", "binary"):
+        prediction = logits_of(prediction, activation)
     if kind == "binary":
         z = prediction.reshape(-1)
         labels = np.asarray(y, dtype=np.float64).reshape(-1)

@@ -358,7 +358,7 @@ class Trainer:
         if self.sparse.tables:   # only then does an evaluation pull (and no overlapped push is in flight)
             self.client.bytes_pulled = counted
         metrics = metrics_of(np.concatenate(outputs), np.concatenate(labels), self.dataset.num_classes,
-                             kind=self.output_kind)
+                             kind=self.output_kind, activation=self.engine.output_activation)
         record = {"worker": plan.worker_index, "step": step, "train_loss": train_loss, **metrics,
                   "elapsed": round(elapsed, 3), "final": final}
         self.evaluations.append(record)

@@ -242,3 +242,16 @@ def test_each_data_path_sets_the_client_as_documented(monkeypatch: pytest.Monkey
     assert train_worker.client_settings("grpc") == {"shared_memory": False}
     with pytest.raises(ValueError, match="no data channel"):
         train_worker.client_settings("channel")
+
+
+@pytest.mark.parametrize("module, missing, says", [
+    ("ps_bench.keras_sweep", "tensorflow", "ps_bench.keras_sweep compares against TensorFlow, which is not installed"),
+    ("ps_bench.grad_sweep", "torch", "ps_bench.grad_sweep compares against torch, which is not installed"),
+])
+def test_a_sweep_without_its_framework_says_what_to_install(monkeypatch, module, missing, says):
+    import importlib
+
+    monkeypatch.setitem(sys.modules, missing, None)   # an import of it raises ImportError
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(SystemExit, match=says):
+        importlib.import_module(module)

@@ -115,3 +115,15 @@ def test_metrics_of_probabilities_are_those_of_their_logits():
     assert sigmoid["test_auc"] == pytest.approx(binary["test_auc"])
     saturated = metrics_of(np.array([0.0, 1.0]), np.array([0, 1]), 2, kind="binary", activation="sigmoid")
     assert saturated["test_accuracy"] == 1.0 and saturated["test_loss"] is not None
+
+
+def test_a_predict_only_engine_says_its_output_is_probabilities_and_metrics_read_them_for_their_kind(tmp_path):
+    # the pipeline's evaluation builds an engine without a loss: the output's activation is what it is
+    assert GradientEngine(classifier(tmp_path / "a.onnx", "Softmax"), batch_size=1, loss=None).output_activation \
+        == "softmax"
+    assert GradientEngine(classifier(tmp_path / "b.onnx", "Relu"), batch_size=1, loss=None).output_activation is None
+    rng = np.random.default_rng(5)
+    p = softmax(rng.standard_normal((20, 3)))
+    targets = rng.standard_normal((20, 3))
+    # regression targets: a softmax's probabilities are what is compared, not logits
+    assert metrics_of(p, targets, 0, activation="softmax")["test_loss"] == pytest.approx(np.mean((p - targets) ** 2))

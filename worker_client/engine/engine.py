@@ -545,11 +545,13 @@ class GradientEngine:
 
     @property
     def output_activation(self) -> str | None:
-        """"softmax" or "sigmoid" when the first output is probabilities whose logits the loss reads
-        (loss.probability_output); None otherwise, and for other losses."""
+        """"softmax" or "sigmoid" when the first output is probabilities (loss.probability_output) -- with a loss,
+        only when it is the loss that reads their logits (cross-entropy, binary cross-entropy); else None."""
         kind = probability_output(self._lifted)
         matches = {"softmax": "cross_entropy", "sigmoid": "bce"}
-        return kind if kind is not None and self._loss is not None and matches[kind] == self._loss.kind else None
+        if kind is None or self._loss is None:
+            return kind
+        return kind if matches[kind] == self._loss.kind else None
 
     @property
     def num_classes(self) -> int | None:

@@ -66,7 +66,8 @@ class PipelineEvaluator:
             outputs.append(self.engine.predict(parameters, {n: inputs[n] for n in self.engine.input_names})
                            [self.engine.output_names[0]])
             labels.append(y)
-        metrics = metrics_of(np.concatenate(outputs), np.concatenate(labels), self.dataset.num_classes)
+        metrics = metrics_of(np.concatenate(outputs), np.concatenate(labels), self.dataset.num_classes,
+                             activation=self.engine.output_activation)
         return {"step": int(self.clients[0].steps[0]), **metrics}
 
     def close(self) -> None:

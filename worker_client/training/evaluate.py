@@ -45,11 +45,12 @@ def metrics_of(output: np.ndarray, y: np.ndarray, num_classes: int, *, kind: str
     cross-entropy, accuracy, AUC for two), "binary" (a logit per label: binary cross-entropy, accuracy
     at 0.5, AUC) or "targets" (regression: mean squared error); default: classes when num_classes > 0.
     `activation`: "softmax" or "sigmoid" when the output is probabilities rather than logits
-    (GradientEngine.output_activation): they are taken back to logits first.
+    (GradientEngine.output_activation): a softmax's for classes, a sigmoid's for binary labels are taken back to
+    logits first.
     """
     prediction = np.asarray(output, dtype=np.float64)
     kind = kind or ("classes" if num_classes > 0 else "targets")
-    if activation is not None and kind in ("classes", "binary"):
+    if (activation, kind) in (("softmax", "classes"), ("sigmoid", "binary")):
         prediction = logits_of(prediction, activation)
     if kind == "binary":
         z = prediction.reshape(-1)

@@ -237,3 +237,49 @@ def test_a_batch_norm_node_left_in_a_tf2onnx_model_draws_no_such_warning(tmp_pat
         warnings.simplefilter("always")
         GradientEngine(path, batch_size=2, loss="mse", intra_op_threads=1)
     assert not [w for w in caught if "BatchNormalization layer" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_nodes_out_of_order_are_sorted_stably_and_the_engine_trains_the_model(tmp_path):
+    from worker_client.engine.repairs import topological_order
+
+    rng = np.random.default_rng(6)
+    w1, w2 = rng.standard_normal((4, 5)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32)
+    then = helper.make_graph([helper.make_node("Identity", ["r"], ["picked_then"])], "then", [],
+                             [helper.make_tensor_value_info("picked_then", TensorProto.FLOAT, None)])
+    otherwise = helper.make_graph([helper.make_node("Neg", ["r"], ["picked_else"])], "else", [],
+                                  [helper.make_tensor_value_info("picked_else", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("MatMul", ["picked", "W2"], ["y"], name="last"),
+             helper.make_node("If", ["cond"], ["picked"], name="if", then_branch=then, else_branch=otherwise),
+             helper.make_node("Constant", [], ["cond"], name="cond", value=helper.make_tensor("c", TensorProto.BOOL,
+                                                                                           [], [True])),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["x", "W1"], ["h"], name="first")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+                              [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    loaded = read_model(tmp_path / "m.onnx")
+    # the If reads r inside its branches only: it must come after relu all the same
+    assert [n.name for n in loaded.graph.node] == ["cond", "first", "relu", "if", "last"]
+    assert not topological_order(loaded.graph)   # sorted: nothing moves again
+    engine = GradientEngine(tmp_path / "m.onnx", batch_size=3, loss="mse", intra_op_threads=1)
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    result = engine.step({**engine.parameters(), **engine.state()},
+                         {"x": x, "labels": np.zeros((3, 3), np.float32)})
+    r = np.maximum(x.astype(np.float64) @ w1, 0)
+    y = r @ w2
+    np.testing.assert_allclose(result.loss, np.mean(y ** 2), rtol=1e-5)
+    np.testing.assert_allclose(result.gradients["W2"], r.T @ (2 * y / y.size), rtol=1e-4, atol=1e-7)
+
+
+def test_a_cycle_is_left_as_it_is(tmp_path):
+    from worker_client.engine.repairs import topological_order
+
+    graph = helper.make_graph([helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Neg", ["a"], ["b"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])])
+    before = graph.SerializeToString()
+    assert not topological_order(graph)
+    assert graph.SerializeToString() == before

@@ -5,19 +5,26 @@ else sees the file: models that onnxruntime would refuse as written, though what
   "std", "index") and a buffer after its module path, so a top-level buffer named like an op is defined twice.
 - `standard_erfc`: tf2onnx 1.17 writes Keras 3's exact GELU, 0.5 x erfc(-x / sqrt(2)), with an "Erfc" node in the
   ONNX domain, where no opset has such an op.
+- `topological_order`: ONNX asks for nodes in topological order, and onnx's shape inference reads them so ("Input 0
+  expected to have type but instead is null"), but onnxruntime sorts a graph itself and runs one in any order:
+  graphs edited by hand or by tools (a node appended for an output added later) come so.
 """
 
 from __future__ import annotations
 
+import heapq
+
 import onnx
 from onnx import TensorProto, helper
 
-__all__ = ["repair_exporter_faults", "standard_erfc", "unique_definitions"]
+__all__ = ["repair_exporter_faults", "standard_erfc", "topological_order", "unique_definitions"]
 
 
 def repair_exporter_faults(model: onnx.ModelProto) -> list[str]:
     """Every repair below, in place; what each did, for the log ([] for a model that needed none)."""
     done = []
+    if topological_order(model.graph):
+        done.append("put the nodes in topological order")
     renamed = unique_definitions(model.graph)
     if renamed:
         done.append(f"renamed the second definition of {', '.join(sorted(set(renamed)))} (a node's output named "
@@ -124,3 +131,65 @@ def standard_erfc(graph: onnx.GraphProto, opset: int) -> int:
         del graph.node[:]
         graph.node.extend(nodes)
     return count
+
+
+def _outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """The names a subgraph (and the subgraphs inside it) reads from the scopes around it."""
+    own = {*(v.name for v in graph.input), *(t.name for t in graph.initializer),
+           *(out for node in graph.node for out in node.output)}
+    reads = set()
+    for node in graph.node:
+        reads.update(name for name in node.input if name)
+        for inner in _subgraphs(node):
+            reads.update(_outer_reads(inner))
+    return reads - own
+
+
+def topological_order(graph: onnx.GraphProto) -> bool:
+    """Reorders the nodes of `graph` (in place, its subgraphs too) so that each comes after the nodes whose outputs
+    it reads -- a stable order: nodes already in order keep theirs; whether it moved any. A graph where some value
+    is defined twice, or whose reads go round in a cycle, is left as it is (what it means is not clear; the stages
+    after say what is wrong)."""
+    moved = False
+    for node in graph.node:
+        for inner in _subgraphs(node):
+            moved |= topological_order(inner)
+    producer: dict[str, int] = {}
+    for index, node in enumerate(graph.node):
+        for name in node.output:
+            if name:
+                if name in producer:
+                    return moved
+                producer[name] = index
+    needs = []
+    for node in graph.node:
+        reads = {name for name in node.input if name}
+        for inner in _subgraphs(node):
+            reads |= _outer_reads(inner)
+        needs.append({producer[name] for name in reads if name in producer})
+    if all(all(p < index for p in need) for index, need in enumerate(needs)):
+        return moved
+    readers: dict[int, list[int]] = {}
+    waiting = [len(need) for need in needs]
+    for index, need in enumerate(needs):
+        for p in need:
+            readers.setdefault(p, []).append(index)
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for reader in readers.get(index, []):
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                heapq.heappush(ready, reader)
+    if len(order) != len(needs):   # a cycle
+        return moved
+    nodes = [graph.node[index] for index in order]
+    copies = [onnx.NodeProto() for _ in nodes]
+    for copy, node in zip(copies, nodes):
+        copy.CopyFrom(node)
+    del graph.node[:]
+    graph.node.extend(copies)
+    return True

@@ -283,3 +283,34 @@ def test_a_cycle_is_left_as_it_is(tmp_path):
     before = graph.SerializeToString()
     assert not topological_order(graph)
     assert graph.SerializeToString() == before
+
+
+def test_a_refusal_after_a_loop_without_static_shapes_names_the_loop(tmp_path):
+    # tf2onnx's Keras GRU: a while-Loop whose scan output has an unknown length, a Slice of it, a Dense after
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Relu", ["h"], ["step"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("step", TensorProto.FLOAT, ["N", 4])])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]),
+         helper.make_node("Loop", ["trips", "go"], ["steps"], name="rnn/while_loop", body=body),
+         helper.make_node("Slice", ["steps", "starts", "ends", "axes"], ["last"], name="rnn/strided_slice_3"),
+         helper.make_node("Squeeze", ["last", "axes"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+         helper.make_tensor_value_info("trips", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        [numpy_helper.from_array(np.eye(4, dtype=np.float32), "W"),
+         numpy_helper.from_array(np.array(True), "go"),
+         numpy_helper.from_array(np.array([-1], np.int64), "starts"),
+         numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "ends"),
+         numpy_helper.from_array(np.array([0], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tf2onnx")
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    with pytest.raises(UnsupportedModelError) as caught:
+        GradientEngine(tmp_path / "m.onnx", batch_size=2, loss="mse", intra_op_threads=1)
+    message = str(caught.value)
+    assert "rnn/strided_slice_3" in message and "Loop 'rnn/while_loop'" in message, message
+    assert "Keras GRU or SimpleRNN" in message, message

@@ -128,6 +128,11 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
         if match is None:
             node = _failing_node(exc)
             origin, remedy = torch_origin(model, node.name) if node is not None else ("", "")
+            loop = _shapeless_loop_before(model, node) if node is not None else None
+            if loop is not None:
+                remedy += (f" Its input comes from Loop {node_label(loop)!r}, whose outputs have no static shape "
+                           f"onnx's inference can find: tf2onnx writes a Keras GRU or SimpleRNN as such a while-loop "
+                           f"(docs/models.md, \"Keras / TensorFlow\": use an LSTM, or export the model from torch)")
             where = "the model" if node is None else f"node {node_label(node)!r} ({node.op_type}{origin})"
             raise UnsupportedModelError(
                 f"cannot differentiate {where}: onnx-ad {onnx_ad.__version__} says: {exc}. "
@@ -157,6 +162,32 @@ def differentiate(model: onnx.ModelProto, parameters: Sequence[str],
     graph.initializer.append(numpy_helper.from_array(
         np.ones((1,), helper.tensor_dtype_to_np_dtype(loss_type)), seed))
     return derived
+
+
+#: How many producers back from a failing node `_shapeless_loop_before` looks.
+_LOOP_SEARCH_DEPTH = 12
+
+
+def _shapeless_loop_before(model: onnx.ModelProto, node: onnx.NodeProto) -> onnx.NodeProto | None:
+    """A Loop within a few producers before `node` one of whose outputs that `node`'s inputs come from has no
+    static inferred shape, or None."""
+    producers = {out: n for n in model.graph.node for out in n.output}
+    typed = {v.name for v in [*model.graph.value_info, *model.graph.output, *model.graph.input]
+             if v.type.tensor_type.HasField("shape")
+             and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)}
+    frontier, seen = list(node.input), set()
+    for _ in range(_LOOP_SEARCH_DEPTH):
+        following = []
+        for name in frontier:
+            producer = producers.get(name)
+            if producer is None or name in seen:
+                continue
+            seen.add(name)
+            if producer.op_type == "Loop" and name not in typed:
+                return producer
+            following.extend(producer.input)
+        frontier = following
+    return None
 
 
 def _failing_node(exc: BaseException) -> onnx.NodeProto | None:

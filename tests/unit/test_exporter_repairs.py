@@ -314,3 +314,30 @@ def test_a_refusal_after_a_loop_without_static_shapes_names_the_loop(tmp_path):
     message = str(caught.value)
     assert "rnn/strided_slice_3" in message and "Loop 'rnn/while_loop'" in message, message
     assert "Keras GRU or SimpleRNN" in message, message
+
+
+@pytest.mark.parametrize("readers, warned", [
+    (["functional_1/time_distributed_1/MatMul", "functional_1/time_distributed_1/MatMul_1"], False),
+    (["functional_1/dense_1/MatMul", "functional_1/dense_2/MatMul"], True),
+])
+def test_a_keras_layer_applying_its_own_kernel_twice_draws_no_tie_warning(tmp_path, readers, warned):
+    # TimeDistributed(Dense) through tf2onnx: one kernel, a MatMul per time step, all in the layer's scope; a
+    # kernel read from two layers' scopes is what tf2onnx's merging of equal values looks like
+    import warnings
+
+    kernel = "functional_1/time_distributed_1/Cast/ReadVariableOp:0"
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", kernel], ["p"], name=readers[0]),
+         helper.make_node("MatMul", ["b", kernel], ["q"], name=readers[1]), helper.make_node("Add", ["p", "q"], ["y"])],
+        "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", 4]),
+              helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(np.ones((4, 3), np.float32), kernel)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], producer_name="tf2onnx")
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GradientEngine(tmp_path / "m.onnx", batch_size=2, loss="mse", intra_op_threads=1)
+    ties = [str(w.message) for w in caught if "feeds 2 layers" in str(w.message)]
+    assert bool(ties) == warned, [str(w.message) for w in caught]

@@ -12,10 +12,11 @@ from onnx import numpy_helper
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.exporters import DYNAMO_REMEDY, merged_torch_parameters, merged_warning
-from worker_client.engine.selection import FLOAT_TYPES, classify, consumers, from_torch_dynamo, names_torch_parameter
+from worker_client.engine.selection import (FLOAT_TYPES, TF2ONNX, classify, consumers, from_torch_dynamo,
+                                            names_torch_parameter)
 from worker_client.engine.support import nodes_listed, warn_caller
 
-__all__ = ["FLOAT_TYPES", "initial_values", "select_trainable", "shared_parameters",
+__all__ = ["FLOAT_TYPES", "initial_values", "keras_layer_shares", "select_trainable", "shared_parameters",
            "tie_warning", "trainable_parameters"]
 
 #: Ops that hold a layer's own weights; one initializer feeding two of them ties two layers.
@@ -64,8 +65,22 @@ def trainable_parameters(model: onnx.ModelProto, *, include: Sequence[str],
     uses = consumers(model.graph) if dynamo else {}
     untold = [name for name in names if not names_torch_parameter(name, uses)]
     for name, nodes in shared_parameters(model, untold).items():
+        if model.producer_name == TF2ONNX and keras_layer_shares(name, nodes):
+            continue
         warn_caller(f"{source}: {tie_warning(name, nodes, dynamo=dynamo)}")
     return names
+
+
+def keras_layer_shares(name: str, nodes: Sequence[onnx.NodeProto]) -> bool:
+    """Whether a tf2onnx initializer and every node reading it lie in one Keras layer's scope, as the TensorFlow
+    names tf2onnx keeps say ("functional_1/time_distributed_1/..."): the layer applies its own variable several
+    times (TimeDistributed, one per time step), a sharing Keras has itself -- not equal values tf2onnx merged,
+    which come from different layers."""
+    parts = name.split("/")
+    if len(parts) < 3:
+        return False
+    scope = "/".join(parts[:2]) + "/"
+    return all(node.name.startswith(scope) for node in nodes)
 
 
 def _listed(model: onnx.ModelProto, names: Sequence[str]) -> str:

@@ -25,6 +25,14 @@ from worker_client.engine.repairs import unique_definitions
 MEAN = np.array([0.5, -1.0, 2.0], dtype=np.float32)
 
 
+def saved(graph: onnx.GraphProto, path: Path, opset: int, **fields: str) -> Path:
+    """`graph` as a model file at `path` (IR 8, the ONNX domain at `opset`; `fields`: producer_name, ...)."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], **fields)
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
 def normalizing_model(path: Path) -> Path:
     """x [N, 3] -> (x - mean) @ W, then ReduceMean of that as "mean" again, read by the output and by an If's
     branch: the initializer `mean` and a node's output `mean`, as the dynamo exporter writes them."""
@@ -48,10 +56,7 @@ def normalizing_model(path: Path) -> Path:
          numpy_helper.from_array(np.array(1.0, dtype=np.float32), "one"),
          numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero")],
         value_info=[helper.make_tensor_value_info("mean", TensorProto.FLOAT, ["N", 1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
+    return saved(graph, path, 18)
 
 
 def expected(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -128,11 +133,7 @@ def erfc_model(path: Path, dtype: int = TensorProto.FLOAT, opset: int = 15) -> P
          helper.make_node("If", ["cond"], ["branch"], then_branch=then, else_branch=otherwise),
          helper.make_node("Add", ["e", "branch"], ["y"])], "erfc",
         [helper.make_tensor_value_info("x", dtype, ["N", 3])], [helper.make_tensor_value_info("y", dtype, ["N", 3])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="tf2onnx",
-                              producer_version="1.17.0")
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
+    return saved(graph, path, opset, producer_name="tf2onnx", producer_version="1.17.0")
 
 
 # (onnxruntime 1.32 has no float64 Erf kernel: a float64 model gets its CastLike, then onnxruntime's refusal)
@@ -160,9 +161,7 @@ def test_the_engine_differentiates_through_the_repaired_erfc(tmp_path):
         [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Erfc", ["h"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], [numpy_helper.from_array(w, "W")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
-    model.ir_version = 8
-    onnx.save(model, tmp_path / "m.onnx")
+    saved(graph, tmp_path / "m.onnx", 15)
     engine = GradientEngine(tmp_path / "m.onnx", batch_size=4, loss="mse", intra_op_threads=1)
     x = rng.standard_normal((4, 3)).astype(np.float32)
     result = engine.step({**engine.parameters(), **engine.state()},
@@ -180,10 +179,7 @@ def test_an_op_no_onnx_opset_has_is_refused_by_name_with_its_producer(tmp_path):
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
         [numpy_helper.from_array(np.eye(3, dtype=np.float32), "W")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], producer_name="someexporter",
-                              producer_version="0.1")
-    model.ir_version = 8
-    onnx.save(model, tmp_path / "m.onnx")
+    saved(graph, tmp_path / "m.onnx", 15, producer_name="someexporter", producer_version="0.1")
     with pytest.raises(UnsupportedModelError) as caught:
         GradientEngine(tmp_path / "m.onnx", batch_size=2, loss="mse", intra_op_threads=1)
     message = str(caught.value)
@@ -212,11 +208,7 @@ def keras_dense_bn(path: Path, *, folded: bool, keras2: bool = False) -> Path:
                                   ["y"], name=f"{layer}/FusedBatchNormV3")]
     graph = helper.make_graph(nodes, "keras", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], producer_name="tf2onnx",
-                              producer_version="1.17.0")
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
+    return saved(graph, path, 15, producer_name="tf2onnx", producer_version="1.17.0")
 
 
 @pytest.mark.parametrize("keras2", [False, True])
@@ -257,9 +249,7 @@ def test_nodes_out_of_order_are_sorted_stably_and_the_engine_trains_the_model(tm
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
                               [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, tmp_path / "m.onnx")
+    saved(graph, tmp_path / "m.onnx", 17)
     loaded = read_model(tmp_path / "m.onnx")
     # the If reads r inside its branches only: it must come after relu all the same
     assert [n.name for n in loaded.graph.node] == ["cond", "first", "relu", "if", "last"]
@@ -306,9 +296,7 @@ def test_a_refusal_after_a_loop_without_static_shapes_names_the_loop(tmp_path):
          numpy_helper.from_array(np.array([-1], np.int64), "starts"),
          numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "ends"),
          numpy_helper.from_array(np.array([0], np.int64), "axes")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tf2onnx")
-    model.ir_version = 8
-    onnx.save(model, tmp_path / "m.onnx")
+    saved(graph, tmp_path / "m.onnx", 17, producer_name="tf2onnx")
     with pytest.raises(UnsupportedModelError) as caught:
         GradientEngine(tmp_path / "m.onnx", batch_size=2, loss="mse", intra_op_threads=1)
     message = str(caught.value)
@@ -333,9 +321,7 @@ def test_a_keras_layer_applying_its_own_kernel_twice_draws_no_tie_warning(tmp_pa
               helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
         [numpy_helper.from_array(np.ones((4, 3), np.float32), kernel)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], producer_name="tf2onnx")
-    model.ir_version = 8
-    onnx.save(model, tmp_path / "m.onnx")
+    saved(graph, tmp_path / "m.onnx", 15, producer_name="tf2onnx")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         GradientEngine(tmp_path / "m.onnx", batch_size=2, loss="mse", intra_op_threads=1)

@@ -108,6 +108,11 @@ def folded_variables_warning(layers: list[onnx.NodeProto]) -> str:
 _KERAS_BATCH_NORM = re.compile(r"^(.*?)/(?:batchnorm/|FusedBatchNorm)")
 
 
+def _first_five(names: list[str]) -> str:
+    """`names` for a message: the first five, and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def folded_keras_batch_norms(model: onnx.ModelProto) -> list[str]:
     """The Keras BatchNormalization layers of a tf2onnx model, by their node names, when no BatchNormalization node
     is left of them: tf2onnx exports the inference graph, in which a BatchNormalization is a per-channel scale and
@@ -120,8 +125,8 @@ def folded_keras_batch_norms(model: onnx.ModelProto) -> list[str]:
 
 def folded_keras_batch_norms_warning(layers: list[str]) -> str:
     """The warning about `layers` (from `folded_keras_batch_norms`)."""
-    shown = ", ".join(layers[:5]) + (f" and {len(layers) - 5} more" if len(layers) > 5 else "")
-    return (f"{len(layers)} Keras BatchNormalization layer(s) reached this tf2onnx model in inference form ({shown}): "
+    return (f"{len(layers)} Keras BatchNormalization layer(s) reached this tf2onnx model in inference form "
+            f"({_first_five(layers)}): "
             f"tf2onnx exports the inference graph and folds each into the layer beside it, so they train as fixed "
             f"per-channel scales and shifts, not with batch statistics as Keras trains them, and their moving "
             f"statistics never move. Keras' own fit() normalizes by each batch; to train so here, export the model "
@@ -146,9 +151,8 @@ def folded_torch_parameters(model: onnx.ModelProto, trainable: Collection[str]) 
 
 def folded_torch_parameters_warning(names: list[str]) -> str:
     """The warning about `names` (from `folded_torch_parameters`)."""
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     return (f"{len(names)} initializer(s) were computed by torch.onnx.export's constant folding from the module's "
-            f"parameters ({shown}): each trains as a parameter of its own, where torch trains what it was computed "
+            f"parameters ({_first_five(names)}): each trains as a parameter of its own, where torch trains what it was computed "
             f"from -- a BatchNorm the exporter fused into a Conv (eval mode, its default) trains as a plain Conv "
             f"without batch statistics, and a transposed weight no longer shares its gradient with the weight it "
             f"came from. Re-export with training=torch.onnx.TrainingMode.TRAINING and do_constant_folding=False "

@@ -58,6 +58,19 @@ class ModelLoadError(ValueError):
     """The model file cannot be served: missing, not ONNX, or refused by onnxruntime."""
 
 
+def _repaired_session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession | None:
+    """A session of the model at `path` as the workers read it (worker_client.engine.load.read_model: its external
+    data by the project's rules, and the exporters' faults onnxruntime refuses mended -- a value defined twice by
+    torch's dynamo exporter, tf2onnx's Erfc, nodes out of order), or None when that does not load either."""
+    from worker_client.engine.load import read_model
+
+    try:
+        model = read_model(path)
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception:   # noqa: BLE001 -- the caller reports onnxruntime's refusal of the file itself
+        return None
+
+
 @dataclass(frozen=True, eq=False)
 class ModelState:
     """One servable state of the model; immutable (see the module docstring)."""
@@ -96,7 +109,11 @@ class ModelState:
         try:
             session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:   # onnxruntime raises its own classes (Fail, InvalidGraph, ...) for a bad file
-            raise ModelLoadError(f"onnxruntime cannot load model {str(path)!r}: {_one_line(exc)}") from exc
+            session = _repaired_session(path, options)
+            if session is None:
+                raise ModelLoadError(f"onnxruntime cannot load model {str(path)!r}: {_one_line(exc)}") from exc
+            log.info("model %s: onnxruntime refused the file as written (%s); serving it as the workers read it, "
+                     "with its exporter's faults mended", path, _one_line(exc))
         return cls._of_session(session, str(path), step=step, weights=frozen, handles=tuple(handles))
 
     @classmethod

@@ -153,3 +153,31 @@ def test_swap_returns_the_state_it_replaced_and_current_returns_the_new_one(mlp:
     assert served.swap(second) is first
     assert served.current() is second
     assert served.metadata()["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 64]}]
+
+
+def test_a_file_onnxruntime_refuses_for_an_exporters_fault_is_served_as_the_workers_read_it(tmp_path: Path) -> None:
+    # torch's dynamo exporter: a buffer "mean" and an op's output "mean" -- onnxruntime refuses the file as written
+    graph = helper.make_graph(
+        [helper.make_node("Sub", ["x", "mean"], ["centred"]),
+         helper.make_node("ReduceMean", ["centred", "axes"], ["mean"], keepdims=1),
+         helper.make_node("Add", ["centred", "mean"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(np.array([1.0, 2.0, 3.0], np.float32), "mean"),
+         numpy_helper.from_array(np.array([1], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    path = tmp_path / "dynamo.onnx"
+    onnx.save(model, path)
+    state = ModelState.load(path, weights={"mean": np.array([0.0, 0.0, 1.0], np.float32)})
+    x = np.array([[1.0, 2.0, 3.0]], np.float32)
+    centred = x - np.array([0.0, 0.0, 1.0])
+    np.testing.assert_allclose(state.infer({"x": x})["y"], centred + centred.mean(axis=1, keepdims=True), rtol=1e-6)
+    # a file nothing mends is still refused with onnxruntime's own reason, naming it
+    bad = tmp_path / "bad.onnx"
+    broken = helper.make_graph([helper.make_node("Relu", ["nowhere"], ["y"])], "g",
+                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(broken, opset_imports=[helper.make_opsetid("", 18)]), bad)
+    with pytest.raises(ModelLoadError, match="bad.onnx"):
+        ModelState.load(bad)

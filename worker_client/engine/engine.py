@@ -547,11 +547,7 @@ class GradientEngine:
     def output_activation(self) -> str | None:
         """"softmax" or "sigmoid" when the first output is probabilities (loss.probability_output) -- with a loss,
         only when it is the loss that reads their logits (cross-entropy, binary cross-entropy); else None."""
-        kind = probability_output(self._lifted)
-        matches = {"softmax": "cross_entropy", "sigmoid": "bce"}
-        if kind is None or self._loss is None:
-            return kind
-        return kind if matches[kind] == self._loss.kind else None
+        return probability_output(self._lifted, None if self._loss is None else self._loss.kind)
 
     @property
     def num_classes(self) -> int | None:

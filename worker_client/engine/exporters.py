@@ -31,6 +31,7 @@ from onnx import helper
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.rewrites.detaches import is_torch_detach
+from worker_client.engine.rewrites.toolkit import subgraphs
 from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, TORCH_PRODUCER, VALUE_PRESERVING, consumers,
                                             from_torch_dynamo, node_metadata, only_running_statistics,
                                             reads_torch_parameter, torch_export_name)
@@ -237,11 +238,7 @@ def torch_origin(model: onnx.ModelProto, name: str) -> tuple[str, str]:
 
 def _holds_node(node: onnx.NodeProto, name: str) -> bool:
     """Whether a node of `node`'s subgraphs (a Loop's body, an If's branches, nested) is called `name`."""
-    for attribute in node.attribute:
-        graphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
-        if any(inner.name == name or _holds_node(inner, name) for graph in graphs for inner in graph.node):
-            return True
-    return False
+    return any(inner.name == name or _holds_node(inner, name) for graph in subgraphs(node) for inner in graph.node)
 
 
 def restore_torch_training_batch_norms(model: onnx.ModelProto, source: str) -> int:

@@ -90,14 +90,16 @@ def _probability_node(model: onnx.ModelProto) -> onnx.NodeProto | None:
     return node
 
 
-def probability_output(model: onnx.ModelProto) -> str | None:
+def probability_output(model: onnx.ModelProto, loss: str | None = None) -> str | None:
     """"softmax" when the model's first output is a Softmax over the classes' axis (a Keras classifier's
     Dense(activation="softmax"), a torch model ending in nn.Softmax(dim=1)), "sigmoid" when it is a Sigmoid, else
-    None. The cross-entropy (binary cross-entropy) loss then reads the activation's input, the logits: applied to
-    the probabilities themselves it would take a second softmax (sigmoid), a different loss, and train the model
-    towards it."""
+    None; given a `loss` kind, only when that is the loss that reads the activation's input, the logits
+    (cross-entropy, binary cross-entropy): applied to the probabilities themselves it would take a second softmax
+    (sigmoid), a different loss, and train the model towards it."""
     node = _probability_node(model)
-    return None if node is None else node.op_type.lower()
+    if node is None or loss is not None and _PROBABILITIES[node.op_type] != loss:
+        return None
+    return node.op_type.lower()
 
 
 class _Names:

@@ -17,6 +17,8 @@ import heapq
 import onnx
 from onnx import TensorProto, helper
 
+from worker_client.engine.rewrites.toolkit import subgraph_reads, subgraphs
+
 __all__ = ["repair_exporter_faults", "standard_erfc", "topological_order", "unique_definitions"]
 
 
@@ -36,10 +38,6 @@ def repair_exporter_faults(model: onnx.ModelProto) -> list[str]:
     return done
 
 
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
-
-
 def _rename_outer_reads(graph: onnx.GraphProto, current: dict[str, str]) -> None:
     """Points the reads of outer values inside `graph` (a Loop's body, an If's branch, nested) at their current
     names, where the subgraph does not define a value of that name itself."""
@@ -50,7 +48,7 @@ def _rename_outer_reads(graph: onnx.GraphProto, current: dict[str, str]) -> None
         return
     for node in graph.node:
         node.input[:] = [visible.get(name, name) for name in node.input]
-        for inner in _subgraphs(node):
+        for inner in subgraphs(node):
             _rename_outer_reads(inner, visible)
     for value in graph.output:
         value.name = visible.get(value.name, value.name)
@@ -74,7 +72,7 @@ def unique_definitions(graph: onnx.GraphProto) -> list[str]:
     for node in graph.node:
         if current:
             node.input[:] = [current.get(name, name) for name in node.input]
-            for inner in _subgraphs(node):
+            for inner in subgraphs(node):
                 _rename_outer_reads(inner, current)
         for i, name in enumerate(node.output):
             if not name:
@@ -111,9 +109,8 @@ def standard_erfc(graph: onnx.GraphProto, opset: int) -> int:
     count = 0
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
-        for attribute in node.attribute:
-            for inner in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
-                count += standard_erfc(inner, opset)
+        for inner in subgraphs(node):
+            count += standard_erfc(inner, opset)
         if node.op_type != "Erfc" or not _is_onnx_domain(node) or len(node.input) != 1 or len(node.output) != 1:
             nodes.append(node)
             continue
@@ -128,21 +125,9 @@ def standard_erfc(graph: onnx.GraphProto, opset: int) -> int:
         nodes.append(helper.make_node("Erf", [x], [f"{stem}_erf"], name=f"{stem}_erf"))
         nodes.append(helper.make_node("Sub", [one, f"{stem}_erf"], [node.output[0]], name=node.name))
     if count:
-        del graph.node[:]
+        graph.ClearField("node")
         graph.node.extend(nodes)
     return count
-
-
-def _outer_reads(graph: onnx.GraphProto) -> set[str]:
-    """The names a subgraph (and the subgraphs inside it) reads from the scopes around it."""
-    own = {*(v.name for v in graph.input), *(t.name for t in graph.initializer),
-           *(out for node in graph.node for out in node.output)}
-    reads = set()
-    for node in graph.node:
-        reads.update(name for name in node.input if name)
-        for inner in _subgraphs(node):
-            reads.update(_outer_reads(inner))
-    return reads - own
 
 
 def topological_order(graph: onnx.GraphProto) -> bool:
@@ -152,7 +137,7 @@ def topological_order(graph: onnx.GraphProto) -> bool:
     after say what is wrong)."""
     moved = False
     for node in graph.node:
-        for inner in _subgraphs(node):
+        for inner in subgraphs(node):
             moved |= topological_order(inner)
     producer: dict[str, int] = {}
     for index, node in enumerate(graph.node):
@@ -163,9 +148,7 @@ def topological_order(graph: onnx.GraphProto) -> bool:
                 producer[name] = index
     needs = []
     for node in graph.node:
-        reads = {name for name in node.input if name}
-        for inner in _subgraphs(node):
-            reads |= _outer_reads(inner)
+        reads = {name for name in node.input if name} | subgraph_reads(node)   # a body's captures: its node's reads
         needs.append({producer[name] for name in reads if name in producer})
     if all(all(p < index for p in need) for index, need in enumerate(needs)):
         return moved
@@ -187,9 +170,6 @@ def topological_order(graph: onnx.GraphProto) -> bool:
     if len(order) != len(needs):   # a cycle
         return moved
     nodes = [graph.node[index] for index in order]
-    copies = [onnx.NodeProto() for _ in nodes]
-    for copy, node in zip(copies, nodes):
-        copy.CopyFrom(node)
-    del graph.node[:]
-    graph.node.extend(copies)
+    graph.ClearField("node")
+    graph.node.extend(nodes)
     return True

@@ -9,6 +9,7 @@ import warnings
 import onnx
 
 from ps_common.errors import UnsupportedModelError
+from worker_client.engine.rewrites.toolkit import subgraphs
 
 __all__ = ["check_registered_ops", "infer_shapes", "node_label", "warn_caller"]
 
@@ -35,9 +36,8 @@ def _unregistered(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     for node in graph.node:
         if node.domain in _REGISTERED_DOMAINS and not onnx.defs.has(node.op_type, node.domain):
             found.append(node)
-        for attribute in node.attribute:
-            for inner in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
-                found.extend(_unregistered(inner))
+        for inner in subgraphs(node):
+            found.extend(_unregistered(inner))
     return found
 
 

@@ -194,3 +194,36 @@ def test_a_batch_norm_called_twice_moves_its_running_statistics_once_a_call(tmp_
         var = 0.9 * var + 0.1 * view.var((0, 2))
     np.testing.assert_allclose(result.state["mean"], mean, rtol=1e-5)
     np.testing.assert_allclose(result.state["var"], var, rtol=1e-5)
+
+
+def test_a_float64_batch_norm_trains_in_float64(tmp_path) -> None:
+    """A float64 model's training-mode BatchNormalization (a torch module after .double()): its training form's
+    constants -- epsilon, momentum, torch's unbiased variance count -- are float64 too (float32 ones made onnxruntime
+    refuse the model), and its gradients and moving statistics are float64's."""
+    from worker_client.engine import GradientEngine   # here: the other tests need no engine
+    rng = np.random.default_rng(7)
+    scale, shift = rng.uniform(0.5, 1.5, 3), rng.standard_normal(3)
+    nodes = [helper.make_node("BatchNormalization", ["x", "scale", "shift", "mean", "var"], ["y", "m", "v"],
+                              training_mode=1, momentum=0.9, epsilon=EPSILON)]
+    graph = helper.make_graph(nodes, "double", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["n", 3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, ["n", 3, 4])], [
+        onnx.numpy_helper.from_array(scale, "scale"), onnx.numpy_helper.from_array(shift, "shift"),
+        onnx.numpy_helper.from_array(np.full(3, 0.5), "mean"), onnx.numpy_helper.from_array(np.full(3, 2.0), "var")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
+                              producer_name="pytorch")   # torch keeps the unbiased variance
+    onnx.save(model, tmp_path / "double.onnx")
+    engine = GradientEngine(tmp_path / "double.onnx", batch_size=5, loss="mse", cache_dir=tmp_path / "cache")
+    x = rng.normal(1.0, 2.0, size=(5, 3, 4))
+    result = engine.step({**engine.parameters(), **engine.state()}, {"x": x, "labels": np.zeros((5, 3, 4))})
+    mean, var = x.mean((0, 2), keepdims=True), x.var((0, 2), keepdims=True)
+    xhat = (x - mean) / np.sqrt(var + EPSILON)
+    y = scale.reshape(1, 3, 1) * xhat + shift.reshape(1, 3, 1)
+    dy = 2 * y / y.size   # the mean squared error against zeros
+    assert result.gradients["scale"].dtype == np.float64
+    np.testing.assert_allclose(result.gradients["scale"], (dy * xhat).sum((0, 2)), rtol=1e-10)
+    np.testing.assert_allclose(result.gradients["shift"], dy.sum((0, 2)), rtol=1e-10)
+    assert result.state["var"].dtype == np.float64
+    momentum = float(np.float32(0.9))   # an ONNX attribute's float is a float32
+    np.testing.assert_allclose(result.state["mean"], momentum * 0.5 + (1 - momentum) * mean.ravel(), rtol=1e-12)
+    np.testing.assert_allclose(result.state["var"], momentum * 2.0 + (1 - momentum) * x.var((0, 2), ddof=1),
+                               rtol=1e-12)

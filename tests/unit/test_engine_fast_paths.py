@@ -538,6 +538,37 @@ def test_convs_the_blocked_kernels_would_not_speed_up_are_left_alone(x, w, const
     assert block_convs(_conv_model([2, 16, 16, 16], [16, 16, 3, 3], pads=[1, 1, 1, 1])[0], 0) == 0   # no kernels
 
 
+def test_a_float16_cnn_keeps_its_convs_off_the_blocked_kernels_and_trains(tmp_path: Path) -> None:
+    """The blocked kernels are float32's alone: a float16 Conv the shape rules would take keeps its op (ReorderInput
+    of a float16 tensor made onnxruntime refuse the whole model), and the model trains in float16."""
+    model, _ = _conv_model([2, 16, 16, 16], [32, 16, 3, 3], pads=[1, 1, 1, 1])   # a ResNet block's conv
+    for value in [*model.graph.input, *model.graph.output]:
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    assert block_convs(model, 16) == 0 and [n.op_type for n in model.graph.node] == ["Conv"]
+    rng = np.random.default_rng(5)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["image", "conv.w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("ReduceMean", ["c", "axes"], ["logits"], keepdims=0)],
+        "half", [helper.make_tensor_value_info("image", TensorProto.FLOAT16, ["N", 16, 16, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["N", 32])],
+        [numpy_helper.from_array((rng.standard_normal((32, 16, 3, 3)) * 0.1).astype(np.float16), "conv.w"),
+         numpy_helper.from_array(np.array([2, 3], np.int64), "axes")])
+    engine = GradientEngine(_saved(graph, tmp_path / "half.onnx"), batch_size=2, intra_op_threads=1,
+                            cache_dir=tmp_path)
+    image = rng.standard_normal((2, 16, 16, 16))
+    result = engine.step(engine.parameters(), {"image": image, "labels": np.array([1, 30])})
+    # the gradient of the cross-entropy of the spatial means, in float64: softmax - one-hot, through the mean
+    weight = engine.parameters()["conv.w"].astype(np.float64)
+    padded = np.pad(image.astype(np.float16).astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(2, 3)).mean(axis=(2, 3))  # [N, C, 3, 3]
+    logits = np.einsum("ocij,ncij->no", weight, windows)
+    probabilities = np.exp(logits - logits.max(1, keepdims=True))
+    probabilities /= probabilities.sum(1, keepdims=True)
+    seed = (probabilities - np.eye(32)[[1, 30]]) / 2
+    assert result.gradients["conv.w"].dtype == np.float16
+    np.testing.assert_allclose(result.gradients["conv.w"], np.einsum("no,ncij->ocij", seed, windows), atol=2e-3)
+
+
 def _cnn_engine(tmp_path: Path) -> GradientEngine:
     """conv 16 -> 32 on 16 x 16, ReLU, global average, a linear head: one Conv the blocked kernels take."""
     rng = np.random.default_rng(3)

@@ -151,6 +151,7 @@ def training_form(model: onnx.ModelProto, state: list[str], *, scaled_masks: boo
         result = infer_shapes(result)
         ranks = _ranks(result)
     values = constants(result)
+    elements = _elements(result)
     forms = TrainingForms()
     emit = Emitter(result, "train_form")
     unbiased = result.producer_name in _UNBIASED_PRODUCERS
@@ -162,7 +163,7 @@ def training_form(model: onnx.ModelProto, state: list[str], *, scaled_masks: boo
     moved: dict[str, str] = {}
     for node in result.graph.node:
         if _is_training_batch_norm(node):
-            nodes += _batch_norm(node, ranks, emit, forms, state, unbiased, opset, moved, readers)
+            nodes += _batch_norm(node, ranks, elements, emit, forms, state, unbiased, opset, moved, readers)
         elif _dropout_training(node, values):
             nodes += _dropout(node, values, result, emit, forms, scaled_masks)
         else:
@@ -187,6 +188,16 @@ def _ranks(model: onnx.ModelProto) -> dict[str, int]:
             if v.type.tensor_type.HasField("shape")}
 
 
+def _elements(model: onnx.ModelProto) -> dict[str, int]:
+    """The ONNX element type of every typed value (inputs, initializers, inferred values)."""
+    graph = model.graph
+    found = {v.name: v.type.tensor_type.elem_type
+             for v in list(graph.input) + list(graph.value_info) + list(graph.output)
+             if v.type.tensor_type.elem_type}
+    found.update((tensor.name, tensor.data_type) for tensor in graph.initializer)
+    return found
+
+
 def _reduce_mean(opset: int, axes: list[int], axes_input: str):
     """A keepdims ReduceMean over `axes`, spelled for `opset` (axes an input from 18 on)."""
     def make(value: str, out: str) -> onnx.NodeProto:
@@ -197,13 +208,15 @@ def _reduce_mean(opset: int, axes: list[int], axes_input: str):
     return make
 
 
-def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
+def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], elements: dict[str, int], emit: Emitter,
                 forms: TrainingForms, state: list[str], unbiased: bool,
                 opset_of_axes: int, moved: dict[str, str], readers: Counter) -> list[onnx.NodeProto]:
     """The node's training form; `moved` holds each running statistic's latest moving average (this node's
     added), `readers` how many BatchNormalizations read each: one that several read gets its state output after
-    the last of them (`training_form`)."""
+    the last of them (`training_form`). Its constants take the element type of what they meet: a float64
+    model's statistics are float64 throughout."""
     x, scale, bias, running_mean, running_var = node.input[:5]
+    element = elements.get(x, TensorProto.FLOAT)
     rank = ranks.get(x)
     if rank is None or rank < 2:
         raise UnsupportedModelError(
@@ -225,7 +238,7 @@ def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
         helper.make_node("Sub", [x, n["mean"]], [n["centred"]], name=n["centred"]),
         helper.make_node("Mul", [n["centred"], n["centred"]], [n["squared"]], name=n["squared"]),
         reduce(n["squared"], n["var"]),
-        helper.make_node("Add", [n["var"], emit.scalar(epsilon)], [n["stabilized"]],
+        helper.make_node("Add", [n["var"], emit.scalar(epsilon, element)], [n["stabilized"]],
                          name=n["stabilized"]),
         helper.make_node("Sqrt", [n["stabilized"]], [n["std"]], name=n["std"]),
         helper.make_node("Reshape", [scale, channel_shape], [n["scale"]], name=n["scale"]),
@@ -241,11 +254,12 @@ def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
     ]
     batch_var = n["flat_var"]
     if unbiased:
-        nodes += _unbiased(x, n["flat_var"], axes, emit)
+        nodes += _unbiased(x, n["flat_var"], axes, element, emit)
         batch_var = nodes[-1].output[0]
     for running, batch, index in ((running_mean, n["flat_mean"], 1),
                                   (running_var, batch_var, 2)):
-        average = _moving_average(moved.get(running, running), batch, momentum, emit)
+        average = _moving_average(moved.get(running, running), batch, momentum,
+                                  elements.get(running, element), element, emit)
         nodes += average
         new_value = moved[running] = average[-1].output[0]
         if len(node.output) > index and node.output[index]:
@@ -258,27 +272,34 @@ def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], emit: Emitter,
     return nodes
 
 
-def _unbiased(x: str, variance: str, axes: str, emit: Emitter) -> list[onnx.NodeProto]:
-    """variance * n / (n - 1), n the number of values each channel's statistic covers."""
+def _unbiased(x: str, variance: str, axes: str, element: int, emit: Emitter) -> list[onnx.NodeProto]:
+    """variance * n / (n - 1), n the number of values each channel's statistic covers, in `element`."""
     shape, picked, count, as_float, less, ratio, out = (emit.name() for _ in range(7))
     return [
         helper.make_node("Shape", [x], [shape], name=shape),
         helper.make_node("Gather", [shape, axes], [picked], name=picked, axis=0),
         helper.make_node("ReduceProd", [picked], [count], name=count, keepdims=0),
-        helper.make_node("Cast", [count], [as_float], name=as_float, to=TensorProto.FLOAT),
-        helper.make_node("Sub", [as_float, emit.scalar(1.0)], [less], name=less),
+        helper.make_node("Cast", [count], [as_float], name=as_float, to=element),
+        helper.make_node("Sub", [as_float, emit.scalar(1.0, element)], [less], name=less),
         helper.make_node("Div", [as_float, less], [ratio], name=ratio),
         helper.make_node("Mul", [variance, ratio], [out], name=out),
     ]
 
 
-def _moving_average(running: str, batch: str, momentum: float,
+def _moving_average(running: str, batch: str, momentum: float, running_element: int, batch_element: int,
                     emit: Emitter) -> list[onnx.NodeProto]:
+    """running * momentum + batch * (1 - momentum) in the running statistic's element type (ONNX lets it differ
+    from the input's)."""
     kept, added, out = emit.name(), emit.name(), emit.name()
-    return [helper.make_node("Mul", [running, emit.scalar(momentum)], [kept], name=kept),
-            helper.make_node("Mul", [batch, emit.scalar(1.0 - momentum)], [added],
-                             name=added),
-            helper.make_node("Add", [kept, added], [out], name=out)]
+    nodes = []
+    if batch_element != running_element:
+        cast = emit.name()
+        nodes.append(helper.make_node("Cast", [batch], [cast], name=cast, to=running_element))
+        batch = cast
+    return nodes + [helper.make_node("Mul", [running, emit.scalar(momentum, running_element)], [kept], name=kept),
+                    helper.make_node("Mul", [batch, emit.scalar(1.0 - momentum, running_element)], [added],
+                                     name=added),
+                    helper.make_node("Add", [kept, added], [out], name=out)]
 
 
 def _dropout(node: onnx.NodeProto, values: dict[str, np.ndarray], model: onnx.ModelProto,

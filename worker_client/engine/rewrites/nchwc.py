@@ -28,7 +28,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, constants, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, constants, shapes_and_types
 
 __all__ = ["MIN_POSITIONS", "NCHWC_DOMAIN", "block_convs", "blocked_shape", "nchwc_block_size"]
 
@@ -109,7 +109,9 @@ def block_convs(model: onnx.ModelProto, block: int) -> int:
     """
     if block <= 0 or not any(n.op_type == "Conv" and n.domain in ("", "ai.onnx") for n in model.graph.node):
         return 0
-    shapes = static_shapes(model)
+    shapes, types = shapes_and_types(model)
+    # the blocked kernels are float32's alone: a float64 or float16 Conv keeps its op
+    shapes = {name: shape for name, shape in shapes.items() if types.get(name) == onnx.TensorProto.FLOAT}
     fixed = {t.name for t in model.graph.initializer}
     emit = Emitter(model, "nchwc")
     nodes: list[onnx.NodeProto] = []

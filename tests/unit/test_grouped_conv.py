@@ -258,3 +258,48 @@ def test_two_grouped_convs_sharing_a_weight_sum_their_adjoints_and_a_frozen_one_
     got = ort.InferenceSession(derived.SerializeToString()).run(["grad__w"], feed)[0].reshape(weight)
     expected = _gradients(written_out, ["w"], {k: v for k, v in feed.items()})["w"]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def _excited_depthwise(path: Path, computed_axes: bool) -> Path:
+    """A squeeze-excitation gate (the spatial mean's sigmoid) before a depthwise Conv, the gate's ReduceMean axes
+    either a constant or, as torch's dynamo exporter writes MobileNetV3's and EfficientNet's, a Reshape of
+    Constants -- which onnx's shape inference does not evaluate, so every shape after it was unknown and the
+    depthwise weight's adjoint was refused."""
+    rng = np.random.default_rng(4)
+    values = {"dw": rng.standard_normal((4, 1, 3, 3)) * 0.5, "pw": rng.standard_normal((3, 4, 1, 1)) * 0.5}
+    axes = [helper.make_node("Constant", [], ["axes_raw"], value=numpy_helper.from_array(np.array([-1, -2]))),
+            helper.make_node("Constant", [], ["flat"], value_ints=[-1]),
+            helper.make_node("Reshape", ["axes_raw", "flat"], ["se_axes"])] if computed_axes else []
+    nodes = axes + [
+        helper.make_node("ReduceMean", ["x", "se_axes"], ["squeezed"], keepdims=1),
+        helper.make_node("Sigmoid", ["squeezed"], ["gate"]),
+        helper.make_node("Mul", ["x", "gate"], ["excited"]),
+        helper.make_node("Conv", ["excited", "dw"], ["d"], name="depthwise", group=4, pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["d", "pw"], ["p"], name="pointwise"),
+        helper.make_node("ReduceMean", ["p", "axes"], ["y"], keepdims=0)]
+    constant_axes = [] if computed_axes else [numpy_helper.from_array(np.array([-1, -2], np.int64), "se_axes")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 5, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in values.items()]
+        + [numpy_helper.from_array(np.array([2, 3], np.int64), "axes")] + constant_axes)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.save(model, path)
+    return path
+
+
+def test_a_depthwise_weight_after_computed_reduction_axes_trains_as_after_constant_ones(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    inputs = {"x": rng.standard_normal((3, 4, 5, 5)), "labels": np.array([0, 2, 1])}
+    results = {}
+    for computed in (True, False):
+        engine = GradientEngine(_excited_depthwise(tmp_path / f"computed_{computed}.onnx", computed),
+                                batch_size=3, cache_dir=tmp_path)
+        assert engine.trainable_names == ["dw", "pw"]
+        results[computed] = engine.gradients(engine.parameters(), inputs)
+    (loss, grads), (constant_loss, constant_grads) = results[True], results[False]
+    assert loss == pytest.approx(constant_loss, rel=1e-6)
+    for name in ("dw", "pw"):
+        assert np.abs(grads[name]).max() > 0
+        np.testing.assert_allclose(grads[name], constant_grads[name], rtol=1e-5, atol=1e-7)

@@ -134,8 +134,8 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     Its inferred shapes are dropped when anything changed; differentiation infers afresh.
     """
     changed = stop_torch_detaches(model)   # first: no pass below differentiates through a detach() either
-    if _bounds_matter(model):   # their passes need static shapes past an exporter's computed bounds
-        changed += fold_shape_queries(model, floats=True)
+    # the passes below match static shapes only: an exporter's computed bounds, pads, axes and shapes folded first
+    changed += fold_shape_queries(model, floats=True)
     changed += split_constant_sequences(model)
     changed += explicit_auto_pads(model)
     changed += explicit_transposed_conv_pads(model, adjoints=False)
@@ -152,24 +152,6 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     if changed:
         model.graph.ClearField("value_info")
     return model
-
-
-def _bounds_matter(model: onnx.ModelProto) -> bool:
-    """Whether the graph has a node the forward passes rewrite only with static shapes around it: a
-    ConvTranspose, a Pad, a SplitToSequence, a Conv or pool with auto_pad, a ceil-mode pool, or a Slice with
-    steps. torch's
-    exporter (constant folding off) computes a Slice's bounds and a Pad's pads in the graph, from Constants
-    and Shapes, and onnx's shape inference stops at them; folding those computations first makes what follows
-    static. Other graphs are left as they are."""
-    for node in model.graph.node:
-        attributes = {a.name: a for a in node.attribute}
-        if node.op_type in ("ConvTranspose", "Pad", "SplitToSequence") or \
-                (node.op_type == "Slice" and len(node.input) > 4) or \
-                ("auto_pad" in attributes and attributes["auto_pad"].s not in (b"", b"NOTSET")) or \
-                (node.op_type in ("AveragePool", "MaxPool", "LpPool") and "ceil_mode" in attributes and
-                 attributes["ceil_mode"].i):
-            return True
-    return False
 
 
 def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:

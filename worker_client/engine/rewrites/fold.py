@@ -13,6 +13,8 @@ __all__ = ["evaluate_node", "fold_shape_queries"]
 
 #: Largest integer tensor (elements) that shape folding turns into a constant.
 _FOLD_LIMIT = 64
+#: Ops never folded: a Constant is one already; the others draw random values at every run.
+_UNFOLDED = frozenset({"Constant", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
 #: Most folding sweeps (each can make the next query static): a bound, not a target.
 _MAX_FOLD_ROUNDS = 16
 
@@ -57,7 +59,7 @@ def fold_shape_queries(model: onnx.ModelProto, *, floats: bool = False) -> int:
                 results = [np.array(shape[start:end], np.int64)]
             elif shape is not None and node.op_type == "Size":
                 results = [np.array(int(np.prod(shape, dtype=np.int64)), np.int64)]
-            elif node.op_type != "Constant" and node.input and not _subgraphs(node) and all(
+            elif node.op_type not in _UNFOLDED and node.input and not _subgraphs(node) and all(
                     not name or name in values for name in node.input):
                 results = evaluate_node(node, values, opset)
                 if results is not None and not all(

@@ -71,6 +71,17 @@ def _repaired_session(path: Path, options: ort.SessionOptions) -> ort.InferenceS
         return None
 
 
+def _exporter_faults(path: Path) -> list[str]:
+    """What read_model would mend in the file at `path` (worker_client/engine/repairs.py), read without its external
+    data; [] for a file it would not change, or one that does not parse (onnxruntime then says why)."""
+    from worker_client.engine.repairs import repair_exporter_faults
+
+    try:
+        return repair_exporter_faults(onnx.load(path, load_external_data=False))
+    except Exception:   # noqa: BLE001 -- not ONNX, or damaged: the caller's onnxruntime load reports it
+        return []
+
+
 @dataclass(frozen=True, eq=False)
 class ModelState:
     """One servable state of the model; immutable (see the module docstring)."""
@@ -106,6 +117,15 @@ class ModelState:
                 options.add_initializer(name, handle)
                 frozen[name] = array
                 handles.append(handle)
+        mended = _exporter_faults(path)
+        if mended:   # some load as written and fail at the first request (a torch Conv3d's bias of the wrong rank)
+            session = _repaired_session(path, options)
+            if session is None:
+                raise ModelLoadError(f"onnxruntime cannot load model {str(path)!r} even with its exporter's faults "
+                                     f"mended ({'; '.join(mended)})")
+            log.info("model %s: serving it as the workers read it, with its exporter's faults mended: %s", path,
+                     "; ".join(mended))
+            return cls._of_session(session, str(path), step=step, weights=frozen, handles=tuple(handles))
         try:
             session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:   # onnxruntime raises its own classes (Fail, InvalidGraph, ...) for a bad file

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ps_common.errors import UnsupportedModelError
 
+from tests.helpers.conv3d_fixture import conv3d_reference, conv3d_without_bias
 from worker_client.engine import GradientEngine
 from worker_client.engine.load import read_model
 from worker_client.engine.repairs import unique_definitions
@@ -327,3 +328,48 @@ def test_a_keras_layer_applying_its_own_kernel_twice_draws_no_tie_warning(tmp_pa
         GradientEngine(tmp_path / "m.onnx", batch_size=2, loss="mse", intra_op_threads=1)
     ties = [str(w.message) for w in caught if "feeds 2 layers" in str(w.message)]
     assert bool(ties) == warned, [str(w.message) for w in caught]
+
+
+def test_a_conv3d_without_bias_from_the_dynamo_exporter_runs_once_read(tmp_path):
+    path = conv3d_without_bias(tmp_path / "conv3d.onnx")
+    x = np.random.default_rng(9).standard_normal((2, 2, 3, 4, 4)).astype(np.float32)
+    as_written = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])   # loads, then fails to run
+    with pytest.raises(Exception, match="bias must be a 1D tensor"):
+        as_written.run(None, {"x": x})
+    model = read_model(path)
+    assert [list(n.input) for n in model.graph.node if n.op_type == "Conv"] == [["x", "w"]]
+    assert [n.op_type for n in model.graph.node] == ["Conv", "ReduceMean"]   # the bias's computation gone
+    got, = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    weight = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w"))
+    np.testing.assert_allclose(got, conv3d_reference(weight, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape, zero", [([4], 0.5), ([4], 0.0)])
+def test_a_conv_bias_that_is_not_an_expanded_zero_or_is_already_right_is_kept_or_dropped_exactly(tmp_path, shape,
+                                                                                                  zero):
+    """A bias expanded from a non-zero is the model's: kept. A well-formed zero bias is no bias: dropped, same
+    result."""
+    path = conv3d_without_bias(tmp_path / "conv3d.onnx", bias_shape=shape, zero=zero)
+    model = read_model(path)
+    convs = [list(n.input) for n in model.graph.node if n.op_type == "Conv"]
+    assert convs == ([["x", "w", "bias"]] if zero else [["x", "w"]])
+    x = np.random.default_rng(10).standard_normal((2, 2, 3, 4, 4)).astype(np.float32)
+    expected, = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got, = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_the_engine_trains_a_conv3d_without_bias_from_the_dynamo_exporter(tmp_path):
+    path = conv3d_without_bias(tmp_path / "conv3d.onnx")
+    engine = GradientEngine(path, batch_size=2, loss="mse", cache_dir=tmp_path / "cache")
+    assert engine.trainable_names == ["w"]
+    rng = np.random.default_rng(11)
+    x, labels = rng.standard_normal((2, 2, 3, 4, 4)), rng.standard_normal((2, 4))
+    result = engine.step(engine.parameters(), {"x": x, "labels": labels})
+    weight = engine.parameters()["w"]
+    residual = conv3d_reference(weight, x.astype(np.float32)) - labels
+    padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1), (1, 1)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 4, 4), axis=(2, 3, 4)).mean(axis=(5, 6, 7))
+    assert result.loss == pytest.approx(float((residual ** 2).mean()), rel=1e-5)
+    np.testing.assert_allclose(result.gradients["w"], np.einsum("no,ncdhw->ocdhw", 2 * residual / residual.size,
+                                                                windows), rtol=1e-4, atol=1e-6)

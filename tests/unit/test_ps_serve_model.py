@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ps_models.builders import write_model
+from tests.helpers.conv3d_fixture import conv3d_reference, conv3d_without_bias
 from ps_serve.errors import ModelNotFound, RequestError
 from ps_serve.model import ModelLoadError, ModelState, ServedModel
 
@@ -181,3 +182,13 @@ def test_a_file_onnxruntime_refuses_for_an_exporters_fault_is_served_as_the_work
     onnx.save(helper.make_model(broken, opset_imports=[helper.make_opsetid("", 18)]), bad)
     with pytest.raises(ModelLoadError, match="bad.onnx"):
         ModelState.load(bad)
+
+
+def test_a_file_that_loads_but_cannot_run_as_written_is_served_as_the_workers_read_it(tmp_path: Path) -> None:
+    # torch's dynamo exporter: a Conv3d without a bias gets a computed zero bias of shape [4, 2], which onnxruntime
+    # loads and then refuses at the first run
+    path = conv3d_without_bias(tmp_path / "conv3d.onnx")
+    weight = np.full((4, 2, 3, 3, 3), 0.1, np.float32)
+    state = ModelState.load(path, weights={"w": weight})
+    x = np.random.default_rng(12).standard_normal((2, 2, 3, 4, 4)).astype(np.float32)
+    np.testing.assert_allclose(state.infer({"x": x})["y"], conv3d_reference(weight, x), rtol=1e-5, atol=1e-6)

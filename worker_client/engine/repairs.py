@@ -5,6 +5,10 @@ else sees the file: models that onnxruntime would refuse as written, though what
   "std", "index") and a buffer after its module path, so a top-level buffer named like an op is defined twice.
 - `standard_erfc`: tf2onnx 1.17 writes Keras 3's exact GELU, 0.5 x erfc(-x / sqrt(2)), with an "Erfc" node in the
   ONNX domain, where no opset has such an op.
+- `zero_conv_biases`: the dynamo exporter's torch library (onnxscript 0.6's aten_conv3d) gives a Conv3d without a
+  bias a zero bias of shape [out_channels, 2] -- ONNX's Conv takes [out_channels] --, so that onnxruntime fails
+  every 3-D model with a bias-free convolution at its first run ("bias must be a 1D tensor"): torchvision's r3d_18,
+  any Conv3d before a BatchNorm. A Conv's bias that is an Expand of a zero is no bias.
 - `topological_order`: ONNX asks for nodes in topological order, and onnx's shape inference reads them so ("Input 0
   expected to have type but instead is null"), but onnxruntime sorts a graph itself and runs one in any order:
   graphs edited by hand or by tools (a node appended for an output added later) come so.
@@ -13,13 +17,14 @@ else sees the file: models that onnxruntime would refuse as written, though what
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from worker_client.engine.rewrites.toolkit import subgraph_reads, subgraphs
 
-__all__ = ["repair_exporter_faults", "standard_erfc", "topological_order", "unique_definitions"]
+__all__ = ["repair_exporter_faults", "standard_erfc", "topological_order", "unique_definitions", "zero_conv_biases"]
 
 
 def repair_exporter_faults(model: onnx.ModelProto) -> list[str]:
@@ -35,6 +40,10 @@ def repair_exporter_faults(model: onnx.ModelProto) -> list[str]:
     erfc = standard_erfc(model.graph, opset)
     if erfc:
         done.append(f"wrote {erfc} Erfc node(s), which no ONNX opset has, as 1 - Erf")
+    biases = zero_conv_biases(model.graph)
+    if biases:
+        done.append(f"dropped the computed zero bias of {biases} convolution(s) (a torch Conv3d without a bias is "
+                    f"exported with a bias of the wrong rank)")
     return done
 
 
@@ -128,6 +137,66 @@ def standard_erfc(graph: onnx.GraphProto, opset: int) -> int:
         graph.ClearField("node")
         graph.node.extend(nodes)
     return count
+
+
+def _is_zero_scalar(name: str, producers: dict[str, onnx.NodeProto], initializers: dict[str, onnx.TensorProto]
+                    ) -> bool:
+    """Whether `name` is one zero: a Constant, an initializer, or either cast (Cast, CastLike)."""
+    node = producers.get(name)
+    while node is not None and node.op_type in ("Cast", "CastLike") and _is_onnx_domain(node):
+        name = node.input[0]
+        node = producers.get(name)
+    if node is not None:
+        value = next((a.t for a in node.attribute if a.name == "value"), None) \
+            if node.op_type == "Constant" and _is_onnx_domain(node) else None
+    else:
+        value = initializers.get(name)
+    if value is None:
+        return False
+    array = numpy_helper.to_array(value)
+    return array.size == 1 and not array.any()
+
+
+def zero_conv_biases(graph: onnx.GraphProto) -> int:
+    """Drops (in place, subgraphs too) the bias input of each Conv whose bias is an Expand of a zero (a Constant
+    or initializer, cast or not) -- the same Conv without a bias --, and the nodes that computed it that nothing
+    else reads; returns how many Convs."""
+    count = sum(zero_conv_biases(inner) for node in graph.node for inner in subgraphs(node))
+    producers = {out: node for node in graph.node for out in node.output if out}
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    dropped = []
+    for node in graph.node:
+        if node.op_type != "Conv" or not _is_onnx_domain(node) or len(node.input) != 3:
+            continue
+        expand = producers.get(node.input[2])
+        if expand is not None and expand.op_type == "Expand" and _is_onnx_domain(expand) and \
+                _is_zero_scalar(expand.input[0], producers, initializers):
+            dropped.append(node.input[2])
+            del node.input[2]
+            count += 1
+    if dropped:
+        _drop_unread(graph, dropped)
+    return count
+
+
+def _drop_unread(graph: onnx.GraphProto, names: list[str]) -> None:
+    """Removes the producers of `names` that nothing reads any more, and theirs in turn."""
+    readers = Counter(name for node in graph.node for name in [*node.input, *subgraph_reads(node)])
+    readers.update(value.name for value in graph.output)
+    gone: set[int] = set()
+    producers = {out: node for node in graph.node for out in node.output if out}
+    pending = list(names)
+    while pending:
+        node = producers.get(pending.pop())
+        if node is None or id(node) in gone or any(readers[out] for out in node.output if out):
+            continue
+        gone.add(id(node))
+        for name in [*node.input, *subgraph_reads(node)]:
+            readers[name] -= 1
+            pending.append(name)
+    kept = [node for node in graph.node if id(node) not in gone]
+    graph.ClearField("node")
+    graph.node.extend(kept)
 
 
 def topological_order(graph: onnx.GraphProto) -> bool:

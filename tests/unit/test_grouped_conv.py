@@ -303,3 +303,78 @@ def test_a_depthwise_weight_after_computed_reduction_axes_trains_as_after_consta
     for name in ("dw", "pw"):
         assert np.abs(grads[name]).max() > 0
         np.testing.assert_allclose(grads[name], constant_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def _shuffled_depthwise(path: Path, shuffles: int, computed: bool) -> Path:
+    """`shuffles` channel shuffles (ShuffleNet's: view as [N, 2, C / 2, H, W], swap the two group axes, view back)
+    before a depthwise Conv, each view's shape either a constant or, as torch's legacy exporter writes it, computed
+    from the Shape of the tensor it views with Constant nodes (Shape, Gather, Div, Cast, Unsqueeze, Concat, and -1
+    for the channels viewed back): onnx's shape inference does not propagate the Div, so every shape after the first
+    view was unknown, and the engine's folding took a sweep for each link of each chain."""
+    rng = np.random.default_rng(7)
+    values = {"dw": rng.standard_normal((4, 1, 3, 3)) * 0.5, "pw": rng.standard_normal((3, 4, 1, 1)) * 0.5}
+    nodes, value = [], "x"
+
+    def constant(name: str, array: np.ndarray) -> str:
+        nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name)))
+        return name
+
+    for k in range(shuffles):
+        grouped, back = f"grouped{k}", f"back{k}"
+        if computed:
+            dims = []
+            for axis in range(4):
+                nodes += [helper.make_node("Shape", [value], [f"shape{k}_{axis}"]),
+                          helper.make_node("Gather", [f"shape{k}_{axis}", constant(f"at{k}_{axis}",
+                                                                                   np.array(axis))],
+                                           [f"dim{k}_{axis}"], axis=0)]
+                dims.append(f"dim{k}_{axis}")
+            nodes += [helper.make_node("Div", [dims[1], constant(f"two{k}", np.array(2))], [f"quotient{k}"]),
+                      helper.make_node("Cast", [f"quotient{k}"], [f"floor{k}"], to=TensorProto.INT64),
+                      helper.make_node("Cast", [f"floor{k}"], [f"half{k}"], to=TensorProto.INT64)]
+            view = [dims[0], constant(f"groups{k}", np.array(2)), f"half{k}", dims[2], dims[3]]
+            flat = [dims[0], constant(f"rest{k}", np.array(-1)), dims[2], dims[3]]   # x.view(n, -1, h, w)
+            for name in (view, flat):
+                for i, scalar in enumerate(list(name)):
+                    nodes.append(helper.make_node("Unsqueeze", [scalar, constant(f"{scalar}_axes{i}{len(name)}",
+                                                                                  np.array([0]))],
+                                                  [f"{scalar}_as_list{len(name)}"]))
+                    name[i] = f"{scalar}_as_list{len(name)}"
+            nodes += [helper.make_node("Concat", view, [f"view{k}"], axis=0),
+                      helper.make_node("Concat", flat, [f"flat{k}"], axis=0)]
+            view_shape, flat_shape = f"view{k}", f"flat{k}"
+        else:
+            view_shape, flat_shape = "view", "flat"
+        nodes += [helper.make_node("Reshape", [value, view_shape], [grouped]),
+                  helper.make_node("Transpose", [grouped], [f"swapped{k}"], perm=[0, 2, 1, 3, 4]),
+                  helper.make_node("Reshape", [f"swapped{k}", flat_shape], [back])]
+        value = back
+    constants = [] if computed else [numpy_helper.from_array(np.array([3, 2, 2, 5, 5], np.int64), "view"),
+                                     numpy_helper.from_array(np.array([3, 4, 5, 5], np.int64), "flat")]
+    nodes += [helper.make_node("Conv", [value, "dw"], ["d"], name="depthwise", group=4, pads=[1, 1, 1, 1]),
+              helper.make_node("Conv", ["d", "pw"], ["p"], name="pointwise"),
+              helper.make_node("ReduceMean", ["p", "axes"], ["y"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 5, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in values.items()]
+        + [numpy_helper.from_array(np.array([2, 3], np.int64), "axes")] + constants)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.save(model, path)
+    return path
+
+
+def test_a_depthwise_weight_after_many_computed_views_trains_as_after_constant_ones(tmp_path: Path) -> None:
+    rng = np.random.default_rng(8)
+    inputs = {"x": rng.standard_normal((3, 4, 5, 5)), "labels": np.array([0, 2, 1])}
+    results = {}
+    for computed in (True, False):
+        engine = GradientEngine(_shuffled_depthwise(tmp_path / f"computed_{computed}.onnx", 24, computed),
+                                batch_size=3, cache_dir=tmp_path)
+        results[computed] = engine.gradients(engine.parameters(), inputs)
+    (loss, grads), (constant_loss, constant_grads) = results[True], results[False]
+    assert loss == pytest.approx(constant_loss, rel=1e-6)
+    for name in ("dw", "pw"):
+        assert np.abs(grads[name]).max() > 0
+        np.testing.assert_allclose(grads[name], constant_grads[name], rtol=1e-5, atol=1e-7)

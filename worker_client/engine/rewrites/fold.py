@@ -15,8 +15,6 @@ __all__ = ["evaluate_node", "fold_shape_queries"]
 _FOLD_LIMIT = 64
 #: Ops never folded: a Constant is one already; the others draw random values at every run.
 _UNFOLDED = frozenset({"Constant", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
-#: Most folding sweeps (each can make the next query static): a bound, not a target.
-_MAX_FOLD_ROUNDS = 16
 
 
 def evaluate_node(node: onnx.NodeProto, values: dict[str, np.ndarray],
@@ -43,7 +41,10 @@ def fold_shape_queries(model: onnx.ModelProto, *, floats: bool = False) -> int:
     kinds = "iubf" if floats else "iub"
     opset = opset_of(model)
     folded = 0
-    for _ in range(_MAX_FOLD_ROUNDS):  # a fold can make the next query static
+    # a sweep folds every chain of constant arithmetic; the next one sees the shapes it made static (a Reshape's
+    # folded target: ShuffleNet's channel shuffles take one sweep each, 16 in all). Each sweep that continues has
+    # folded a node, so there are at most as many as nodes.
+    for _ in range(len(model.graph.node) + 1):
         shapes = static_shapes(model)
         values = {name: value for name, value in constants(model).items()
                   if value.dtype.kind in kinds and value.size <= _FOLD_LIMIT}
@@ -73,6 +74,10 @@ def fold_shape_queries(model: onnx.ModelProto, *, floats: bool = False) -> int:
                     nodes.append(helper.make_node(
                         "Constant", [], [out], name=out,
                         value=numpy_helper.from_array(np.asarray(result), out)))
+                    # the nodes after it (in topological order) fold in this same sweep: a chain of shape
+                    # arithmetic (Shape, Gather, Unsqueeze, Concat, Reshape's target) folds whole, where one
+                    # sweep a link ran out of sweeps on ShuffleNet's 16 channel shuffles
+                    values[out] = np.asarray(result)
             changed += 1
         if not changed:
             break

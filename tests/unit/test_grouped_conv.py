@@ -260,42 +260,34 @@ def test_two_grouped_convs_sharing_a_weight_sum_their_adjoints_and_a_frozen_one_
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
-def _excited_depthwise(path: Path, computed_axes: bool) -> Path:
-    """A squeeze-excitation gate (the spatial mean's sigmoid) before a depthwise Conv, the gate's ReduceMean axes
-    either a constant or, as torch's dynamo exporter writes MobileNetV3's and EfficientNet's, a Reshape of
-    Constants -- which onnx's shape inference does not evaluate, so every shape after it was unknown and the
-    depthwise weight's adjoint was refused."""
+def _with_depthwise_head(path: Path, nodes: list[onnx.NodeProto], value: str,
+                         initializers: list[onnx.TensorProto]) -> Path:
+    """`nodes` (from the input x [N, 4, 5, 5] to `value`), then a depthwise Conv with a trained weight, a pointwise
+    Conv and the spatial mean as 3 logits, saved at `path`."""
     rng = np.random.default_rng(4)
-    values = {"dw": rng.standard_normal((4, 1, 3, 3)) * 0.5, "pw": rng.standard_normal((3, 4, 1, 1)) * 0.5}
-    axes = [helper.make_node("Constant", [], ["axes_raw"], value=numpy_helper.from_array(np.array([-1, -2]))),
-            helper.make_node("Constant", [], ["flat"], value_ints=[-1]),
-            helper.make_node("Reshape", ["axes_raw", "flat"], ["se_axes"])] if computed_axes else []
-    nodes = axes + [
-        helper.make_node("ReduceMean", ["x", "se_axes"], ["squeezed"], keepdims=1),
-        helper.make_node("Sigmoid", ["squeezed"], ["gate"]),
-        helper.make_node("Mul", ["x", "gate"], ["excited"]),
-        helper.make_node("Conv", ["excited", "dw"], ["d"], name="depthwise", group=4, pads=[1, 1, 1, 1]),
-        helper.make_node("Conv", ["d", "pw"], ["p"], name="pointwise"),
-        helper.make_node("ReduceMean", ["p", "axes"], ["y"], keepdims=0)]
-    constant_axes = [] if computed_axes else [numpy_helper.from_array(np.array([-1, -2], np.int64), "se_axes")]
+    weights = {"dw": rng.standard_normal((4, 1, 3, 3)) * 0.5, "pw": rng.standard_normal((3, 4, 1, 1)) * 0.5}
+    nodes = [*nodes, helper.make_node("Conv", [value, "dw"], ["d"], name="depthwise", group=4, pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["d", "pw"], ["p"], name="pointwise"),
+             helper.make_node("ReduceMean", ["p", "axes"], ["y"], keepdims=0)]
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 5, 5])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
-        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in values.items()]
-        + [numpy_helper.from_array(np.array([2, 3], np.int64), "axes")] + constant_axes)
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()]
+        + [numpy_helper.from_array(np.array([2, 3], np.int64), "axes")] + initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 9
     onnx.save(model, path)
     return path
 
 
-def test_a_depthwise_weight_after_computed_reduction_axes_trains_as_after_constant_ones(tmp_path: Path) -> None:
+def _computed_trains_as_constant(tmp_path: Path, build) -> None:  # type: ignore[no-untyped-def]
+    """The model `build(path, computed)` writes trains with its shapes computed as with them constant."""
     rng = np.random.default_rng(6)
     inputs = {"x": rng.standard_normal((3, 4, 5, 5)), "labels": np.array([0, 2, 1])}
     results = {}
     for computed in (True, False):
-        engine = GradientEngine(_excited_depthwise(tmp_path / f"computed_{computed}.onnx", computed),
-                                batch_size=3, cache_dir=tmp_path)
+        engine = GradientEngine(build(tmp_path / f"computed_{computed}.onnx", computed), batch_size=3,
+                                cache_dir=tmp_path)
         assert engine.trainable_names == ["dw", "pw"]
         results[computed] = engine.gradients(engine.parameters(), inputs)
     (loss, grads), (constant_loss, constant_grads) = results[True], results[False]
@@ -305,14 +297,32 @@ def test_a_depthwise_weight_after_computed_reduction_axes_trains_as_after_consta
         np.testing.assert_allclose(grads[name], constant_grads[name], rtol=1e-5, atol=1e-7)
 
 
+def _excited_depthwise(path: Path, computed_axes: bool) -> Path:
+    """A squeeze-excitation gate (the spatial mean's sigmoid) before a depthwise Conv, the gate's ReduceMean axes
+    either a constant or, as torch's dynamo exporter writes MobileNetV3's and EfficientNet's, a Reshape of
+    Constants -- which onnx's shape inference does not evaluate, so every shape after it was unknown and the
+    depthwise weight's adjoint was refused."""
+    axes = [helper.make_node("Constant", [], ["axes_raw"], value=numpy_helper.from_array(np.array([-1, -2]))),
+            helper.make_node("Constant", [], ["flat"], value_ints=[-1]),
+            helper.make_node("Reshape", ["axes_raw", "flat"], ["se_axes"])] if computed_axes else []
+    nodes = axes + [
+        helper.make_node("ReduceMean", ["x", "se_axes"], ["squeezed"], keepdims=1),
+        helper.make_node("Sigmoid", ["squeezed"], ["gate"]),
+        helper.make_node("Mul", ["x", "gate"], ["excited"])]
+    constant_axes = [] if computed_axes else [numpy_helper.from_array(np.array([-1, -2], np.int64), "se_axes")]
+    return _with_depthwise_head(path, nodes, "excited", constant_axes)
+
+
+def test_a_depthwise_weight_after_computed_reduction_axes_trains_as_after_constant_ones(tmp_path: Path) -> None:
+    _computed_trains_as_constant(tmp_path, _excited_depthwise)
+
+
 def _shuffled_depthwise(path: Path, shuffles: int, computed: bool) -> Path:
     """`shuffles` channel shuffles (ShuffleNet's: view as [N, 2, C / 2, H, W], swap the two group axes, view back)
     before a depthwise Conv, each view's shape either a constant or, as torch's legacy exporter writes it, computed
     from the Shape of the tensor it views with Constant nodes (Shape, Gather, Div, Cast, Unsqueeze, Concat, and -1
     for the channels viewed back): onnx's shape inference does not propagate the Div, so every shape after the first
     view was unknown, and the engine's folding took a sweep for each link of each chain."""
-    rng = np.random.default_rng(7)
-    values = {"dw": rng.standard_normal((4, 1, 3, 3)) * 0.5, "pw": rng.standard_normal((3, 4, 1, 1)) * 0.5}
     nodes, value = [], "x"
 
     def constant(name: str, array: np.ndarray) -> str:
@@ -351,30 +361,8 @@ def _shuffled_depthwise(path: Path, shuffles: int, computed: bool) -> Path:
         value = back
     constants = [] if computed else [numpy_helper.from_array(np.array([3, 2, 2, 5, 5], np.int64), "view"),
                                      numpy_helper.from_array(np.array([3, 4, 5, 5], np.int64), "flat")]
-    nodes += [helper.make_node("Conv", [value, "dw"], ["d"], name="depthwise", group=4, pads=[1, 1, 1, 1]),
-              helper.make_node("Conv", ["d", "pw"], ["p"], name="pointwise"),
-              helper.make_node("ReduceMean", ["p", "axes"], ["y"], keepdims=0)]
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 5, 5])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
-        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in values.items()]
-        + [numpy_helper.from_array(np.array([2, 3], np.int64), "axes")] + constants)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    onnx.save(model, path)
-    return path
+    return _with_depthwise_head(path, nodes, value, constants)
 
 
 def test_a_depthwise_weight_after_many_computed_views_trains_as_after_constant_ones(tmp_path: Path) -> None:
-    rng = np.random.default_rng(8)
-    inputs = {"x": rng.standard_normal((3, 4, 5, 5)), "labels": np.array([0, 2, 1])}
-    results = {}
-    for computed in (True, False):
-        engine = GradientEngine(_shuffled_depthwise(tmp_path / f"computed_{computed}.onnx", 24, computed),
-                                batch_size=3, cache_dir=tmp_path)
-        results[computed] = engine.gradients(engine.parameters(), inputs)
-    (loss, grads), (constant_loss, constant_grads) = results[True], results[False]
-    assert loss == pytest.approx(constant_loss, rel=1e-6)
-    for name in ("dw", "pw"):
-        assert np.abs(grads[name]).max() > 0
-        np.testing.assert_allclose(grads[name], constant_grads[name], rtol=1e-5, atol=1e-7)
+    _computed_trains_as_constant(tmp_path, lambda path, computed: _shuffled_depthwise(path, 24, computed))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -97,6 +98,10 @@ ID_RANGE = 2
 
 _NARROW_FLOATS = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 
+
+#: A long check (a large model differenced in float64 by onnx's reference evaluator can take minutes per
+#: parameter) says on stderr which parameter it is at, at most this often (seconds); a short one says nothing.
+PROGRESS_EVERY = 10.0
 
 @dataclass(frozen=True)
 class DirectionCheck:
@@ -179,8 +184,10 @@ class CheckReport:
 def check_model(path: str | Path, *, batch_size: int = DEFAULT_BATCH,
                 loss: str = "cross_entropy", include: Sequence[str] = (),
                 exclude: Sequence[str] = (), expect_parameters: int | None = None,
-                seed: int = 0, cache_dir: str | Path | None = None) -> CheckReport:
-    """Check the model at `path` (module docstring); never raises for a model problem."""
+                seed: int = 0, cache_dir: str | Path | None = None,
+                progress: Callable[[int, int, str], None] | None = None) -> CheckReport:
+    """Check the model at `path` (module docstring); never raises for a model problem. `progress(done, total,
+    name)` is called before each parameter's gradient is differenced."""
     report = CheckReport(Path(path))
     try:
         original = load_model(path)
@@ -231,7 +238,8 @@ def check_model(path: str | Path, *, batch_size: int = DEFAULT_BATCH,
     # estimator's passes round() as if it were the identity), so differences of the loss cannot check it
     _, before_detaches = live(model.graph, [node.input[0] for node in model.graph.node if is_torch_detach(node)])
     report.detached = [n for n in engine.trainable_names if n in before_detaches]
-    report.gradients = _finite_differences(engine, values, result, function, rng, skip=set(report.detached))
+    report.gradients = _finite_differences(engine, values, result, function, rng, skip=set(report.detached),
+                                           progress=progress)
     return report
 
 
@@ -421,13 +429,15 @@ def _widened(tensor: TensorProto) -> TensorProto:
 
 
 def _finite_differences(engine: GradientEngine, values: dict[str, np.ndarray], result,
-                        loss: _Loss, rng: np.random.Generator, skip: set[str] = frozenset()) -> list[GradientCheck]:
+                        loss: _Loss, rng: np.random.Generator, skip: set[str] = frozenset(),
+                        progress: Callable[[int, int, str], None] | None = None) -> list[GradientCheck]:
     """Per parameter but those in `skip`: its derivative along random unit directions, by the engine and by
     central differences of `loss`, until most of FD_DIRECTIONS agree or most cannot."""
     checks = []
-    for name in engine.trainable_names:
-        if name in skip:
-            continue
+    names = [name for name in engine.trainable_names if name not in skip]
+    for done, name in enumerate(names):
+        if progress is not None:
+            progress(done, len(names), name)
         value = values[name]
         step = FD_STEP[loss.precision] * max(float(np.linalg.norm(value.astype(np.float64))),
                                              1.0)
@@ -505,6 +515,22 @@ def format_report(report: CheckReport) -> str:
     return "\n".join(lines)
 
 
+class _ProgressLines:
+    """ps-check's progress on stderr: a line naming the parameter being checked, when PROGRESS_EVERY seconds have
+    passed since the check began or since the last line (stdout keeps the report alone)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.started = self.last
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY:
+            self.last = now
+            print(f"ps-check: differencing the gradient of {name} ({done + 1} of {total} parameters, "
+                  f"{now - self.started:.0f} s so far)", file=sys.stderr, flush=True)
+
+
 def _patterns(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
@@ -532,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     ort.set_default_logger_severity(3)
     report = check_model(args.model, batch_size=args.batch_size, loss=args.loss,
                          include=args.include, exclude=args.exclude,
-                         expect_parameters=args.expect_parameters, seed=args.seed)
+                         expect_parameters=args.expect_parameters, seed=args.seed, progress=_ProgressLines())
     print(format_report(report))
     return 0 if report.ok else 1
 

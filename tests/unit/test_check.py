@@ -291,3 +291,21 @@ def test_the_coverage_lists_the_engines_own_forms_and_onnx_ads_rules() -> None:
     assert "grouped" in table["Conv"] and "training mode" in table["BatchNormalization"]
     assert table["GRU"].startswith("expanded") and table["MatMul"] == "reverse rule"
     assert "MaxRoiPool" not in table
+
+
+def test_a_long_check_says_on_stderr_which_parameter_it_is_at_and_stdout_keeps_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    model = FIXTURES / "torch/mlp.onnx"
+    monkeypatch.setattr(check, "PROGRESS_EVERY", 0.0)   # every parameter is "long" here
+    monkeypatch.setenv("ONNX_PS_CACHE", str(tmp_path))
+    assert check.main([str(model)]) == 0
+    out, err = capsys.readouterr()
+    report = check.check_model(model, cache_dir=tmp_path)
+    names = [name for name, _, _ in report.parameters]
+    lines = err.strip().splitlines()
+    assert [line.split(" (")[0] for line in lines] == [f"ps-check: differencing the gradient of {n}" for n in names]
+    assert lines[-1].split(" (")[1].startswith(f"{len(names)} of {len(names)} parameters")
+    assert "ps-check:" not in out and out.rstrip().endswith("result: the model trains as reported")
+    monkeypatch.setattr(check, "PROGRESS_EVERY", 3600.0)   # a check shorter than that says nothing
+    assert check.main([str(model)]) == 0
+    assert capsys.readouterr().err == ""

@@ -103,6 +103,7 @@ _NARROW_FLOATS = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.
 #: parameter) says on stderr which parameter it is at, at most this often (seconds); a short one says nothing.
 PROGRESS_EVERY = 10.0
 
+
 @dataclass(frozen=True)
 class DirectionCheck:
     """A parameter's derivative along one unit direction: the engine's gradient projected

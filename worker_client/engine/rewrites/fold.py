@@ -7,7 +7,7 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from worker_client.engine.rewrites.toolkit import constants, opset_of, static_shapes
+from worker_client.engine.rewrites.toolkit import constants, opset_of, static_shapes, subgraphs
 
 __all__ = ["evaluate_node", "fold_shape_queries"]
 
@@ -60,7 +60,7 @@ def fold_shape_queries(model: onnx.ModelProto, *, floats: bool = False) -> int:
                 results = [np.array(shape[start:end], np.int64)]
             elif shape is not None and node.op_type == "Size":
                 results = [np.array(int(np.prod(shape, dtype=np.int64)), np.int64)]
-            elif node.op_type not in _UNFOLDED and node.input and not _subgraphs(node) and all(
+            elif node.op_type not in _UNFOLDED and node.input and not subgraphs(node) and all(
                     not name or name in values for name in node.input):
                 results = evaluate_node(node, values, opset)
                 if results is not None and not all(
@@ -86,7 +86,3 @@ def fold_shape_queries(model: onnx.ModelProto, *, floats: bool = False) -> int:
         folded += changed
     return folded
 
-
-def _subgraphs(node: onnx.NodeProto) -> bool:
-    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-               for a in node.attribute)

@@ -27,7 +27,10 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
 - `singular`: square roots, fractional powers and L2 norms written with a zero derivative at exactly
   zero, as torch's ReLU and norm adjoints give (on the forward graph: onnx-ad's inf there, times a ReLU
   adjoint's zero mask, is NaN);
-- `fold`: shape queries on static tensors folded into constants;
+- `fold`: shape queries on static tensors folded into constants (and, on both graphs, small float arithmetic on
+  constants);
+- `powers`: Pows by a constant exponent (a square's adjoint is Pow(x, 1)) as products, roots and reciprocals
+  (after differentiation: onnxruntime's Pow is libm's pow at every element but for the exponents 2 and 3);
 - `conv`: onnx-ad's conv, average-pool and max-pool adjoints as cheaper ops; conv input
   adjoints (ConvTranspose) as Convs; a Conv's or pool's auto_pad as explicit pads (on the
   forward graph: onnx-ad refuses SAME); a ConvTranspose's output_shape as the pads it implies
@@ -114,6 +117,7 @@ from worker_client.engine.rewrites.masks import masks_as_products
 from worker_client.engine.rewrites.matmul import flatten_weight_matmuls, sum_batched_products, untranspose_products
 from worker_client.engine.rewrites.outputs import compute_outputs_in_place
 from worker_client.engine.rewrites.pools import drop_idle_ceil_modes, pad_overhanging_average_pools
+from worker_client.engine.rewrites.powers import powers_as_products
 from worker_client.engine.rewrites.prune import prune
 from worker_client.engine.rewrites.recurrences import reuse_forward_values
 from worker_client.engine.rewrites.scans import rewrite_scan_bodies
@@ -157,7 +161,8 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
 def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     """The differentiated model, rewritten in place and returned; the passes run in order."""
     from worker_client.engine.differentiate import GRAD_PREFIX   # here: differentiate imports this package
-    fold_shape_queries(model)           # everything static, so the passes below apply
+    fold_shape_queries(model, floats=True)   # everything static, so the passes below apply; an adjoint's exponent
+    powers_as_products(model)           # Pow(x, e - 1) of every Pow(x, e) adjoint: libm's pow at every element
     restore_transposed_convs(model)     # before the passes that read a ConvTranspose's shapes
     explicit_transposed_conv_pads(model, adjoints=True)   # before anything reads a ConvTranspose's inferred shape
     gemm_large_kernel_convs(model)

@@ -931,9 +931,11 @@ def test_tied_max_pool_windows_route_the_gradient_to_the_first_maximum(
     np.testing.assert_allclose(grads["b"], expected_b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("shape, kernel", [([2, 3, 16], [4]), ([2, 2, 4, 6, 4], [2, 3, 2])])
-def test_a_tiling_max_pool_of_any_rank_routes_its_adjoint_without_a_scatter(shape, kernel) -> None:
-    """1-D (audio) and 3-D pools: the adjoint built from masks gives what onnx-ad's argmax scatter gives."""
+@pytest.mark.parametrize("shape, kernel, ties", [([2, 3, 16], [4], False), ([2, 2, 4, 6, 4], [2, 3, 2], False),
+                                                 ([2, 3, 16], [4], True), ([2, 2, 4, 6, 4], [2, 3, 2], True)])
+def test_a_tiling_max_pool_of_any_rank_routes_its_adjoint_without_a_scatter(shape, kernel, ties) -> None:
+    """1-D (audio) and 3-D pools: the adjoint built from masks gives what onnx-ad's argmax scatter gives; with
+    `ties` (windows of equal values, as after a ReLU) the first element of a window takes its gradient."""
     from worker_client.engine.differentiate import GRAD_PREFIX, differentiate
     from worker_client.engine.rewrites.conv import route_max_pool_adjoints
     from worker_client.engine.rewrites.fold import fold_shape_queries
@@ -960,7 +962,8 @@ def test_a_tiling_max_pool_of_any_rank_routes_its_adjoint_without_a_scatter(shap
     assert all(len(resized[n.input[0]]) <= 4 for n in routed.graph.node if n.op_type == "Resize")
     prune(routed)   # the windows' maxima are the forward pool's: computed once
     assert [n.name for n in routed.graph.node if n.op_type == "MaxPool" and n.input[0] == "scaled"] == ["pool"]
-    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "w": np.array([1.5], np.float32)}
+    values = rng.integers(0, 2, shape) if ties else rng.standard_normal(shape)
+    feeds = {"x": values.astype(np.float32), "w": np.array([1.5], np.float32)}
     names = [GRAD_PREFIX + "x", GRAD_PREFIX + "w"]
     expected = ort.InferenceSession(derived.SerializeToString()).run(names, feeds)
     got = ort.InferenceSession(routed.SerializeToString()).run(names, feeds)

@@ -45,6 +45,8 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
 - `scatter`: Gather adjoints that rebuild a whole tensor from its pieces (an attention's
   query, key and value), and Slice adjoints (zero Pads) that do the same (an LSTM's gates), as
   one Concat;
+- `attention`: a softmax adjoint's row sums, sum_j P dP, where P feeds an attention's MatMul O = P @ V alone, as
+  sum_d dO O (FlashAttention's): passes over [.., T, d] instead of [.., T, T] (equal to rounding);
 - `sums`: onnx-ad's gradient accumulations of two terms (Sum) as Add, which onnxruntime runs on
   its intra-op pool (its Sum runs on one thread);
 - `layout`: transposes, reductions and broadcasts over size-1 axes (the seed axis) without
@@ -91,6 +93,7 @@ from __future__ import annotations
 import onnx
 
 from worker_client.engine.rewrites.accumulators import hoist_scan_accumulators
+from worker_client.engine.rewrites.attention import softmax_sums_from_outputs
 from worker_client.engine.rewrites.batch_norms import detach_batch_norm_statistics
 from worker_client.engine.rewrites.broadcasts import broadcast_in_readers
 from worker_client.engine.rewrites.col2im import small_map_transposed_conv
@@ -163,6 +166,7 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     from worker_client.engine.differentiate import GRAD_PREFIX   # here: differentiate imports this package
     fold_shape_queries(model, floats=True)   # everything static, so the passes below apply; an adjoint's exponent
     powers_as_products(model)           # Pow(x, e - 1) of every Pow(x, e) adjoint: libm's pow at every element
+    softmax_sums_from_outputs(model)    # onnx-ad's form still: an attention's row sums over [.., T, d], not [.., T, T]
     restore_transposed_convs(model)     # before the passes that read a ConvTranspose's shapes
     explicit_transposed_conv_pads(model, adjoints=True)   # before anything reads a ConvTranspose's inferred shape
     gemm_large_kernel_convs(model)

@@ -76,8 +76,17 @@ def _full_size_products(model: onnx.ModelProto) -> int:
                and shapes.get(n.output[0], ())[:3] == (BATCH, TOKENS, TOKENS))
 
 
-def test_the_row_sums_come_from_the_output_and_the_gradients_agree() -> None:
-    derived = _differentiated(_attention())
+def _inference_dropout() -> onnx.ModelProto:
+    """P through a Dropout without a training flag (the identity), as the legacy exporter writes torch's
+    MultiheadAttention, before the MatMul."""
+    model = _attention([helper.make_node("Dropout", ["p", "ratio"], ["dropped"])], "dropped")
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0.1, np.float32), "ratio"))
+    return model
+
+
+@pytest.mark.parametrize("build", [_attention, _inference_dropout], ids=["direct", "inference_dropout"])
+def test_the_row_sums_come_from_the_output_and_the_gradients_agree(build) -> None:
+    derived = _differentiated(build())
     assert _full_size_products(derived) == 1   # onnx-ad's sum_j P dP
     rewritten = onnx.ModelProto()
     rewritten.CopyFrom(derived)
@@ -90,10 +99,11 @@ def test_the_row_sums_come_from_the_output_and_the_gradients_agree() -> None:
     assert softmax_sums_from_outputs(rewritten) == 0
 
 
-@pytest.mark.parametrize("case", ["scaled", "reshaped", "read_twice", "other_axis"])
+@pytest.mark.parametrize("case", ["scaled", "reshaped", "read_twice", "other_axis", "training_dropout"])
 def test_probabilities_that_reach_the_matmul_otherwise_keep_onnx_ads_sum(case: str) -> None:
     """A scale between Softmax and MatMul (as a Dropout's mask is), a Reshape there, P read by a second
-    product, or a softmax over another axis: dP is not the MatMul's adjoint alone (or the sum is another one)."""
+    product, a softmax over another axis, or a training-mode Dropout: dP is not the MatMul's adjoint alone (or
+    the sum is another one)."""
     if case == "scaled":
         model = _attention([helper.make_node("Mul", ["p", "half"], ["dropped"])], "dropped")
         model.graph.initializer.append(numpy_helper.from_array(np.full((1, TOKENS, TOKENS), 0.5, np.float32),
@@ -105,6 +115,12 @@ def test_probabilities_that_reach_the_matmul_otherwise_keep_onnx_ads_sum(case: s
         model = _attention([helper.make_node("MatMul", ["p", "q"], ["po"]),
                             helper.make_node("Add", ["po", "v"], ["vv"])], "p")
         model.graph.node[-3].input[1] = "vv"   # o = p @ (p @ q + v): P read by two MatMuls
+    elif case == "training_dropout":   # a Dropout that draws a mask is no identity (onnx-ad refuses to
+        derived = _differentiated(_inference_dropout())   # differentiate one: its flag is set afterwards)
+        derived.graph.initializer.append(numpy_helper.from_array(np.array(True), "training"))
+        next(n for n in derived.graph.node if n.op_type == "Dropout").input.append("training")
+        assert softmax_sums_from_outputs(derived) == 0
+        return
     else:
         model = _attention()
         next(n for n in model.graph.node if n.op_type == "Softmax").attribute[0].i = 1

@@ -12,7 +12,8 @@ took 15.8 and 2.9 ms; the Sub after them then reads dP first and takes part of t
 dP comes from memory, not cache, whichever op reads it first), so the step gains 2-3%, more as T grows against
 d. Equal to float32 rounding (the same sum taken in another order); where P reaches the MatMul through
 anything else (a Dropout, a Reshape) or is read by more than the MatMul and the adjoints, dP has other terms and
-the sum stays as it is.
+the sum stays as it is. An inference-mode Dropout between them (the identity: torch's MultiheadAttention exported
+as the legacy exporter writes it) is looked through.
 
 onnx-ad's form, matched here: `front` is dO with the seed axis first; the MatMul's rule computes
 left = MatMul(front, Transpose(V)), moves the seed axis back (Transpose) and the Softmax's rule reads it (after an
@@ -53,8 +54,13 @@ def softmax_sums_from_outputs(model: onnx.ModelProto) -> int:
         rank = len(shapes[p])
         if rank < 2 or int(_attribute(softmax, "axis", -1)) % rank != rank - 1:
             continue
-        forward = [n for n in readers.get(p, []) if n.op_type == "MatMul" and n.input[0] == p]
-        others = [n for n in readers.get(p, []) if n.op_type not in ("MatMul", "Unsqueeze", "Transpose")]
+        read = p
+        identities = [n for n in readers.get(p, []) if n.op_type == "Dropout" and _is_identity(n, values)]
+        if len(identities) == 1 and len(readers.get(identities[0].output[0], [])) <= 2:
+            read = identities[0].output[0]   # an inference-mode Dropout (torch's MultiheadAttention's): the identity
+        forward = [n for n in readers.get(read, []) if n.op_type == "MatMul" and n.input[0] == read]
+        others = [n for n in readers.get(p, []) + (readers.get(read, []) if read != p else [])
+                  if n.op_type not in ("MatMul", "Unsqueeze", "Transpose") and n not in identities]
         if len(forward) != 1 or others:
             continue
         attend = forward[0]
@@ -116,6 +122,15 @@ def _plan(mul: onnx.NodeProto, lifted: str, v: str, rank: int, producers: dict[s
     if len(perm) != rank + 1 or perm != list(range(1, rank + 1)) + [0] or len(shapes.get(front, ())) != rank + 1:
         return None
     return sums[0], front, perm
+
+
+def _is_identity(dropout: onnx.NodeProto, values: dict) -> bool:
+    """Whether a Dropout is the identity: no training_mode input, or a constant false one (the engine's training
+    form has written every training-mode Dropout as a Mul by its mask before this)."""
+    if len(dropout.input) < 3 or not dropout.input[2]:
+        return True
+    flag = values.get(dropout.input[2])
+    return flag is not None and not bool(flag.reshape(-1)[0])
 
 
 def _sums_last_axis(node: onnx.NodeProto, rank: int, values: dict) -> bool:

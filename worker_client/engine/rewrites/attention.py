@@ -10,7 +10,10 @@ a Mul and a ReduceSum over [batch, heads, T, d] instead -- the row sums FlashAtt
 the work. At T = 256 and d = 16 (the zoo's unet_attn, batch 32, 4 heads, one thread) the two full-size passes
 took 15.8 and 2.9 ms; the Sub after them then reads dP first and takes part of that time back (5.6 -> 16.5 ms:
 dP comes from memory, not cache, whichever op reads it first), so the step gains 2-3%, more as T grows against
-d. Equal to float32 rounding (the same sum taken in another order); where P reaches the MatMul through
+d. Where d > T / 2 the rewrite is not made: the sum over [.., T, d] would save little or nothing (a ViT's 65
+tokens of 64 features a head; the zoo's prenorm, 48 tokens of 64, would do more work), and `front`, which
+onnxruntime otherwise fuses into the MatMul as a transposed operand, may then be transposed on its own. Equal to
+float32 rounding (the same sum taken in another order); where P reaches the MatMul through
 anything else (a Dropout, a Reshape) or is read by more than the MatMul and the adjoints, dP has other terms and
 the sum stays as it is. An inference-mode Dropout between them (the identity: torch's MultiheadAttention exported
 as the legacy exporter writes it) is looked through.
@@ -67,6 +70,8 @@ def softmax_sums_from_outputs(model: onnx.ModelProto) -> int:
         out, v = attend.output[0], attend.input[1]
         if shapes.get(out, ())[:-1] != shapes[p][:-1] or len(shapes.get(v, ())) != rank:
             continue   # P broadcast against V's batch axes, or a matrix-vector product: not the form matched
+        if 2 * shapes[out][-1] > shapes[p][-1]:
+            continue   # d > T / 2: the passes over [.., T, d] would cost about what they save (module docstring)
         for lift in readers.get(p, []):
             if lift.op_type != "Unsqueeze":
                 continue

@@ -8,6 +8,7 @@ tf2onnx's exact GELU, which no opset has; read_model writes it as 1 - Erf."""
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -373,3 +374,41 @@ def test_the_engine_trains_a_conv3d_without_bias_from_the_dynamo_exporter(tmp_pa
     assert result.loss == pytest.approx(float((residual ** 2).mean()), rel=1e-5)
     np.testing.assert_allclose(result.gradients["w"], np.einsum("no,ncdhw->ocdhw", 2 * residual / residual.size,
                                                                 windows), rtol=1e-4, atol=1e-6)
+
+
+def _dropouts_model(path: Path, *, trained: bool, idle_ratio: float) -> Path:
+    """x -> Dropout (training flag `trained`, ratio 0.1) -> Dropout (ratio `idle_ratio`, no flag) -> MatMul w."""
+    nodes = [helper.make_node("Dropout", ["x", "ratio", "training"], ["d1"], name="/layers.0/dropout1/Dropout"),
+             helper.make_node("Dropout", ["d1", "idle_ratio"], ["d2"], name="/layers.0/self_attn/Dropout"),
+             helper.make_node("MatMul", ["d2", "w"], ["y"], name="/linear/MatMul")]
+    graph = helper.make_graph(
+        nodes, "dropouts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [numpy_helper.from_array(np.array(0.1, np.float32), "ratio"),
+         numpy_helper.from_array(np.array(trained), "training"),
+         numpy_helper.from_array(np.array(idle_ratio, np.float32), "idle_ratio"),
+         numpy_helper.from_array(np.ones((3, 2), np.float32), "w")])
+    return saved(graph, path, 17)
+
+
+def test_a_dropout_without_its_flag_beside_training_ones_is_named_in_a_warning(tmp_path: Path) -> None:
+    """torch.onnx's legacy exporter writes nn.MultiheadAttention's attention dropout without a training flag (the
+    identity) while the model's other Dropouts train: the engine says which, and why it differs from torch."""
+    path = _dropouts_model(tmp_path / "m.onnx", trained=True, idle_ratio=0.1)
+    with pytest.warns(UserWarning, match=r"m\.onnx: 1 Dropout\(s\) have a ratio but no training_mode input") as caught:
+        GradientEngine(path, batch_size=2, loss="mse", intra_op_threads=1)
+    message = next(str(w.message) for w in caught if "training_mode" in str(w.message))
+    assert "/layers.0/self_attn/Dropout" in message and "dropout1" not in message
+    assert "dropout=0.0" in message
+
+
+@pytest.mark.parametrize("trained, idle_ratio", [(False, 0.1), (True, 0.0)])
+def test_no_dropout_warning_for_an_inference_export_or_a_zero_ratio(tmp_path: Path, trained: bool,
+                                                                      idle_ratio: float) -> None:
+    """Every Dropout without a flag (an eval-mode export: none trains), or the flagless one of ratio 0: nothing to
+    say."""
+    path = _dropouts_model(tmp_path / "m.onnx", trained=trained, idle_ratio=idle_ratio)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GradientEngine(path, batch_size=2, loss="mse", intra_op_threads=1)
+    assert not [w for w in caught if "training_mode input" in str(w.message)]

@@ -24,7 +24,8 @@ from worker_client.engine.differentiate import (
 from worker_client.engine.exporters import (dropped_detaches_warning, dropped_torch_detaches, folded_bias_layers,
                                              folded_keras_batch_norms, folded_keras_batch_norms_warning,
                                              folded_torch_parameters, folded_torch_parameters_warning,
-                                             folded_variables_warning, renamed_or_dropped_warning,
+                                             folded_variables_warning, idle_dropouts, idle_dropouts_warning,
+                                             renamed_or_dropped_warning,
                                              restore_torch_training_batch_norms, torch_padding_rows,
                                              torch_parameters_renamed_or_dropped)
 from worker_client.engine.feeds import (
@@ -187,6 +188,9 @@ class GradientEngine:
         detaches = dropped_torch_detaches(model)
         if detaches:
             warn_caller(f"{self.model_path}: {dropped_detaches_warning(detaches)}")
+        idle = idle_dropouts(model)
+        if idle:
+            warn_caller(f"{self.model_path}: {idle_dropouts_warning(idle)}")
         # before the opset upgrade, which drops the node metadata it reads
         restore_torch_training_batch_norms(model, str(self.model_path))
         model = upgrade_opset(model, self.model_path)

@@ -19,6 +19,10 @@ same statistics and differentiates through them. The same
 optimizer merges other parameters with equal values (`merged_torch_parameters`), drops or
 renames some (`torch_parameters_renamed_or_dropped`), and writes literals as initializers
 (selection.py, rule 5, makes those constants); the engine warns about the first two.
+
+torch.onnx's legacy exporter, exporting in training mode, writes nn.MultiheadAttention's dropout of the
+attention weights without the training flag the model's other Dropouts have: the identity. `idle_dropouts`
+finds those, and the engine warns about them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, TORCH_PRODUC
 from worker_client.engine.support import node_label, nodes_listed
 
 __all__ = ["DYNAMO_REMEDY", "dropped_detaches_warning", "dropped_torch_detaches", "folded_bias_layers",
+           "idle_dropouts", "idle_dropouts_warning",
            "folded_keras_batch_norms", "folded_keras_batch_norms_warning", "folded_torch_parameters",
            "folded_torch_parameters_warning", "folded_variables_warning",
            "from_torch_dynamo", "merged_torch_parameters", "merged_warning", "renamed_or_dropped_warning",
@@ -158,6 +163,41 @@ def folded_torch_parameters_warning(names: list[str]) -> str:
             f"without batch statistics, and a transposed weight no longer shares its gradient with the weight it "
             f"came from. Re-export with training=torch.onnx.TrainingMode.TRAINING and do_constant_folding=False "
             f"(docs/models.md, \"Exporter recipes\")")
+
+
+def idle_dropouts(model: onnx.ModelProto) -> list[str]:
+    """The Dropouts of the main graph with a constant ratio above 0 and no training_mode input (ONNX's default
+    then: the identity), in a model where at least one other Dropout's training_mode is a constant true -- a
+    training-mode export whose exporter dropped one layer's flag: torch.onnx's legacy exporter writes the attention
+    dropout of nn.MultiheadAttention (nn.TransformerEncoderLayer's) so under TrainingMode.TRAINING. Their labels;
+    [] when no Dropout trains or none is idle."""
+    values = {t.name: t for t in model.graph.initializer}
+    values.update({n.output[0]: next((a.t for a in n.attribute if a.name == "value"), None)
+                   for n in model.graph.node if n.op_type == "Constant"})
+
+    def constant(name: str) -> object:
+        tensor = values.get(name) if name else None
+        return None if tensor is None else onnx.numpy_helper.to_array(tensor).reshape(-1)[0]
+
+    dropouts = [n for n in model.graph.node if n.op_type == "Dropout" and n.domain in ("", "ai.onnx")]
+    if not any(len(n.input) > 2 and constant(n.input[2]) is not None and bool(constant(n.input[2]))
+               for n in dropouts):
+        return []
+    idle = []
+    for node in dropouts:
+        ratio = constant(node.input[1]) if len(node.input) > 1 else None
+        if (len(node.input) < 3 or not node.input[2]) and ratio is not None and float(ratio) > 0:
+            idle.append(node_label(node))
+    return idle
+
+
+def idle_dropouts_warning(labels: list[str]) -> str:
+    """The warning about `labels` (from `idle_dropouts`)."""
+    return (f"{len(labels)} Dropout(s) have a ratio but no training_mode input, so they are the identity (ONNX's "
+            f"default) while the model's other Dropouts train: {_first_five(labels)}. torch.onnx's legacy exporter "
+            f"writes nn.MultiheadAttention's attention dropout so even under TrainingMode.TRAINING; the engine "
+            f"trains these layers without it, where torch applies it. To train the same model on both sides, give "
+            f"the attention dropout=0.0 before exporting")
 
 
 #: The aten op in the dynamo exporter's record of a node, and its overload ("default", "no_stats", ...).

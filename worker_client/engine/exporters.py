@@ -35,7 +35,7 @@ from onnx import helper
 
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.rewrites.detaches import is_torch_detach
-from worker_client.engine.rewrites.toolkit import subgraphs
+from worker_client.engine.rewrites.toolkit import constants, subgraphs
 from worker_client.engine.selection import (TF2ONNX, TORCH_FX_NODE, TORCH_PRODUCER, VALUE_PRESERVING, consumers,
                                             from_torch_dynamo, node_metadata, only_running_statistics,
                                             reads_torch_parameter, torch_export_name)
@@ -171,13 +171,11 @@ def idle_dropouts(model: onnx.ModelProto) -> list[str]:
     training-mode export whose exporter dropped one layer's flag: torch.onnx's legacy exporter writes the attention
     dropout of nn.MultiheadAttention (nn.TransformerEncoderLayer's) so under TrainingMode.TRAINING. Their labels;
     [] when no Dropout trains or none is idle."""
-    values = {t.name: t for t in model.graph.initializer}
-    values.update({n.output[0]: next((a.t for a in n.attribute if a.name == "value"), None)
-                   for n in model.graph.node if n.op_type == "Constant"})
+    values = constants(model)
 
     def constant(name: str) -> object:
-        tensor = values.get(name) if name else None
-        return None if tensor is None else onnx.numpy_helper.to_array(tensor).reshape(-1)[0]
+        value = values.get(name) if name else None
+        return None if value is None or value.size == 0 else value.reshape(-1)[0]
 
     dropouts = [n for n in model.graph.node if n.op_type == "Dropout" and n.domain in ("", "ai.onnx")]
     if not any(len(n.input) > 2 and constant(n.input[2]) is not None and bool(constant(n.input[2]))

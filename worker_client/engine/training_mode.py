@@ -35,7 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.rewrites.fold import fold_shape_queries
 from worker_client.engine.rewrites.prune import prune
-from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of
+from worker_client.engine.rewrites.toolkit import Emitter, attribute, constants, opset_of
 from worker_client.engine.support import infer_shapes, node_label
 
 __all__ = ["MASK_PREFIX", "STATE_PREFIX", "TrainingForms", "has_training_forms",
@@ -64,16 +64,11 @@ class TrainingForms:
     dropout_rates: dict[str, float] = field(default_factory=dict)
 
 
-def _attribute(node: onnx.NodeProto, name: str, default):
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name),
-                default)
-
-
 def _is_training_batch_norm(node: onnx.NodeProto) -> bool:
     """training_mode set, or (the form before opset 14, whose outputs beyond Y exist only in training) more than
     one output."""
     return node.op_type == "BatchNormalization" and (
-        bool(_attribute(node, "training_mode", 0)) or any(node.output[1:]))
+        bool(attribute(node, "training_mode", 0)) or any(node.output[1:]))
 
 
 def _dropout_training(node: onnx.NodeProto, values: dict[str, np.ndarray]) -> bool:
@@ -222,8 +217,8 @@ def _batch_norm(node: onnx.NodeProto, ranks: dict[str, int], elements: dict[str,
         raise UnsupportedModelError(
             f"node {node_label(node)!r} (BatchNormalization, training mode): the rank of its "
             f"input {x!r} is unknown; export the model with static input ranks")
-    epsilon = float(_attribute(node, "epsilon", _EPSILON))
-    momentum = float(_attribute(node, "momentum", _MOMENTUM))
+    epsilon = float(attribute(node, "epsilon", _EPSILON))
+    momentum = float(attribute(node, "momentum", _MOMENTUM))
     axes = emit.ints([0] + list(range(2, rank)))
     reduce = _reduce_mean(opset_of_axes, [0] + list(range(2, rank)), axes)
     channel_shape = emit.ints([1, -1] + [1] * (rank - 2))

@@ -26,27 +26,21 @@ Expand to the same shape) as dP: ReduceSum(Mul(Unsqueeze(P), dP), [axis], keepdi
 from __future__ import annotations
 
 import onnx
-from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, Writer, constants, rebuild, static_shapes
+from worker_client.engine.rewrites.toolkit import (Emitter, Writer, attribute, constants, readers_of, rebuild,
+                                                   static_shapes)
 
 __all__ = ["softmax_sums_from_outputs"]
-
-
-def _attribute(node: onnx.NodeProto, name: str, default: object = None) -> object:
-    found = next((a for a in node.attribute if a.name == name), None)
-    return default if found is None else helper.get_attribute_value(found)
 
 
 def softmax_sums_from_outputs(model: onnx.ModelProto) -> int:
     """Each softmax adjoint's row sum over P * dP, where P feeds one attention MatMul, taken as the sum over its
     output times the output's adjoint instead (module docstring), in place; returns how many."""
     graph = model.graph
+    if not any(node.op_type == "Softmax" for node in graph.node):
+        return 0   # no shape inference for a graph without one
     producers = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = readers_of(graph)
     shapes = static_shapes(model)
     values = constants(model)
     plans: dict[int, tuple[str, str, list[int]]] = {}   # id(ReduceSum) -> (front, O, seed_last perm)
@@ -55,7 +49,7 @@ def softmax_sums_from_outputs(model: onnx.ModelProto) -> int:
             continue
         p = softmax.output[0]
         rank = len(shapes[p])
-        if rank < 2 or int(_attribute(softmax, "axis", -1)) % rank != rank - 1:
+        if rank < 2 or int(attribute(softmax, "axis", -1)) % rank != rank - 1:
             continue
         read = p
         identities = [n for n in readers.get(p, []) if n.op_type == "Dropout" and _is_identity(n, values)]
@@ -122,7 +116,7 @@ def _plan(mul: onnx.NodeProto, lifted: str, v: str, rank: int, producers: dict[s
     if transposed_v is None or transposed_v.op_type != "Transpose" or transposed_v.input[0] != v:
         return None
     front = left.input[0]
-    perm = list(_attribute(seed_last, "perm", []))
+    perm = list(attribute(seed_last, "perm", []))
     # the seed axis first in `front` and last after the perm: [S, *O's shape] -> [*P's batch and rows, .., S]
     if len(perm) != rank + 1 or perm != list(range(1, rank + 1)) + [0] or len(shapes.get(front, ())) != rank + 1:
         return None
@@ -141,9 +135,9 @@ def _is_identity(dropout: onnx.NodeProto, values: dict) -> bool:
 def _sums_last_axis(node: onnx.NodeProto, rank: int, values: dict) -> bool:
     """Whether a ReduceSum over a softmax adjoint of `rank` + 1 axes (the seed last) sums P's last axis alone,
     keeping it."""
-    if int(_attribute(node, "keepdims", 1)) != 1:
+    if int(attribute(node, "keepdims", 1)) != 1:
         return False
-    axes = _attribute(node, "axes")
+    axes = attribute(node, "axes")
     if axes is None and len(node.input) > 1 and node.input[1] in values:
         axes = [int(a) for a in values[node.input[1]].reshape(-1)]
     return axes is not None and [a % (rank + 1) for a in axes] == [rank - 1]

@@ -33,6 +33,10 @@ _INDEX_PASS_THROUGH = frozenset({"Identity", "Unsqueeze", "Squeeze", "Reshape", 
                                  "Expand", "Cast"})
 
 
+#: A Resize that repeats each element over a block (a nearest upsample by whole factors).
+_NEAREST: dict[str, Any] = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+
+
 def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
@@ -846,8 +850,7 @@ def resize_window_spreads(model: onnx.ModelProto) -> int:
             np.array([1, 1] + size, np.float32), scales))
         replacements[index] = [helper.make_node(
             "Resize", [node.input[0], "", scales], [node.output[0]],
-            name=node.name or node.output[0], mode="nearest",
-            coordinate_transformation_mode="asymmetric", nearest_mode="floor")]
+            name=node.name or node.output[0], **_NEAREST)]
     if replacements:
         _replace(model, replacements, emit)
     return len(replacements)
@@ -998,8 +1001,6 @@ def _routed_spread_3d(scatter: onnx.NodeProto, x: str, kernel: list[int], y: tup
     (n, c, depth, height, width), (kd, kh, kw) = y, kernel
     rows, full_h, full_w = n * c * depth, height * kh, width * kw
     window: dict[str, Any] = {"kernel_shape": kernel, "strides": kernel}
-    nearest: dict[str, Any] = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
-                               "nearest_mode": "floor"}
     write = Writer(emit)
     factors = emit.name()
     emit.initializers.append(onnx.numpy_helper.from_array(np.array([1, 1, kh, kw], np.float32), factors))
@@ -1010,7 +1011,7 @@ def _routed_spread_3d(scatter: onnx.NodeProto, x: str, kernel: list[int], y: tup
     emit.initializers.append(onnx.numpy_helper.from_array(np.tile(within, (1, height, width))[None], rank))
 
     def spread(value: str) -> str:   # [N, C, D/kd, H/kh, W/kw] -> [M, 1, H, W]
-        return write.node("Resize", [write.reshape(value, [rows, 1, height, width]), "", factors], **nearest)
+        return write.node("Resize", [write.reshape(value, [rows, 1, height, width]), "", factors], **_NEAREST)
 
     peak = pooled or write.node("MaxPool", [x], **window)
     view = write.reshape(x, [rows, kd, full_h, full_w])
@@ -1026,11 +1027,9 @@ def _routed_spread_3d(scatter: onnx.NodeProto, x: str, kernel: list[int], y: tup
 def _nearest_upsample(value: str, kernel: list[int], out: str, emit: Emitter) -> list[onnx.NodeProto]:
     """`value` [N, C, *spatial] with each element repeated over a `kernel` block (a nearest upsample by the
     kernel) for 1 or 2 spatial axes: one Resize."""
-    nearest: dict[str, Any] = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
-                               "nearest_mode": "floor"}
     factors = emit.name()
     emit.initializers.append(onnx.numpy_helper.from_array(np.array([1, 1] + kernel, np.float32), factors))
-    return [helper.make_node("Resize", [value, "", factors], [out], name=out, **nearest)]
+    return [helper.make_node("Resize", [value, "", factors], [out], name=out, **_NEAREST)]
 
 
 def assign_unique_scatters(model: onnx.ModelProto) -> int:

@@ -7,14 +7,14 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from worker_client.engine.rewrites.toolkit import constants, opset_of, static_shapes, subgraphs
+from worker_client.engine.rewrites.toolkit import RANDOM_OPS, constants, opset_of, static_shapes, subgraphs
 
 __all__ = ["evaluate_node", "fold_shape_queries"]
 
 #: Largest integer tensor (elements) that shape folding turns into a constant.
 _FOLD_LIMIT = 64
 #: Ops never folded: a Constant is one already; the others draw random values at every run.
-_UNFOLDED = frozenset({"Constant", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+_UNFOLDED = RANDOM_OPS | {"Constant"}
 
 
 def evaluate_node(node: onnx.NodeProto, values: dict[str, np.ndarray],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from worker_client.engine.rewrites.toolkit import Emitter, constants, opset_of, rebuild, static_shapes
+from worker_client.engine.rewrites.toolkit import Emitter, attribute, constants, opset_of, rebuild, static_shapes
 from worker_client.engine.selection import consumers
 
 __all__ = ["split_constant_sequences"]
@@ -55,7 +55,7 @@ def _split_once(model: onnx.ModelProto) -> int:
         positions = [int(values[u.input[1]].reshape(-1)[0]) for u, _ in users]
         if any(not -len(sizes) <= p < len(sizes) for p in positions):
             continue   # onnxruntime's error to give, unchanged
-        axis = _attribute(node, "axis", 0) % len(shapes[node.input[0]])
+        axis = attribute(node, "axis", 0) % len(shapes[node.input[0]])
         pieces = [emit.name() for _ in sizes]
         split_inputs, split_attributes = [node.input[0]], {"axis": axis}
         if sizes_as_input:
@@ -65,7 +65,7 @@ def _split_once(model: onnx.ModelProto) -> int:
         plans[id(node)] = [helper.make_node("Split", split_inputs, pieces, name=node.name or emit.name(),
                                             **split_attributes)]
         splits += 1
-        squeeze = (len(node.input) < 2 or not node.input[1]) and not _attribute(node, "keepdims", 1)
+        squeeze = (len(node.input) < 2 or not node.input[1]) and not attribute(node, "keepdims", 1)
         for (user, _), position in zip(users, positions):
             piece, name = pieces[position], user.name or emit.name()
             if squeeze and sizes_as_input:
@@ -78,17 +78,13 @@ def _split_once(model: onnx.ModelProto) -> int:
     return splits
 
 
-def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
-
-
 def _piece_sizes(node: onnx.NodeProto, shapes, values) -> list[int] | None:
     """The pieces' lengths along the axis, from the input's static length and the `split` input; None when either
     is unknown or they disagree."""
     shape = shapes.get(node.input[0])
     if not shape:
         return None
-    length = shape[_attribute(node, "axis", 0) % len(shape)]
+    length = shape[attribute(node, "axis", 0) % len(shape)]
     if len(node.input) < 2 or not node.input[1]:
         return [1] * length
     split = values.get(node.input[1])

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "Writer", "auto_pads", "constants", "drop_values", "opset_of",
-           "read_stand_ins", "reader_counts", "readers_of", "rebuild", "reduction_axes", "replace_items",
+__all__ = ["RANDOM_OPS", "SAME_DATA_OPS", "Emitter", "Writer", "attribute", "auto_pads", "constants", "drop_values",
+           "opset_of", "read_stand_ins", "reader_counts", "readers_of", "rebuild", "reduction_axes", "replace_items",
            "set_attribute", "shapes_and_types", "static_shapes", "subgraph_reads", "subgraphs", "value_types"]
 
 #: Ops that hand their input's elements on unchanged when input and output hold as many (onnx-ad's
@@ -59,6 +60,11 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     found.update({value.name: value.type for value in [*graph.input, *graph.value_info, *graph.output]
                   if value.type.HasField("tensor_type")})
     return found
+
+
+def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    """The value of `node`'s attribute `name`, `default` when it has none."""
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

@@ -18,12 +18,17 @@ parts; its frames' headers carry the step's row gradients and the rows read, as 
    random bytes, good once, for TICKET_SECONDS, bound to the worker and the layout it was
    issued for); the shard answers its channel port, the layout's sizes, and whether the
    connection is TLS.
-2. The worker connects, sends HELLO (magic, version, ticket) and gets WELCOME_OK, or
+2. The worker connects, sends HELLO (magic, version, flags, ticket) and gets WELCOME_OK, or
    WELCOME_REFUSED and a closed connection.
 3. Request frames: FRAME (REQUEST_MAGIC, header bytes, body bytes), a serialized
    PushPullRequest without chunks (ps_common/frames.py), then the gradient region. Answers:
    REPLY_MAGIC with a PushPullResponse without chunks and the values region when ready, or
    ERROR_MAGIC with a DataChannelStatus (the status gRPC would have given) and no body.
+4. Values first (a worker whose hello has FLAG_VALUES_FIRST, for a values region of at least
+   VALUES_FIRST_MIN_BYTES): the shard may answer VALUES_MAGIC (no header, the values region as
+   its body), sent while the shard still writes the rest of the region, then REPLY_MAGIC or
+   ERROR_MAGIC without a body. The values are the read's, committed before their first byte
+   goes; the reply that follows says the rest (an error reply after them: the call failed).
 
 Everything here is framing and sockets, for both sides; what a frame means is the shard's
 (ps_server/data_channel.py, ps_server/service.py) and the client's
@@ -55,16 +60,24 @@ from ps_common.shard_map import PartKey
 from ps_common.shared_memory import ALIGN, Layout, Slot
 from ps_common.tls import read_pem
 
-#: The hello a worker sends first: magic, version, three zero bytes, the ticket.
-HELLO = struct.Struct("<4sB3x32s")
+#: The hello a worker sends first: magic, version, flags, two zero bytes, the ticket. (Version 1's hellos had
+#: three zero bytes there: a shard that reads no flags ignores them.)
+HELLO = struct.Struct("<4sBB2x32s")
 HELLO_MAGIC = b"PSDC"
 VERSION = 1
+#: Hello flag: the worker reads answers whose values come before their reply (VALUES_MAGIC).
+FLAG_VALUES_FIRST = 0x01
 #: The shard's answer to a hello: WELCOME_OK or WELCOME_REFUSED, then four zero bytes.
 WELCOME = struct.Struct("<4s4x")
 WELCOME_OK, WELCOME_REFUSED = b"PSOK", b"PSNO"
 #: Every frame's prefix: magic, the header's bytes (uint32), the body's bytes (uint64), little-endian.
 FRAME = struct.Struct("<4sIQ")
 REQUEST_MAGIC, REPLY_MAGIC, ERROR_MAGIC = b"PSPQ", b"PSPR", b"PSPE"
+#: An answer's values region sent ahead of its reply (step 4 above).
+VALUES_MAGIC = b"PSPV"
+#: The smallest values region a shard sends ahead of its reply: below it, what the overlap saves (the time the
+#: shard takes to write the region) is less than the cost of the thread that sends it.
+VALUES_FIRST_MIN_BYTES = 1 << 20
 #: Bytes of a ticket.
 TICKET_BYTES = 32
 #: A ticket not used within this long is void (seconds).
@@ -408,6 +421,7 @@ class Link:
         self.idle_seconds = idle_seconds
         self.closed = False
         self.frames = 0   # answered frames: a link that never answered one is not reopened at once
+        self.values_first = 0   # of them, answers whose values came ahead of their reply (VALUES_MAGIC)
         self._last_used = time.monotonic()
         self._padding = memoryview(bytearray(64))   # pads are < ALIGN bytes: read into, or sent from, here
         #: whether the shard is on another host: its address is neither a loopback one nor this end's own
@@ -426,7 +440,7 @@ class Link:
             no_delay(raw)
             if tls is not None:
                 sock = tls.wrap_socket(raw, server_hostname=server_hostname or host)
-            sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, ticket))
+            sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, FLAG_VALUES_FIRST, ticket))
             answer = recv_exactly(sock, WELCOME.size)
             (magic,) = WELCOME.unpack(answer)
             if magic != WELCOME_OK:
@@ -471,6 +485,21 @@ class Link:
                 if turn is not None:
                     turn.done()
             magic, header_bytes, body_bytes = read_prefix(self.sock)
+            if magic == VALUES_MAGIC:   # the values first, then their reply without a body
+                if header_bytes or body_bytes != values_bytes(layout):
+                    raise ProtocolError(f"values sent ahead with a {header_bytes}-byte header and {body_bytes} body "
+                                        f"bytes; the layout's values region holds {values_bytes(layout)}")
+                recv_views(self.sock, region_views(layout.values, layout.values_offset, layout.size, values,
+                                                   self._padding))
+                magic, header_bytes, body_bytes = read_prefix(self.sock)
+                if magic not in (REPLY_MAGIC, ERROR_MAGIC) or header_bytes > MAX_HEADER_BYTES or body_bytes:
+                    raise ProtocolError(f"values sent ahead of a frame with magic {magic!r}, a {header_bytes}-byte "
+                                        f"header and {body_bytes} body bytes (a reply or an error without a body)")
+                answer = recv_exactly(self.sock, header_bytes)
+                self._last_used = time.monotonic()
+                self.frames += 1
+                self.values_first += 1
+                return magic, answer, magic == REPLY_MAGIC
             if magic not in (REPLY_MAGIC, ERROR_MAGIC) or header_bytes > MAX_HEADER_BYTES:
                 raise ProtocolError(f"an answer frame with magic {magic!r} and a {header_bytes}-byte header")
             if body_bytes not in (0, values_bytes(layout)) or (magic == ERROR_MAGIC and body_bytes):

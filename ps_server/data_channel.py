@@ -32,6 +32,7 @@ from ps_common import data_channel as dc
 from ps_common.boundary import status_of
 from ps_common.data_channel import DataChannelUnavailableError, FrameBuffer, Grant, ProtocolError, Tickets
 from ps_common.errors import PSError, ResourceExhaustedError, shorten
+from ps_common.shard_map import PartKey
 from ps_common.shared_memory import Layout
 from ps_proto.v1 import parameter_server_pb2 as pb
 
@@ -42,9 +43,11 @@ MAX_PENDING = 64
 #: How long `close` waits for the accepting thread (seconds).
 CLOSE_SECONDS = 2.0
 
-#: serve(grant, raw request header, buffer) -> (response header, the answer's body: the layout's values region as
-#: byte views, or None when the values are not ready)
-Serve = Callable[[Grant, bytes, FrameBuffer], tuple[bytes, "list[memoryview] | None"]]
+#: serve(grant, raw request header, buffer, written) -> (response header, the answer's body: the layout's values
+#: region as byte views, or None when the values are not ready); written(part key, bytes), when not None, is to
+#: be told as the values land in the buffer (ValuesAhead.written)
+Serve = Callable[[Grant, bytes, FrameBuffer, "Callable[[PartKey, int], None] | None"],
+                 tuple[bytes, "list[memoryview] | None"]]
 #: observe(rpc, status code name, seconds): a frame answered, as the metrics interceptor records a gRPC call
 Observe = Callable[[str, str, float], None]
 
@@ -59,6 +62,7 @@ class _Connection:
         self.sock = sock
         self.peer = peer
         self.worker_id = ""
+        self.values_first = False   # the worker's hello has FLAG_VALUES_FIRST
 
     def shut(self) -> None:
         try:
@@ -202,9 +206,11 @@ class DataChannelServer:
         first = dc.recv_exactly(conn.sock, len(dc.HELLO_MAGIC))   # anything else is refused without waiting
         if first != dc.HELLO_MAGIC:
             raise ProtocolError(f"the first bytes are not a hello (magic {first!r})")
-        magic, version, ticket = dc.HELLO.unpack(first + dc.recv_exactly(conn.sock, dc.HELLO.size - len(first)))
+        magic, version, flags, ticket = dc.HELLO.unpack(first + dc.recv_exactly(conn.sock,
+                                                                                 dc.HELLO.size - len(first)))
         if version != dc.VERSION:
             raise ProtocolError(f"a hello of version {version} (this shard speaks {dc.VERSION})")
+        conn.values_first = bool(flags & dc.FLAG_VALUES_FIRST)
         grant = self.tickets.take(ticket)
         if grant is None:
             log.warning("shard %d data channel: %s showed a wrong, used or expired ticket; closing",
@@ -250,14 +256,18 @@ class DataChannelServer:
                 raise ProtocolError(f"stalled mid-frame for {self.idle_seconds:g} s (stream_idle_seconds)") from exc
             close_after = False
             code, started = "OK", time.perf_counter()
+            ahead = ValuesAhead(conn.sock, layout, buffer, self.idle_seconds) \
+                if conn.values_first and dc.values_bytes(layout) >= dc.VALUES_FIRST_MIN_BYTES else None
             try:
-                answer, body = self.serve(grant, header, buffer)
+                answer, body = self.serve(grant, header, buffer, None if ahead is None else ahead.written)
                 body = body or []
                 if body and sum(len(v) for v in body) != dc.values_bytes(layout):
                     raise RuntimeError(f"an answer of {sum(len(v) for v in body)} value bytes for a values region "
                                        f"of {dc.values_bytes(layout)}")
                 frame = [dc.FRAME.pack(dc.REPLY_MAGIC, len(answer), sum(len(v) for v in body)), answer, *body]
             except Violation as exc:
+                if ahead is not None:
+                    ahead.abandon()
                 raise ProtocolError(str(exc)) from exc
             except PSError as exc:
                 close_after = isinstance(exc, DataChannelUnavailableError)
@@ -267,6 +277,11 @@ class DataChannelServer:
                 log.exception("internal error in the data channel's PushPull")
                 code = "INTERNAL"
                 frame = _error_frame(code, "", f"internal error in PushPull: {type(exc).__name__}: {exc}")
+            if ahead is not None and ahead.started:
+                # the values went (or are going) ahead: the rest of the region, then the reply without a body
+                ahead.finish()
+                if frame[0][:4] == dc.REPLY_MAGIC:
+                    frame = [dc.FRAME.pack(dc.REPLY_MAGIC, len(answer), 0), answer]
             if self.observe is not None:
                 self.observe("PushPull", code, time.perf_counter() - started)
             dc.send_views(conn.sock, frame)
@@ -286,6 +301,102 @@ class DataChannelServer:
             conns, self._by_worker = list(self._by_worker.values()), {}
         for conn in conns:
             conn.shut()
+
+
+class ValuesAhead:
+    """One answer's values region sent while the shard still writes it (docs/protocol.md, "Values first").
+
+    The shard's read tells `written(part key, bytes)` as each part's leading bytes take their final values
+    (Read.written); the first call starts a thread that sends VALUES_MAGIC's prefix, then every byte of the
+    region up to the first one not yet written, in order, padding included. `finish` (once the domain call
+    returned: every value is written) sends the rest and waits for the last byte. Nothing here raises into the
+    shard's locked section: a send that fails, or a part told fewer bytes than before (its values changed
+    after they went), is raised by `finish`, which closes the connection without a reply.
+    """
+
+    def __init__(self, sock: socket.socket, layout: Layout, buffer: FrameBuffer, idle_seconds: float) -> None:
+        self.sock = sock
+        self.idle_seconds = idle_seconds
+        self.region = buffer.buffer[layout.values_offset:layout.size]
+        self.slots = layout.values
+        self.base = layout.values_offset
+        self.index = {slot.key: i for i, slot in enumerate(layout.values)}
+        self.told = [0] * len(layout.values)
+        self.first_open = 0   # the first slot not yet written whole
+        self.ready = 0        # bytes of the region written
+        self.sent = 0
+        self.complete = False
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.thread is not None
+
+    def written(self, key: PartKey, nbytes: int) -> None:
+        """Part `key`'s first `nbytes` bytes hold their final values (Read.written)."""
+        with self.cond:
+            i = self.index.get(key)
+            if i is None or not self.told[i] <= nbytes <= self.slots[i].nbytes:
+                if self.error is None:
+                    told = None if i is None else self.told[i]
+                    self.error = RuntimeError(f"the shard told {nbytes} bytes of part {key} written (before: {told})")
+                self.cond.notify_all()
+                return
+            self.told[i] = nbytes
+            while self.first_open < len(self.slots) and \
+                    self.told[self.first_open] == self.slots[self.first_open].nbytes:
+                self.first_open += 1
+            if self.first_open == len(self.slots):
+                ready = len(self.region)
+            else:
+                slot = self.slots[self.first_open]
+                ready = slot.offset - self.base + self.told[self.first_open]
+            if ready > self.ready:
+                self.ready = ready
+                self.cond.notify_all()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._send, name="data-channel-values-ahead", daemon=True)
+                self.thread.start()
+
+    def finish(self) -> None:
+        """Every value is written: sends the rest of the region and waits for it to go. OSError or ProtocolError
+        when it cannot (the connection is then closed without a reply)."""
+        with self.cond:
+            self.complete = True
+            self.cond.notify_all()
+        assert self.thread is not None
+        # the socket's timeout (stream_idle_seconds) bounds each send; the slack covers the region's last send
+        self.thread.join(timeout=self.idle_seconds + 5.0)
+        if self.thread.is_alive():
+            raise ProtocolError(f"values sent ahead: {len(self.region) - self.sent} of {len(self.region)} bytes "
+                                f"still unsent after {self.idle_seconds + 5.0:g} s")
+        if self.error is not None:
+            raise ProtocolError(f"values sent ahead: {str(self.error) or type(self.error).__name__}")
+
+    def abandon(self) -> None:
+        """The answer will not be sent (the connection closes): the sending thread, if any, stops."""
+        with self.cond:
+            self.error = self.error or ProtocolError("the answer was abandoned")
+            self.cond.notify_all()
+
+    def _send(self) -> None:
+        try:
+            dc.send_views(self.sock, [dc.FRAME.pack(dc.VALUES_MAGIC, 0, len(self.region))])
+            while self.sent < len(self.region):
+                with self.cond:
+                    if not self.cond.wait_for(lambda: self.error is not None or self.complete or self.ready > self.sent,
+                                              timeout=self.idle_seconds):
+                        raise TimeoutError(f"no values written for {self.idle_seconds:g} s")
+                    if self.error is not None:
+                        return
+                    stop = len(self.region) if self.complete else self.ready
+                dc.send_views(self.sock, [self.region[self.sent:stop]])
+                self.sent = stop
+        except BaseException as exc:   # told by finish
+            with self.cond:
+                self.error = self.error or exc
 
 
 def _error_frame(code: str, reason: str, message: str) -> list[bytes]:

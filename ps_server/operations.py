@@ -8,7 +8,7 @@ PartKey (tensor name, first row); nothing here knows a wire type.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,6 +55,12 @@ class Read:
     - where the values go: copies returned in Values.parts, float32 parts as `narrow` when
       set; or, with `into`, copied into those arrays (one per part read, e.g. a worker's
       shared-memory segment) and not returned.
+    - `written(part key, bytes)`, with `into`: told how many leading bytes of a part's array
+      hold their final values, as they land, so that a data channel sends them while the rest
+      are written (Shard.push_pull: a PushPull's values are committed once written, and a read
+      that follows its push without waiting is copied out block by block as the update writes
+      them). Never called where the answer must wait after the read (a replicated shard) or
+      may go without values (rows asked).
     """
 
     names: Sequence[str] | None = None
@@ -67,6 +73,7 @@ class Read:
     timeout: float = 0.0
     narrow: np.dtype | None = None
     into: Mapping[PartKey, np.ndarray] | None = None
+    written: Callable[[PartKey, int], None] | None = None
 
 
 @dataclass

@@ -117,11 +117,15 @@ class Optimizer(abc.ABC):
             state[slot] = np.full(param.shape, fill, dtype=param.dtype)
         return state
 
-    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray]) -> None:
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+              updated: Callable[[int, int], None] | None = None) -> None:
         """Apply one update to ``param`` and ``state`` in place and increment ``state["step"]``.
 
         ``grad`` may be read-only and is never written; it may be 1-D over a param of any
         shape as long as the element counts agree. Arithmetic runs in ``param.dtype``.
+        ``updated(start, stop)``, when given, is called as each block of ``param``'s flat
+        elements [start, stop) takes its final value, in order, while the block is still in
+        the cache (a shard copies it out for a data channel to send at once).
         """
         if param.dtype.kind != "f":
             raise ValueError(f"param dtype must be floating point, got {param.dtype}")
@@ -165,9 +169,13 @@ class Optimizer(abc.ABC):
                     update(p, g, rest, scratch, coefficients)
                 else:
                     update(p, g, rest, [s[: stop - start] for s in scratch], coefficients)
+                if updated is not None:
+                    updated(start, stop)
         else:
             scratch = [np.empty(param.shape, dtype=param.dtype) for _ in range(self._SCRATCH)]
             self._update(param, grad.astype(param.dtype) if cast else grad, slots, scratch, coefficients)
+            if updated is not None:
+                updated(0, size)
 
     def apply_rows(self, param: np.ndarray, rows: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray]) -> None:
         """Lazy sparse update: only ``param[rows]`` and their slot rows change (``rows`` unique).

@@ -290,14 +290,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             result = self.shard.push_pull(push, self._read_after(frame.pull, segment, context.time_remaining()))
         return push_pull_response(result, self.chunk_bytes)
 
-    def push_pull_on_channel(self, grant: Grant, raw: bytes, memory: FrameBuffer) -> tuple[bytes, list | None]:
+    def push_pull_on_channel(self, grant: Grant, raw: bytes, memory: FrameBuffer,
+                             written: Callable[[PartKey, int], None] | None = None) -> tuple[bytes, list | None]:
         """PushPull from a frame of the data channel (ps_server/data_channel.py): the same domain call as the
         rpc, with the connection's buffer standing for a shared-memory segment (the gradients are read from it,
         the values written into it). On a half-size wire (`grant.narrow`) the gradients are widened and the
         values read narrowed, as over gRPC. A connection opened for some tensors (`grant.names`) carries their
         parts only, and its frames name them in pull.names; row gradients and rows read travel in the headers.
         Returns the response header and the answer's body (None: not ready); typed errors are raised for the
-        channel to answer."""
+        channel to answer. `written(part key, bytes)`, when given, is told as the values land in the buffer
+        (Read.written), for the channel to send them while the rest are written."""
         worker_id, layout = grant.worker_id, grant.layout
         with self.admission.enter("PushPull", worker_id):
             frame = frames.decode_request(raw)
@@ -324,7 +326,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if grant.narrow is not None:   # the half-size wire: float32 master values take float32 gradients
                 grads = {key: g.astype(np.float32) if g.dtype == grant.narrow else g for key, g in grads.items()}
             push = self._push(frame.header, grads)
-            result = self.shard.push_pull(push, self._read_after(frame.pull, None if grant.narrow else segment, None))
+            read = self._read_after(frame.pull, None if grant.narrow else segment, None, written)
+            result = self.shard.push_pull(push, read)
         answer = push_pull_response(result, self.chunk_bytes)
         if result.values is None:
             return answer, None
@@ -359,9 +362,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return Push(header.worker_id, header.clock, header.read_step, grads, row_grads)
 
     def _read_after(self, pull: pb.PullAfterPush, segment: tuple[Segment | FrameBuffer, Layout] | None,
-                    remaining: float | None) -> Read:
+                    remaining: float | None, written: Callable[[PartKey, int], None] | None = None) -> Read:
         """The domain's Read of a PushPull's pull: into the worker's segment (or data-channel buffer) when it asks
-        for shared memory; `remaining`: the call's time left (None: no deadline)."""
+        for shared memory, `written` told as the values land there; `remaining`: the call's time left (None: no
+        deadline)."""
         if pull.wait_timeout_ms < 0:
             raise InvalidRequestError(f"PushPull: wait_timeout_ms must be >= 0, got {pull.wait_timeout_ms}")
         timeout = 0.0 if pull.wait_timeout_ms == 0 else self.shard.wait_timeout(pull.wait_timeout_ms, remaining)
@@ -370,7 +374,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             memory, layout = segment
             into = {slot.key: memory.view(slot) for slot in layout.values}
         return Read(names=list(pull.names) or None, rows=_row_ids(pull.rows), wait_for_step=pull.wait_for_step,
-                    ssp=pull.ssp, timeout=timeout, narrow=wire_dtype(pull.wire_dtype), into=into)
+                    ssp=pull.ssp, timeout=timeout, narrow=wire_dtype(pull.wire_dtype), into=into,
+                    written=written if into is not None else None)
 
     def _segment(self, frame: frames.PushPullRequest) -> tuple[Segment, Layout] | None:
         """The worker's shared-memory segment when the frame uses it (SharedMemoryUnavailableError when it has none

@@ -108,6 +108,50 @@ class _ReadPlan:
     nbytes: int
 
 
+class _CopyOut:
+    """A read into arrays (Read.into), each part copied once: from the update's blocks while they are still in the
+    cache (`updated`, where the read follows the push at once) or afterwards (`copy`); with `written`, each
+    block's bytes told as they land (Read.written)."""
+
+    #: Bytes a copy made after the update tells at a time.
+    BLOCK_BYTES = 1 << 20
+
+    def __init__(self, into: Mapping[PartKey, np.ndarray], written: Callable[[PartKey, int], None] | None,
+                 keys: Collection[PartKey]) -> None:
+        self.into, self.written, self.keys = into, written, keys
+        self.done: set[PartKey] = set()
+
+    def updated(self, key: PartKey, value: np.ndarray, start: int, stop: int) -> None:
+        """The store's update finished `value`'s flat elements [start, stop) of part `key`."""
+        target = self.into.get(key)
+        if key not in self.keys or target is None:
+            return   # not read, or no place for it: _read_locked copies or refuses it
+        # (Never raises into the update, which must finish. A part updated twice before its read would tell fewer
+        # bytes than it told: the data channel then drops the answer and the connection, and the worker asks again.)
+        np.copyto(target.reshape(-1)[start:stop], value.reshape(-1)[start:stop], casting="no")
+        if self.written is not None:
+            self.written(key, stop * value.itemsize)
+        if stop == value.size:
+            self.done.add(key)
+
+    def copy(self, key: PartKey, value: np.ndarray, target: np.ndarray) -> None:
+        """Part `key` read into `target` (unless the update copied it already)."""
+        if key in self.done:
+            return
+        self.done.add(key)
+        if self.written is None:
+            np.copyto(target, value, casting="no")
+            return
+        flat_value, flat_target = value.reshape(-1), target.reshape(-1)
+        block = max(1, self.BLOCK_BYTES // max(1, value.itemsize))
+        for start in range(0, value.size, block):
+            stop = min(start + block, value.size)
+            np.copyto(flat_target[start:stop], flat_value[start:stop], casting="no")
+            self.written(key, stop * value.itemsize)
+        if not value.size:
+            self.written(key, 0)
+
+
 class _Host:
     """The PolicyHost a policy sees: the step, live workers and clocks, the owned parts, and apply."""
 
@@ -116,7 +160,8 @@ class _Host:
         self._shard = shard
         self.live_clocks = shard.membership.live_clocks
         self.not_live = shard.membership.not_live
-        self.apply = lambda grads: shard.store.apply(grads, step=shard.step)   # touches dynamic rows at t
+        # touches dynamic rows at t; a PushPull whose read follows at once copies each block out as it is updated
+        self.apply = lambda grads: shard.store.apply(grads, step=shard.step, updated=shard._copy_as_updated)
 
     @property
     def step(self) -> int:
@@ -168,6 +213,9 @@ class Shard:
         #: ... True on a backup: its state changes only by replay (no policy decisions of its own on ticks)
         self.following = False
         self._dictated_live: int | None = None   # a backup's replay: the primary's live-worker count
+        #: set (lock held) by a PushPull whose read into arrays follows its push at once: the store's
+        #: update calls it with each block it finishes (_CopyOut.updated)
+        self._copy_as_updated: Callable[[PartKey, np.ndarray, int, int], None] | None = None
         self.policy_host = _Host(self)   # the narrow view every policy call gets
 
     def _default_policy(self) -> ConsistencyPolicy:
@@ -409,14 +457,22 @@ class Shard:
         grads = self._checked(push)
         plan = self._read_plan(read, f"PushPull rows by {push.worker_id!r}")
         replicated = push.copied() if self.replication is not None else None
+        copy_out = self._copy_out(read, plan)
         with self._cond:
-            result, seq = self._push_locked(push, grads, replicated)
+            # A read that follows the push without letting go of the lock reads what the update writes: each block
+            # is copied out (and may be sent) as the update finishes it, while it is still in the cache.
+            if copy_out is not None and not (read.wait_for_step or read.ssp):
+                self._copy_as_updated = copy_out.updated
+            try:
+                result, seq = self._push_locked(push, grads, replicated)
+            finally:
+                self._copy_as_updated = None
             min_step = step_to_wait_for(result.accepted, result.drop_reason, push.read_step, result.step) \
                 if read.wait_for_step else 0
             try:
                 self._wait_for(min_step, push.worker_id if read.ssp else "", result.clock, read.timeout,
                                f"PushPull by {push.worker_id!r} on shard {self.config.shard_index}")
-                values, why = self._read_locked(read, plan), ""
+                values, why = self._read_locked(read, plan, copy_out), ""
                 seq = max(seq, self._last_seq())   # read committed: the step read, not only the push
             except WaitTimeoutError as exc:
                 values, why = None, str(exc)
@@ -691,8 +747,18 @@ class Shard:
                                  if names is None or p.name in set(names))
         return _ReadPlan(names, rows, nbytes)
 
-    def _read_locked(self, read: Read, plan: _ReadPlan) -> Values:
-        """The parts and rows `plan` names, at the current step (lock held): copies, or into `read.into`."""
+    def _copy_out(self, read: Read, plan: _ReadPlan) -> _CopyOut | None:
+        """How a PushPull's read into arrays is copied (None: not into arrays). Read.written is told only where
+        the answer does not wait after the read (a replicated shard waits for its backups) and cannot go without
+        its values (rows asked)."""
+        if read.into is None:
+            return None
+        written = read.written if not plan.rows and self.replication is None else None
+        return _CopyOut(read.into, written, {state.part.key for state in self.store.select(plan.names)})
+
+    def _read_locked(self, read: Read, plan: _ReadPlan, copy_out: _CopyOut | None = None) -> Values:
+        """The parts and rows `plan` names, at the current step (lock held): copies, or into `read.into` (by
+        `copy_out` when given: a part it copied as the update wrote it is not copied again)."""
         values = Values(self.step)
         for state in self.store.select(plan.names):
             value = state.value
@@ -701,7 +767,10 @@ class Shard:
                 if target is None:
                     raise InvalidRequestError(f"part {state.part.label!r} has no place to be read into (a shared-"
                                               "memory layout of another parameter list?): open it again")
-                np.copyto(target, value, casting="no")
+                if copy_out is None:
+                    np.copyto(target, value, casting="no")
+                else:
+                    copy_out.copy(state.part.key, value, target)
             elif read.narrow is not None and value.dtype == np.float32 and read.narrow != value.dtype:
                 values.parts[state.part.key] = value.astype(read.narrow)
             else:

@@ -6,7 +6,7 @@ boundary's job (ps_server/service.py, with the codec).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,11 +145,14 @@ class ParameterStore:
         wanted = set(names)
         return [s for s in self.parts.values() if s.part.name in wanted]
 
-    def apply(self, grads: Mapping[PartKey, np.ndarray | RowGrad], *, step: int = 0) -> None:
+    def apply(self, grads: Mapping[PartKey, np.ndarray | RowGrad], *, step: int = 0,
+              updated: Callable[[PartKey, np.ndarray, int, int], None] | None = None) -> None:
         """Runs the optimizer on each given part (in place) and bumps its version. A state
         part (ParamSpec.state: running statistics) takes the pushed value itself instead.
         A dynamic table's gradient (key (name, 0), a RowGrad by id) updates its rows lazily,
-        creating missing ones, and touches them at `step`."""
+        creating missing ones, and touches them at `step`. `updated(key, value, start, stop)`,
+        when given, is told of each dense part's flat elements [start, stop) as they take their
+        final value (Optimizer.apply's blocks; a state part whole)."""
         assert self.shard_map is not None
         for key, grad in grads.items():
             table = self.dynamic.get(key[0])
@@ -165,10 +168,14 @@ class ParameterStore:
                 state.row_updated[grad.rows] = step + 1
             else:
                 state.row_updated = None   # the whole part changed: a reader of changes takes it whole
+                value = state.value
                 if self.shard_map.specs[key[0]].state:
-                    state.value[...] = grad
+                    value[...] = grad
+                    if updated is not None:
+                        updated(key, value, 0, value.size)
                 else:
-                    self.optimizer.apply(state.value, grad, state.slots)
+                    self.optimizer.apply(value, grad, state.slots, None if updated is None else
+                                         lambda start, stop, key=key, value=value: updated(key, value, start, stop))
             state.version += 1
             state.updated = step + 1
 

@@ -12,6 +12,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,9 +112,15 @@ def closed_by_peer(sock: socket.socket, timeout: float = TIMEOUT) -> bytes:
 # ---------------------------------------------------------------------- the values
 
 
+LARGE_ROWS = 80_000   # 2.56 MB of w: each of 2 shards' values region passes dc.VALUES_FIRST_MIN_BYTES
+
+
+@pytest.mark.parametrize("rows", [16, LARGE_ROWS], ids=["small", "values-first"])
 @pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
-def test_push_pull_through_the_channel_gives_what_grpc_gives(start_cluster, mode: str) -> None:
-    values = model()
+def test_push_pull_through_the_channel_gives_what_grpc_gives(start_cluster, mode: str, rows: int) -> None:
+    # past 1 MiB of a shard's values they go ahead of their reply (values first); past one gRPC message the gRPC
+    # path pushes and the caller pulls
+    values = model(rows)
     runs = {}
     for path in ("channel", "grpc"):
         cluster = start_cluster(2, mode=mode, flags=[*FLAGS, "--partition-min-bytes", "256"])
@@ -121,16 +128,58 @@ def test_push_pull_through_the_channel_gives_what_grpc_gives(start_cluster, mode
             for step in range(4):
                 report, pulled = worker.push_pull(grads(values, 0.25 * (step + 1)), wait_for_step=mode == "sync",
                                                   ssp=mode == "ssp")
-                assert report.accepted and pulled is not None
+                assert report.accepted and (pulled is not None or (path == "grpc" and rows == LARGE_ROWS))
+                pulled = worker.pull() if pulled is None else pulled
             assert sorted(worker._links) == ([0, 1] if path == "channel" else [])
+            if path == "channel":
+                assert [worker._links[i].values_first for i in (0, 1)] == [4 if rows == LARGE_ROWS else 0] * 2
             assert not worker._segments
             assert worker.steps == [4, 4] and worker.clock == 4
-            runs[path] = pulled
-            np.testing.assert_array_equal(pulled["w"], worker.pull()["w"])
+            runs[path] = {name: np.array(value) for name, value in pulled.items()}
+            np.testing.assert_array_equal(runs[path]["w"], worker.pull()["w"])
     for name, value in values.items():
         np.testing.assert_array_equal(runs["channel"][name], runs["grpc"][name])
         expected = value - LR * 0.25 * (1 + 2 + 3 + 4) if value.dtype.kind == "f" else value
         np.testing.assert_allclose(runs["channel"][name], expected, rtol=1e-6)
+
+
+def test_values_sent_ahead_to_workers_pushing_at_once_are_each_the_state_after_that_push(start_cluster) -> None:
+    # Two workers push 0.25 at once, async, SGD with lr 0.5: after step t every value is its start - 0.125 t, exact
+    # in float32; each answer's values must be the state of the step it names, never a mix of two steps.
+    start = {"w": (np.arange(LARGE_ROWS * 8, dtype=np.float32) % 5).reshape(LARGE_ROWS, 8),
+             "b": np.zeros(8, np.float32)}
+    cluster = start_cluster(1, mode="async", flags=[*FLAGS, "--workers", "2"])
+    workers = [started(cluster, start)] + [joined(client(cluster, "w1"), start)]
+    failures: list[str] = []
+    answered = [0, 0]
+
+    def train(i: int) -> None:
+        worker = workers[i]
+        try:
+            for _ in range(12):
+                report, pulled = worker.push_pull(grads(start), wait_for_step=False)
+                step = worker.steps[0]
+                for name, value in start.items():
+                    if not np.array_equal(pulled[name], value - 0.125 * step):
+                        failures.append(f"worker {i}: {name} is not the state of step {step}")
+                answered[i] += 1
+        except Exception as exc:   # reported below
+            failures.append(f"worker {i}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in (0, 1)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(t.is_alive() for t in threads), "the workers did not finish within 60 s"
+        assert not failures, failures[:3]
+        assert answered == [12, 12]
+        assert [w._links[0].values_first for w in workers] == [12, 12]
+        np.testing.assert_array_equal(workers[0].pull()["w"], start["w"] - 0.125 * 24)
+    finally:
+        for worker in workers:
+            worker.close()
 
 
 @pytest.mark.parametrize("remote", [True, False], ids=["shards-on-another-host", "this-host"])
@@ -370,7 +419,7 @@ def test_a_frame_cut_mid_way_applies_nothing_and_a_replay_applies_nothing_again(
         before = state(cluster)
         answer, layout, host = channel_of(worker)
         frame = frame_bytes("w0", 1, layout)
-        hello = dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, answer.ticket)
+        hello = dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, 0, answer.ticket)
         with socket.create_connection((host, answer.port), timeout=TIMEOUT) as sock:
             sock.sendall(hello)
             assert dc.recv_exactly(sock, dc.WELCOME.size) == dc.WELCOME.pack(dc.WELCOME_OK)
@@ -390,13 +439,13 @@ def test_a_frame_cut_mid_way_applies_nothing_and_a_replay_applies_nothing_again(
         assert state(cluster) == before
         # the recorded bytes of a whole connection, replayed on a new one: the ticket is used up
         with socket.create_connection((host, answer.port), timeout=TIMEOUT) as sock:
-            sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, answer.ticket) + frame_bytes("w0", 1, layout))
+            sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, 0, answer.ticket) + frame_bytes("w0", 1, layout))
             assert closed_by_peer(sock) == dc.WELCOME.pack(dc.WELCOME_REFUSED)
         assert state(cluster) == before
         # a header naming another worker on this worker's connection: closed, nothing applied
         answer, layout, host = channel_of(worker)
         with socket.create_connection((host, answer.port), timeout=TIMEOUT) as sock:
-            sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, answer.ticket) + frame_bytes("w1", 1, layout))
+            sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, 0, answer.ticket) + frame_bytes("w1", 1, layout))
             assert closed_by_peer(sock) == dc.WELCOME.pack(dc.WELCOME_OK)
         assert state(cluster) == before
         report, pulled = worker.push_pull(grads(values))        # the worker reopens and goes on at clock 1

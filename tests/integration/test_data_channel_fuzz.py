@@ -129,7 +129,7 @@ def test_generated_bad_frames_on_the_data_channel_change_nothing_and_get_documen
     def send(raw: bytes) -> None:
         answer = stub.OpenDataChannel(pb.DataChannelRequest(worker_id=WORKER, names=names), timeout=5)
         with socket.create_connection((host, answer.port), timeout=3) as sock:
-            sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, answer.ticket))
+            sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, 0, answer.ticket))
             assert dc.recv_exactly(sock, dc.WELCOME.size) == dc.WELCOME.pack(dc.WELCOME_OK)
             try:   # the shard may close the connection while the bytes still go
                 sock.sendall(raw)

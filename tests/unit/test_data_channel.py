@@ -39,8 +39,12 @@ class Stand:
     def __init__(self) -> None:
         self.calls: list[tuple[str, pb.PushHeader]] = []
         self.fail: Exception | None = None
+        self.fail_after_values: Exception | None = None   # raised once every value is written (and told)
+        self.regress = False   # tells a part's bytes, then fewer
+        self.pause = 0.0   # seconds to stop for after the first part's first half is told
+        self.offered: list[bool] = []   # whether each call was given `written` (values first)
 
-    def __call__(self, grant: Grant, raw: bytes, memory: FrameBuffer):
+    def __call__(self, grant: Grant, raw: bytes, memory: FrameBuffer, written=None):
         worker_id, layout = grant.worker_id, grant.layout
         frame = frames.decode_request(raw)
         if frame.header.worker_id != worker_id:
@@ -48,10 +52,19 @@ class Stand:
         if self.fail is not None:
             raise self.fail
         self.calls.append((worker_id, frame.header))
+        self.offered.append(written is not None)
         grads = {slot.key: memory.view(slot) for slot in layout.gradients}
-        for slot in layout.values:
+        for slot in reversed(layout.values):   # the last part first: the first ones gate what can go
             target = memory.view(slot)
             target[...] = 2 * grads[slot.key] if slot.key in grads else np.arange(target.size).reshape(slot.shape)
+            if written is not None:
+                written(slot.key, slot.nbytes // 2)
+                time.sleep(self.pause)
+                written(slot.key, slot.nbytes)
+                if self.regress:
+                    written(slot.key, slot.nbytes // 2)
+        if self.fail_after_values is not None:
+            raise self.fail_after_values
         push = pb.PushResponse(outcome=pb.PUSH_ACCEPTED, step=frame.header.clock + 1, clock=frame.header.clock + 1)
         ready = frame.pull.wait_timeout_ms != 7   # 7 ms: the stand's "wait ran out"
         body = [memory.buffer[layout.values_offset:layout.size]] if ready else None
@@ -110,9 +123,17 @@ def closed_by_peer(sock: socket.socket, timeout: float = TIMEOUT) -> bool:
 def hello(server: DataChannelServer, worker_id: str = "w0") -> socket.socket:
     """A raw connection past the hello."""
     sock = raw_connection(server)
-    sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, server.offer(worker_id, LAYOUT, 1, known={worker_id})))
+    sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, 0, server.offer(worker_id, LAYOUT, 1, known={worker_id})))
     assert dc.recv_exactly(sock, dc.WELCOME.size) == dc.WELCOME.pack(dc.WELCOME_OK)
     return sock
+
+
+def frame_bytes(header: bytes, seed: float = 1.0) -> bytes:
+    """A whole request frame: its prefix, `header` and the gradient region (padding zero)."""
+    body = bytearray(dc.gradient_bytes(LAYOUT))
+    for slot, g in zip(LAYOUT.gradients, gradients(seed)):
+        body[slot.offset:slot.offset + slot.nbytes] = g.tobytes()
+    return dc.FRAME.pack(dc.REQUEST_MAGIC, len(header), len(body)) + header + bytes(body)
 
 
 def wait_until(predicate, timeout: float = TIMEOUT) -> bool:
@@ -198,7 +219,11 @@ def test_a_ticket_is_good_once_and_not_after_it_expires() -> None:
 # ---------------------------------------------------------------------- round trips
 
 
-def test_a_frame_goes_and_its_answer_comes_back_into_the_destination_arrays(server, stand) -> None:
+@pytest.mark.parametrize("first", [False, True], ids=["one-frame", "values-first"])
+def test_a_frame_goes_and_its_answer_comes_back_into_the_destination_arrays(server, stand, first: bool,
+                                                                             monkeypatch) -> None:
+    if first:   # the values told as they land go ahead of their reply
+        monkeypatch.setattr(dc, "VALUES_FIRST_MIN_BYTES", 0)
     link = connect(server)
     try:
         for clock in range(3):
@@ -212,8 +237,8 @@ def test_a_frame_goes_and_its_answer_comes_back_into_the_destination_arrays(serv
                 grads = dict(zip((s.key for s in LAYOUT.gradients), gradients(clock + 1)))
                 expected = 2 * grads[slot.key] if slot.key in grads else np.arange(value.size).reshape(slot.shape)
                 np.testing.assert_array_equal(value, expected)
-        assert [h.clock for _, h in stand.calls] == [0, 1, 2]
-        assert link.usable() and link.frames == 3
+        assert [h.clock for _, h in stand.calls] == [0, 1, 2] and stand.offered == [first] * 3
+        assert link.usable() and link.frames == 3 and link.values_first == (3 if first else 0)
     finally:
         link.close()
 
@@ -552,3 +577,104 @@ def test_each_shards_frame_waits_for_the_one_before_it_to_be_sent_and_a_turn_not
     started = time.monotonic()
     late.turn(1).wait()                       # shard 0 never hands its turn on: a bounded wait
     assert 0.15 < time.monotonic() - started < 2.0
+
+
+# ---------------------------------------------------------------------- values first
+
+
+def test_on_the_wire_values_first_are_one_frame_of_values_then_the_reply_and_only_for_a_worker_that_asked(
+        server, stand, monkeypatch) -> None:
+    monkeypatch.setattr(dc, "VALUES_FIRST_MIN_BYTES", 0)
+    # on the wire: VALUES_MAGIC with the whole region, then the reply without a body
+    sock = raw_connection(server)
+    with sock:
+        sock.sendall(dc.HELLO.pack(dc.HELLO_MAGIC, dc.VERSION, dc.FLAG_VALUES_FIRST,
+                                   server.offer("w0", LAYOUT, 1, known={"w0"})))
+        assert dc.recv_exactly(sock, dc.WELCOME.size) == dc.WELCOME.pack(dc.WELCOME_OK)
+        sock.sendall(frame_bytes(request(clock=2)))
+        assert dc.read_prefix(sock) == (dc.VALUES_MAGIC, 0, dc.values_bytes(LAYOUT))
+        dc.recv_exactly(sock, dc.values_bytes(LAYOUT))
+        magic, header_bytes, body_bytes = dc.read_prefix(sock)
+        assert magic == dc.REPLY_MAGIC and body_bytes == 0
+        assert frames.decode_response(dc.recv_exactly(sock, header_bytes)).step == 3
+    assert stand.offered == [True]
+    # a hello without the flag: one frame, the reply and its values, as before
+    sock = hello(server)
+    with sock:
+        sock.sendall(frame_bytes(request(clock=3)))
+        magic, header_bytes, body_bytes = dc.read_prefix(sock)
+        assert magic == dc.REPLY_MAGIC and body_bytes == dc.values_bytes(LAYOUT)
+    assert stand.offered == [True, False]
+
+
+def test_a_region_below_the_bound_goes_in_one_frame(server, stand) -> None:
+    assert dc.values_bytes(LAYOUT) < dc.VALUES_FIRST_MIN_BYTES
+    link = connect(server)
+    try:
+        assert link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)[2]
+        assert stand.offered == [False]
+    finally:
+        link.close()
+
+
+def test_an_error_after_the_values_went_ahead_is_the_calls_answer(server, stand, monkeypatch) -> None:
+    monkeypatch.setattr(dc, "VALUES_FIRST_MIN_BYTES", 0)
+    link = connect(server)
+    try:
+        stand.fail_after_values = ShuttingDownError("shard 0 is stopping")
+        magic, answer, received = link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)
+        status = pb.DataChannelStatus.FromString(answer)
+        assert magic == dc.ERROR_MAGIC and not received and status.reason == "SHUTTING_DOWN"
+        stand.fail_after_values = None
+        assert link.exchange(request(clock=1), gradients(), empty_values(), timeout=TIMEOUT)[:3:2] == \
+            (dc.REPLY_MAGIC, True)   # the connection stays
+    finally:
+        link.close()
+
+
+def test_values_told_again_with_fewer_bytes_close_the_connection_without_a_reply(server, stand, monkeypatch,
+                                                                                caplog) -> None:
+    monkeypatch.setattr(dc, "VALUES_FIRST_MIN_BYTES", 0)
+    stand.regress = True
+    link = connect(server)
+    with caplog.at_level(logging.INFO, logger="ps_server.data_channel"):
+        with pytest.raises(ProtocolError):
+            link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)
+        assert link.closed
+        assert wait_until(lambda: any("told" in r.getMessage() for r in caplog.records))
+
+
+@pytest.mark.parametrize("answer", ["header", "short", "reply-with-body", "request"])
+def test_a_worker_refuses_values_first_that_break_the_framing(answer: str) -> None:
+    """The worker's side: values ahead with a header or of another size than the values region, or not followed
+    by a reply or error without a body, close the link (ProtocolError)."""
+    values = bytes(dc.values_bytes(LAYOUT))
+    reply = frames.encode_response(pb.PushResponse(outcome=pb.PUSH_ACCEPTED, step=1, clock=1), ready=True, step=1)
+    ahead = dc.FRAME.pack(dc.VALUES_MAGIC, 0, len(values)) + values
+    sent = {"header": dc.FRAME.pack(dc.VALUES_MAGIC, 4, len(values)) + b"abcd" + values,
+            "short": dc.FRAME.pack(dc.VALUES_MAGIC, 0, len(values) - 64) + values[64:],
+            "reply-with-body": ahead + dc.FRAME.pack(dc.REPLY_MAGIC, len(reply), len(values)) + reply + values,
+            "request": ahead + dc.FRAME.pack(dc.REQUEST_MAGIC, len(reply), 0) + reply}[answer]
+    left, right = socket.socketpair()
+    with left, right:
+        right.settimeout(TIMEOUT)
+        link = Link(left, LAYOUT, idle_seconds=5.0)
+        right.sendall(sent)
+        with pytest.raises(ProtocolError, match="values sent ahead"):
+            link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)
+        assert link.closed
+
+
+def test_a_shard_that_stops_writing_values_it_sent_ahead_for_longer_than_the_idle_bound_closes_the_connection(
+        stand, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(dc, "VALUES_FIRST_MIN_BYTES", 0)
+    stand.pause = 0.6
+    channel = DataChannelServer("127.0.0.1", 0, stand, idle_seconds=0.3).start()
+    try:
+        link = connect(channel)
+        with caplog.at_level(logging.INFO, logger="ps_server.data_channel"):
+            with pytest.raises(ProtocolError):
+                link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)
+            assert wait_until(lambda: any("no values written for 0.3 s" in r.getMessage() for r in caplog.records))
+    finally:
+        channel.close()

@@ -251,7 +251,7 @@ class DataChannelServer:
                                     f"{dc.gradient_bytes(layout)}")
             try:
                 header = dc.recv_exactly(conn.sock, header_bytes)
-                dc.recv_views(conn.sock, [gradients])
+                buffer.finite = dc.recv_checking_finite(conn.sock, gradients, layout.gradients)
             except TimeoutError as exc:
                 raise ProtocolError(f"stalled mid-frame for {self.idle_seconds:g} s (stream_idle_seconds)") from exc
             close_after = False

@@ -25,7 +25,9 @@ class Push:
     """One push: the worker, its clock, the step it read the parameters at, and its gradients.
 
     `grads` are dense gradients by part; `row_grads` sparse ones as (tensor name, global row
-    ids, rows), cut per owned part (or by id, for a dynamic table) by the shard.
+    ids, rows), cut per owned part (or by id, for a dynamic table) by the shard. `finite`: parts
+    whose gradients are known to hold no NaN or inf (checked as they arrived: the data channel),
+    which the shard does not check again.
     """
 
     worker_id: str
@@ -33,12 +35,14 @@ class Push:
     read_step: int
     grads: Mapping[PartKey, np.ndarray]
     row_grads: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()
+    finite: frozenset[PartKey] = frozenset()
 
     def copied(self) -> "Push":
         """The same push holding copies of its arrays (a replicated push outlives its request's buffers, and a sync
         step's accumulator may take a gradient over and add into it)."""
         return Push(self.worker_id, self.clock, self.read_step, {k: np.array(v, copy=True) for k, v in self.grads.items()},
-                    [(name, np.array(ids, copy=True), np.array(rows, copy=True)) for name, ids, rows in self.row_grads])
+                    [(name, np.array(ids, copy=True), np.array(rows, copy=True)) for name, ids, rows in self.row_grads],
+                    self.finite)
 
 
 @dataclass(frozen=True)

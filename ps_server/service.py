@@ -325,7 +325,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             grads = _gradients_in(segment)
             if grant.narrow is not None:   # the half-size wire: float32 master values take float32 gradients
                 grads = {key: g.astype(np.float32) if g.dtype == grant.narrow else g for key, g in grads.items()}
-            push = self._push(frame.header, grads)
+            push = self._push(frame.header, grads, finite=memory.finite)
             read = self._read_after(frame.pull, None if grant.narrow else segment, None, written)
             result = self.shard.push_pull(push, read)
         answer = push_pull_response(result, self.chunk_bytes)
@@ -349,17 +349,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     # ------------------------------------------------------------------ checks: requests to domain values
 
     def _push(self, header: pb.PushHeader, grads: Mapping[PartKey, np.ndarray],
-              row_gradients: list[pb.RowGradient] | None = None) -> Push:
+              row_gradients: list[pb.RowGradient] | None = None, finite: frozenset[PartKey] = frozenset()) -> Push:
         """The domain's Push of a header and its decoded dense gradients; row gradients (the header's, or
         `row_gradients` where a Push stream continued them) decoded (widened from a half-size wire) against their
-        tables' specs."""
+        tables' specs; `finite`: the parts whose gradients were found finite as they arrived (Push.finite)."""
         row_grads = []
         for rg in header.row_gradients if row_gradients is None else row_gradients:
             spec = self.shard.table_spec(rg.name, "row gradient")
             ids = np.array(rg.ids, dtype=np.int64)
             row_grads.append((rg.name, ids, codec.rows_from_wire(rg.name, rg.dtype, rg.data, len(ids), spec.row_shape,
                                                                  want=np.dtype(spec.dtype))))
-        return Push(header.worker_id, header.clock, header.read_step, grads, row_grads)
+        return Push(header.worker_id, header.clock, header.read_step, grads, row_grads, finite)
 
     def _read_after(self, pull: pb.PullAfterPush, segment: tuple[Segment | FrameBuffer, Layout] | None,
                     remaining: float | None, written: Callable[[PartKey, int], None] | None = None) -> Read:

@@ -535,7 +535,7 @@ class Shard:
                 raise InvalidTensorError(
                     f"push from {worker_id!r} at clock {clock}: {name!r} rows from {row_start} is {grad.dtype.name}: "
                     "only floating-point parameters train; push no gradient for it")
-            if not all_finite(grad):
+            if (name, row_start) not in push.finite and not all_finite(grad):
                 raise InvalidRequestError(
                     f"push from {worker_id!r} at clock {clock}: gradient of {name!r} rows from {row_start} holds NaN or inf")
         return grads

@@ -678,3 +678,58 @@ def test_a_shard_that_stops_writing_values_it_sent_ahead_for_longer_than_the_idl
             assert wait_until(lambda: any("no values written for 0.3 s" in r.getMessage() for r in caplog.records))
     finally:
         channel.close()
+
+
+# ---------------------------------------------------------------------- finite as they arrive
+
+CHECKED_PARTS = [(("a", 0), np.float32, (300_000,)), (("i", 0), np.int64, (10,)), (("d", 0), np.float64, (200_000,)),
+                 (("h", 0), np.float16, (8,)), (("z", 0), np.float32, (0,))]
+
+
+@pytest.mark.parametrize("case", ["finite", "nan-late", "inf-early", "overflowing-sum", "pieces"])
+def test_a_request_body_is_checked_for_nan_and_inf_as_it_arrives(case: str, monkeypatch) -> None:
+    """recv_checking_finite: every float32 and float64 slot whose partial sums are all finite is known finite; a
+    NaN or an inf anywhere (here past the first chunks), or a sum that overflows, leaves its slot to the shard's
+    own check; other dtypes are never vouched for. The bytes land as recv_views would put them."""
+    layout = Layout.of(CHECKED_PARTS)
+    by_key = {slot.key: np.linspace(-1, 1, int(np.prod(slot.shape))).astype(slot.dtype).reshape(slot.shape)
+              for slot in layout.gradients}
+    if case == "nan-late":
+        by_key[("a", 0)][-3] = np.nan
+    elif case == "inf-early":
+        by_key[("d", 0)][5] = -np.inf
+    elif case == "overflowing-sum":
+        by_key[("a", 0)][:] = 3e38   # finite, but a sum of them is not
+    arrays = [by_key[slot.key] for slot in layout.gradients]
+    if case == "pieces":
+        monkeypatch.setattr(dc, "FINITE_CHUNK_BYTES", 4096)   # many chunks, and sends cut off them
+    body = b"".join(bytes(v) for v in dc.region_views(layout.gradients, 0, layout.values_offset, arrays,
+                                                       memoryview(bytearray(64))))
+    region = memoryview(bytearray(len(body)))
+    left, right = socket.socketpair()
+    with left, right:
+        right.settimeout(TIMEOUT)
+
+        def send() -> None:
+            for at in range(0, len(body), 77_777):
+                left.sendall(body[at:at + 77_777])
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        finite = dc.recv_checking_finite(right, region, layout.gradients)
+        sender.join(TIMEOUT)
+    assert bytes(region) == body
+    expected = {"finite": {("a", 0), ("d", 0)}, "pieces": {("a", 0), ("d", 0)}, "nan-late": {("d", 0)},
+                "inf-early": {("a", 0)}, "overflowing-sum": {("d", 0)}}[case]
+    assert finite == expected
+
+
+def test_a_body_cut_short_while_checked_is_a_protocol_error() -> None:
+    layout = Layout.of(CHECKED_PARTS)
+    left, right = socket.socketpair()
+    with left, right:
+        right.settimeout(TIMEOUT)
+        left.sendall(bytes(1000))
+        left.close()
+        with pytest.raises(ProtocolError, match="closed the connection with"):
+            dc.recv_checking_finite(right, memoryview(bytearray(layout.values_offset)), layout.gradients)

@@ -277,13 +277,13 @@ class DataChannelServer:
                 log.exception("internal error in the data channel's PushPull")
                 code = "INTERNAL"
                 frame = _error_frame(code, "", f"internal error in PushPull: {type(exc).__name__}: {exc}")
+            if self.observe is not None:
+                self.observe("PushPull", code, time.perf_counter() - started)
             if ahead is not None and ahead.started:
                 # the values went (or are going) ahead: the rest of the region, then the reply without a body
                 ahead.finish()
                 if frame[0][:4] == dc.REPLY_MAGIC:
                     frame = [dc.FRAME.pack(dc.REPLY_MAGIC, len(answer), 0), answer]
-            if self.observe is not None:
-                self.observe("PushPull", code, time.perf_counter() - started)
             dc.send_views(conn.sock, frame)
             if close_after:
                 return

@@ -62,14 +62,37 @@ def emit(system: str, metric: str, size_mb: float, value: float, unit: str, **ex
     return record
 
 
+#: x86 vector extensions, widest first: the kernels of onnxruntime (MLAS) and torch (MKL, oneDNN) take the
+#: widest the CPU has, and the engine's standing against torch moves with it (docs/benchmarks.md, 2026-11-30)
+VECTOR_FLAGS = ("avx512f", "avx2", "avx", "sse4_2")
+
+
+def cpu() -> dict[str, str]:
+    """The CPU's model name and its widest x86 vector extension ("" where /proc/cpuinfo does not say)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": model, "vector": next((flag for flag in VECTOR_FLAGS if flag in flags), "")}
+
+
 def machine() -> dict[str, object]:
-    """What the numbers were taken on: CPUs, the load average at the time, Python."""
+    """What the numbers were taken on: CPUs (count, model, widest vector extension), the load average at the
+    time, Python."""
     try:
         with open("/proc/loadavg") as f:
             load = f.read().split()[:3]
     except OSError:
         load = []
-    return {"cpus": os.cpu_count(), "loadavg": " ".join(load), "python": platform.python_version(),
+    return {"cpus": os.cpu_count(), **cpu(), "loadavg": " ".join(load), "python": platform.python_version(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

@@ -255,3 +255,24 @@ def test_a_sweep_without_its_framework_says_what_to_install(monkeypatch, module,
     monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(SystemExit, match=says):
         importlib.import_module(module)
+
+
+def test_the_machine_record_names_the_cpu_and_its_widest_vector_extension(tmp_path: Path, monkeypatch) -> None:
+    from ps_bench import harness
+
+    record = harness.machine()
+    assert {"cpus", "cpu", "vector", "loadavg", "python", "time"} <= set(record)
+    assert record["vector"] in ("", *harness.VECTOR_FLAGS)
+    real_open = open
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse4_2 avx avx2 fma\n\n"
+                    "processor\t: 1\nmodel name\t: Some CPU\nflags\t\t: fpu sse4_2 avx avx2 fma\n")
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path,
+                                                                         *a, **k))
+    assert harness.cpu() == {"cpu": "Some CPU", "vector": "avx2"}
+    info.write_text("model name\t: Other\nflags\t\t: fpu avx512f avx2\n")
+    assert harness.cpu() == {"cpu": "Other", "vector": "avx512f"}
+    info.write_text("Features\t: fp asimd\n")   # an Arm CPU: no x86 vector flags, no model name line
+    assert harness.cpu() == {"cpu": "", "vector": ""}
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    assert harness.cpu() == {"cpu": "", "vector": ""}

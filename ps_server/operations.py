@@ -64,7 +64,7 @@ class Read:
       are written (Shard.push_pull: a PushPull's values are committed once written, and a read
       that follows its push without waiting is copied out block by block as the update writes
       them). Never called where the answer must wait after the read (a replicated shard) or
-      may go without values (rows asked).
+      may go without values (a dynamic table's rows asked).
     """
 
     names: Sequence[str] | None = None

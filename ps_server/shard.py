@@ -750,10 +750,12 @@ class Shard:
     def _copy_out(self, read: Read, plan: _ReadPlan) -> _CopyOut | None:
         """How a PushPull's read into arrays is copied (None: not into arrays). Read.written is told only where
         the answer does not wait after the read (a replicated shard waits for its backups) and cannot go without
-        its values (rows asked)."""
+        its values (a dynamic table's rows asked: creating them may pass max_shard_bytes after the dense parts
+        are read; a fixed tensor's rows cannot fail)."""
         if read.into is None:
             return None
-        written = read.written if not plan.rows and self.replication is None else None
+        dynamic = any(found is None for _, _, found in plan.rows)
+        written = read.written if not dynamic and self.replication is None else None
         return _CopyOut(read.into, written, {state.part.key for state in self.store.select(plan.names)})
 
     def _read_locked(self, read: Read, plan: _ReadPlan, copy_out: _CopyOut | None = None) -> Values:

@@ -34,10 +34,10 @@ class Told:
         return [(nbytes, step) for k, nbytes, step in self.calls if k == key]
 
 
-def ready(mode: str = "async", workers=("a",), **overrides):
+def ready(mode: str = "async", workers=("a",), dynamic=(), **overrides):
     shard = make_shard(mode, **overrides)
     specs = [ParamSpec("w", "float32", MODEL["w"].shape), ParamSpec("b", "float32", (5,)),
-             ParamSpec("s", "float32", (3,), state=True)]
+             ParamSpec("s", "float32", (3,), state=True), *dynamic]
     initialize(shard, specs, own_chunks(shard, MODEL, specs=specs))
     for worker in workers:
         shard.register(worker)
@@ -168,3 +168,22 @@ def test_a_read_into_arrays_without_telling_is_still_copied_while_the_update_wri
     assert [stop for key, _, stop in seen if key == ("w", 0)][-1] == MODEL["w"].size
     for key, value in values(shard).items():
         np.testing.assert_array_equal(targets[key], value)
+
+
+def test_rows_of_a_fixed_tensor_asked_beside_are_no_reason_to_stop_telling_but_a_dynamic_tables_are() -> None:
+    # a fixed tensor's rows are read after the dense parts and cannot fail; a dynamic table's new rows may pass
+    # max_shard_bytes after them, and the answer then goes without its values
+    from ps_common.dynamic_ids import DynamicTable
+
+    table = ParamSpec("emb", "float32", (4,), dynamic=DynamicTable("normal:0.01", 0, 3))
+    for rows, tells in (([("w", np.array([2, 0]))], True), ([("emb", np.array([5, 9]))], False)):
+        shard, specs = ready(dynamic=[table])
+        targets = into(shard)
+        told = Told(shard)
+        result = shard.push_pull(a_push(shard, specs, "a", 0, 0), Read(into=targets, written=told, rows=rows))
+        assert result.values is not None and len(result.values.rows) == 1
+        assert bool(told.calls) == tells, rows
+        if tells:
+            check_told_in_order(told, targets)
+            np.testing.assert_array_equal(result.values.rows[0][1], (MODEL["w"] - LR * G)[[2, 0]])
+        np.testing.assert_array_equal(targets[("w", 0)], MODEL["w"] - LR * G)

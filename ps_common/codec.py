@@ -53,6 +53,19 @@ _FROM_WIRE: dict[int, np.dtype] = {v: k for k, v in _TO_WIRE.items()}
 
 
 
+_SUMMED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def sum_is_finite(values: np.ndarray) -> bool:
+    """Whether a float32 or float64 array's elements are all known finite from one reduction: a NaN or an inf
+    anywhere makes the sum NaN or inf (inf + finite is inf, inf - inf is NaN, NaN spreads). False says nothing
+    (finite values can also overflow the sum; other dtypes are not summed): check otherwise. Empty: True."""
+    if values.dtype not in _SUMMED:
+        return False
+    with np.errstate(over="ignore", invalid="ignore"):   # an overflowing sum is an answer, not a warning
+        return bool(np.isfinite(np.add.reduce(values, axis=None)))
+
+
 def dtype_to_wire(dtype: np.dtype | str) -> int:
     """The ps.v1.DType of a numpy dtype (byte order ignored: the wire is little-endian)."""
     dt = np.dtype(dtype)

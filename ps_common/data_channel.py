@@ -54,7 +54,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ps_common.codec import MAX_MESSAGE_BYTES
+from ps_common.codec import MAX_MESSAGE_BYTES, sum_is_finite
 from ps_common.errors import PSError
 from ps_common.shard_map import PartKey
 from ps_common.shared_memory import ALIGN, Layout, Slot
@@ -224,7 +224,6 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
 
 #: Bytes of a request body checked for NaN and inf at a time as they arrive (recv_checking_finite).
 FINITE_CHUNK_BYTES = 1 << 20
-_SUMMED = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def recv_checking_finite(sock: socket.socket, region: memoryview, slots: Sequence[Slot]) -> frozenset[PartKey]:
@@ -233,35 +232,29 @@ def recv_checking_finite(sock: socket.socket, region: memoryview, slots: Sequenc
     cache and the link brings the next ones: the keys of the slots whose every partial sum is finite, so every
     element is (a NaN or an inf makes its sum NaN or inf). A slot left out, of another dtype or whose sum
     overflowed, is checked whole by the shard as before. ProtocolError when the peer closes first."""
-    summed = [slot for slot in slots if slot.dtype in _SUMMED and slot.nbytes]
+    summed = [slot for slot in slots if slot.dtype.kind == "f" and slot.nbytes]
     unsure: set[PartKey] = set()
-    at = checked = 0
     end = len(region)
-    with np.errstate(over="ignore", invalid="ignore"):
-        while at < end:
-            got = sock.recv_into(region[at:])
-            if not got:
-                raise ProtocolError(f"the peer closed the connection with {end - at} bytes of a frame unread")
-            at += got
-            upto = end if at == end else at - at % FINITE_CHUNK_BYTES
-            if upto <= checked:
-                continue
-            for slot in summed:
-                lo, hi = max(slot.offset, checked), min(slot.offset + slot.nbytes, upto)
-                if lo < hi and slot.key not in unsure:
-                    piece = np.frombuffer(region, dtype=slot.dtype, count=(hi - lo) // slot.dtype.itemsize, offset=lo)
-                    if not np.isfinite(np.add.reduce(piece)):
-                        unsure.add(slot.key)
-            checked = upto
+    for start in range(0, end, FINITE_CHUNK_BYTES):
+        stop = min(start + FINITE_CHUNK_BYTES, end)
+        _recv_into(sock, region[start:stop], unread_after=end - stop)
+        for slot in summed:
+            lo, hi = max(slot.offset, start), min(slot.offset + slot.nbytes, stop)
+            if lo < hi and slot.key not in unsure:
+                piece = np.frombuffer(region, dtype=slot.dtype, count=(hi - lo) // slot.dtype.itemsize, offset=lo)
+                if not sum_is_finite(piece):
+                    unsure.add(slot.key)
     return frozenset(slot.key for slot in summed if slot.key not in unsure)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, *, unread_after: int = 0) -> None:
+    """Fills `view`; `unread_after`: the frame's bytes after it, for the error when the peer closes first."""
     at = 0
     while at < len(view):
         got = sock.recv_into(view[at:])
         if not got:
-            raise ProtocolError(f"the peer closed the connection with {len(view) - at} bytes of a frame unread")
+            raise ProtocolError(f"the peer closed the connection with {len(view) - at + unread_after} bytes of a "
+                                "frame unread")
         at += got
 
 
@@ -522,7 +515,8 @@ class Link:
                 if turn is not None:
                     turn.done()
             magic, header_bytes, body_bytes = read_prefix(self.sock)
-            if magic == VALUES_MAGIC:   # the values first, then their reply without a body
+            ahead = magic == VALUES_MAGIC
+            if ahead:   # the values first, then their reply without a body
                 if header_bytes or body_bytes != values_bytes(layout):
                     raise ProtocolError(f"values sent ahead with a {header_bytes}-byte header and {body_bytes} body "
                                         f"bytes; the layout's values region holds {values_bytes(layout)}")
@@ -532,14 +526,9 @@ class Link:
                 if magic not in (REPLY_MAGIC, ERROR_MAGIC) or header_bytes > MAX_HEADER_BYTES or body_bytes:
                     raise ProtocolError(f"values sent ahead of a frame with magic {magic!r}, a {header_bytes}-byte "
                                         f"header and {body_bytes} body bytes (a reply or an error without a body)")
-                answer = recv_exactly(self.sock, header_bytes)
-                self._last_used = time.monotonic()
-                self.frames += 1
-                self.values_first += 1
-                return magic, answer, magic == REPLY_MAGIC
-            if magic not in (REPLY_MAGIC, ERROR_MAGIC) or header_bytes > MAX_HEADER_BYTES:
+            elif magic not in (REPLY_MAGIC, ERROR_MAGIC) or header_bytes > MAX_HEADER_BYTES:
                 raise ProtocolError(f"an answer frame with magic {magic!r} and a {header_bytes}-byte header")
-            if body_bytes not in (0, values_bytes(layout)) or (magic == ERROR_MAGIC and body_bytes):
+            elif body_bytes not in (0, values_bytes(layout)) or (magic == ERROR_MAGIC and body_bytes):
                 raise ProtocolError(f"an answer of {body_bytes} body bytes; the layout's values region holds "
                                     f"{values_bytes(layout)}")
             answer = recv_exactly(self.sock, header_bytes)
@@ -548,7 +537,8 @@ class Link:
                                                    self._padding))
             self._last_used = time.monotonic()
             self.frames += 1
-            return magic, answer, bool(body_bytes)
+            self.values_first += ahead
+            return magic, answer, bool(body_bytes) or (ahead and magic == REPLY_MAGIC)
         except BaseException:
             self.close()
             raise

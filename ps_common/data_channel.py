@@ -186,6 +186,31 @@ def _is_tls(sock: socket.socket) -> bool:
     return isinstance(sock, ssl.SSLSocket)
 
 
+def set_timeout(sock: socket.socket, seconds: float) -> None:
+    """Every later send and receive on `sock` waits at most `seconds` for the peer, then raises TimeoutError.
+
+    A plain socket keeps the bound in the kernel (SO_RCVTIMEO and SO_SNDTIMEO on a blocking socket) and the
+    helpers below turn its EAGAIN into TimeoutError: Python's own timeout (`settimeout`) polls the socket before
+    every send and receive, four polls a frame on each side, which cost a round trip of a small frame on
+    loopback some 30 us of the 60-100 a plain ping-pong takes on these machines. A TLS socket keeps Python's
+    timeout: its reads and writes loop inside the ssl module, which a kernel bound would cut short."""
+    if _is_tls(sock):
+        sock.settimeout(seconds)
+        return
+    sock.settimeout(None)
+    whole = int(seconds)
+    bound = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bound)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bound)
+
+
+def _timed_out(exc: BlockingIOError, doing: str) -> TimeoutError:
+    """The TimeoutError of a blocking socket's kernel bound (set_timeout) running out."""
+    error = TimeoutError(f"{doing} waited past the socket's timeout")
+    error.__cause__ = exc
+    return error
+
+
 def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
     """Sends every byte of `views`, in order: sendmsg with up to MAX_IOV buffers a call (TLS: one write each)."""
     if _is_tls(sock):   # SSLSocket has no sendmsg; its sendall encrypts from the view
@@ -195,7 +220,10 @@ def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None
         return
     pending = [memoryview(v).cast("B") for v in views if len(v)]
     while pending:
-        sent = sock.sendmsg(pending[:MAX_IOV])
+        try:
+            sent = sock.sendmsg(pending[:MAX_IOV])
+        except BlockingIOError as exc:
+            raise _timed_out(exc, "a send") from exc
         while sent and sent >= len(pending[0]):
             sent -= len(pending[0])
             pending.pop(0)
@@ -211,7 +239,10 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
         return
     pending = [v for v in views if len(v)]
     while pending:
-        got = sock.recvmsg_into(pending[:MAX_IOV])[0]
+        try:
+            got = sock.recvmsg_into(pending[:MAX_IOV])[0]
+        except BlockingIOError as exc:
+            raise _timed_out(exc, "a receive") from exc
         if not got:
             raise ProtocolError(f"the peer closed the connection with {sum(len(v) for v in pending)} bytes "
                                 "of a frame unread")
@@ -251,7 +282,10 @@ def _recv_into(sock: socket.socket, view: memoryview, *, unread_after: int = 0) 
     """Fills `view`; `unread_after`: the frame's bytes after it, for the error when the peer closes first."""
     at = 0
     while at < len(view):
-        got = sock.recv_into(view[at:])
+        try:
+            got = sock.recv_into(view[at:])
+        except BlockingIOError as exc:
+            raise _timed_out(exc, "a receive") from exc
         if not got:
             raise ProtocolError(f"the peer closed the connection with {len(view) - at + unread_after} bytes of a "
                                 "frame unread")
@@ -265,7 +299,10 @@ def recv_exactly(sock: socket.socket, n: int, *, at_boundary: bool = False) -> b
     view = memoryview(data)
     at = 0
     while at < n:
-        got = sock.recv_into(view[at:])
+        try:
+            got = sock.recv_into(view[at:])
+        except BlockingIOError as exc:
+            raise _timed_out(exc, "a receive") from exc
         if not got:
             if at == 0 and at_boundary:
                 return None
@@ -453,6 +490,7 @@ class Link:
         self.frames = 0   # answered frames: a link that never answered one is not reopened at once
         self.values_first = 0   # of them, answers whose values came ahead of their reply (VALUES_MAGIC)
         self._last_used = time.monotonic()
+        self._timeout: float | None = None   # the socket's timeout as set_timeout last set it
         self._padding = memoryview(bytearray(64))   # pads are < ALIGN bytes: read into, or sent from, here
         #: whether the shard is on another host: its address is neither a loopback one nor this end's own
         self.remote = _remote_peer(sock)
@@ -505,7 +543,9 @@ class Link:
         """
         layout = self.layout
         try:
-            self.sock.settimeout(timeout)
+            if timeout != self._timeout:
+                set_timeout(self.sock, timeout)
+                self._timeout = timeout
             body = region_views(layout.gradients, 0, layout.values_offset, gradients, self._padding)
             if turn is not None:
                 turn.wait()

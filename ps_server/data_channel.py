@@ -231,8 +231,8 @@ class DataChannelServer:
     def _frames(self, conn: _Connection, grant: Grant, buffer: FrameBuffer) -> None:
         layout = grant.layout
         gradients = buffer.buffer[:dc.gradient_bytes(layout)]
+        dc.set_timeout(conn.sock, self.idle_seconds)
         while not self._stop.is_set():
-            conn.sock.settimeout(self.idle_seconds)
             try:
                 prefix = dc.read_prefix(conn.sock, at_boundary=True)
             except TimeoutError:

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import (
@@ -112,6 +112,9 @@ class ShardMetrics:
         self.rpc_seconds = Histogram("ps_rpc_duration_seconds", "Latency of ps.v1 rpcs, including waits",
                                      ["shard", "rpc"], buckets=LATENCY_BUCKETS, registry=r)
         self.rpcs = Counter("ps_rpcs", "Finished ps.v1 rpcs by status code", ["shard", "rpc", "code"], registry=r)
+        # labelled series already looked up: (accepted, reason) -> pushes; (rpc, code) -> (rpc_seconds, rpcs)
+        self._pushes: dict[tuple[bool, int], Any] = {}
+        self._rpc_series: dict[tuple[str, str], tuple[Any, Any]] = {}
         # Every push series exists from the start (at 0), so rates and alerts work before the first drop.
         self.pushes.labels(self.label, "accepted", "none")
         for reason, label in REASONS.items():
@@ -134,8 +137,12 @@ class ShardMetrics:
     def on_event(self, event: str, **fields) -> None:
         """The shard listener; cheap, never blocks (some events fire under the shard's lock)."""
         if event == "push":
-            outcome = "accepted" if fields.get("accepted") else "dropped"
-            self.pushes.labels(self.label, outcome, _reason_label(fields.get("reason", 0))).inc()
+            accepted, reason = bool(fields.get("accepted")), fields.get("reason", 0)
+            pushes = self._pushes.get((accepted, reason))
+            if pushes is None:   # labels() builds and looks up its key under a lock: once per series
+                pushes = self._pushes[accepted, reason] = self.pushes.labels(
+                    self.label, "accepted" if accepted else "dropped", _reason_label(reason))
+            pushes.inc()
             self.received_bytes.inc(fields.get("nbytes", 0))
             staleness = fields.get("staleness")
             if staleness is not None:
@@ -153,8 +160,12 @@ class ShardMetrics:
         self.registry.register(_ReplicaCollector(status, self.label))
 
     def observe_rpc(self, rpc: str, code: str, seconds: float) -> None:
-        self.rpc_seconds.labels(self.label, rpc).observe(seconds)
-        self.rpcs.labels(self.label, rpc, code).inc()
+        series = self._rpc_series.get((rpc, code))
+        if series is None:   # every frame of the data channel comes here: the labelled series once each
+            series = self._rpc_series[rpc, code] = (self.rpc_seconds.labels(self.label, rpc),
+                                                    self.rpcs.labels(self.label, rpc, code))
+        series[0].observe(seconds)
+        series[1].inc()
 
     # ------------------------------------------------------------------ endpoint
 

@@ -195,6 +195,26 @@ def test_send_and_receive_views_move_every_byte_across_many_buffers() -> None:
             dc.recv_views(right, [memoryview(bytearray(4))])
 
 
+
+def test_a_timeout_kept_by_the_kernel_bounds_every_receive_and_send_as_a_timeout_error() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        dc.set_timeout(right, 0.2)
+        dc.set_timeout(left, 0.2)
+        assert right.gettimeout() is None   # a blocking socket: no poll before each call
+        for receive in (lambda: dc.recv_exactly(right, 4), lambda: dc.recv_views(right, [memoryview(bytearray(4))]),
+                        lambda: dc.recv_checking_finite(right, memoryview(bytearray(8)), [])):
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match="receive waited past the socket's timeout"):
+                receive()
+            assert 0.15 < time.monotonic() - started < 2.0
+        left.sendall(b"abcd")   # bytes that come in time are read as before
+        assert dc.recv_exactly(right, 4) == b"abcd"
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="send waited past the socket's timeout"):
+            dc.send_views(left, [memoryview(bytearray(64 << 20))])   # nobody reads: the buffers fill
+        assert time.monotonic() - started < 5.0
+
 # ---------------------------------------------------------------------- tickets
 
 

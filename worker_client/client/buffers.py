@@ -15,6 +15,7 @@ a training loop holding the current values while the next ones arrive needs two.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Hashable, Sequence
@@ -50,7 +51,7 @@ class ReceiveBuffers:
         """An uninitialized array for `tensor`'s values: one kept from an earlier call that nobody holds, or new."""
         dtype = np.dtype(dtype)
         shape = tuple(int(size) for size in shape)
-        if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < MIN_BYTES:
+        if math.prod(shape) * dtype.itemsize < MIN_BYTES:
             return np.empty(shape, dtype)
         with self._lock:
             kept = self._kept.setdefault((tensor, shape, dtype.str), [])

@@ -938,6 +938,7 @@ class PSClient:
         rows_by_shard = sparse.row_gradients_by_shard(shard_map, row_gradients or {}, self.wire_dtype)
         wanted_rows = sparse.route_rows(shard_map, rows) if rows else {}   # shard -> [(table, positions, ids)]
         partial_links: dict[int, Link | None] = {}   # a step of some tensors: each shard's channel for them
+        paths: dict[int, tuple[tuple[Segment, Layout] | None, Link | None]] = {}   # a whole-shard step's
         if names is not None or row_gradients or rows:
             # a data channel opened for `names`, else gRPC bytes: a shard's segment holds every part of it, a
             # sparse table's included
@@ -950,9 +951,11 @@ class PSClient:
                     if self._rows_fit_a_frame(shard_map, grads, asked) else None
                 if partial_links[i] is None and not self._small(shard_map, i, names, grads, asked):
                     return self.push(gradients, read_steps=steps, row_gradients=row_gradients), None, None
-        elif not all(any(self._bytes_path(i, shard_map, gradients)) or self._small(shard_map, i)
-                     for i in range(self.num_shards)):
-            return self.push(gradients, read_steps=steps), None, None
+        else:
+            # each shard's path once a call: finding it checks the link's socket (a select), or opens one
+            paths = {i: self._bytes_path(i, shard_map, gradients) for i in range(self.num_shards)}
+            if not all(any(paths[i]) or self._small(shard_map, i) for i in range(self.num_shards)):
+                return self.push(gradients, read_steps=steps), None, None
         wanted = None if names is None else set(names)
         out: dict[str, np.ndarray] = {}
         destination = self._destination(shard_map, out, threading.Lock(), self._buffers)
@@ -962,8 +965,7 @@ class PSClient:
         def one(shard: int) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
             turn = order.turn(shard)
             try:
-                segment, link = self._bytes_path(shard, shard_map, gradients) if wanted is None else \
-                    (None, partial_links.get(shard))
+                segment, link = paths[shard] if wanted is None else (None, partial_links.get(shard))
                 ordered = link is not None and link.remote and dc.gradient_bytes(link.layout) >= ORDERED_FRAME_BYTES
                 if not ordered:   # shared memory, gRPC, this host or a small frame: the next shard need not wait
                     turn.done()

@@ -350,13 +350,13 @@ class WorkerSettings:
                                         "one-time ticket from the authenticated gRPC call; falls back to gRPC bytes "
                                         "where it cannot be had, and opens a new one after a shard restarts); "
                                         "--no-shared-memory: gRPC bytes only")
-    shared_memory_min_bytes: int = _setting(2 << 20, "--shared-memory-min-bytes", scopes=_WORKER, minimum=0,
+    shared_memory_min_bytes: int = _setting(0, "--shared-memory-min-bytes", scopes=_WORKER, minimum=0,
                                             metavar="BYTES",
                                             help="on one host, a shard holding fewer parameter bytes than this "
-                                                 "moves them through the data channel when the shard offers one "
-                                                 "(its single socket round trip beats shared memory's gRPC call "
-                                                 "for small shards), through shared memory otherwise; 0: shared "
-                                                 "memory first for every shard")
+                                                 "moves them through the data channel when the shard offers one; "
+                                                 "every other shard through a shared-memory segment, the call's "
+                                                 "header over the data channel (default 0: shared memory for "
+                                                 "every shard on this host)")
     tls_ca: str | None = _setting(None, "--tls-ca", scopes=frozenset({"worker"}), metavar="PEM",
                                   help="connect with TLS, trusting this CA bundle (the shards' issuer)")
     tls_cert: str | None = _setting(None, "--tls-cert", scopes=frozenset({"worker"}), metavar="PEM",

@@ -45,8 +45,9 @@ CLOSE_SECONDS = 2.0
 
 #: serve(grant, raw request header, buffer, written) -> (response header, the answer's body: the layout's values
 #: region as byte views, or None when the values are not ready); written(part key, bytes), when not None, is to
-#: be told as the values land in the buffer (ValuesAhead.written)
-Serve = Callable[[Grant, bytes, FrameBuffer, "Callable[[PartKey, int], None] | None"],
+#: be told as the values land in the buffer (ValuesAhead.written). A None buffer: the bytes are in the worker's
+#: shared-memory segment (a SEGMENT_MAGIC frame), and the answer has no body.
+Serve = Callable[[Grant, bytes, "FrameBuffer | None", "Callable[[PartKey, int], None] | None"],
                  tuple[bytes, "list[memoryview] | None"]]
 #: observe(rpc, status code name, seconds): a frame answered, as the metrics interceptor records a gRPC call
 Observe = Callable[[str, str, float], None]
@@ -242,25 +243,31 @@ class DataChannelServer:
             if prefix is None:
                 return   # the worker closed it between frames
             magic, header_bytes, body_bytes = prefix
-            if magic != dc.REQUEST_MAGIC:
+            in_segment = magic == dc.SEGMENT_MAGIC
+            if magic != dc.REQUEST_MAGIC and not in_segment:
                 raise ProtocolError(f"a frame with magic {magic!r}, not a request")
             if header_bytes > dc.MAX_HEADER_BYTES:
                 raise ProtocolError(f"a {header_bytes}-byte frame header (at most {dc.MAX_HEADER_BYTES})")
-            if body_bytes != dc.gradient_bytes(layout):
-                raise ProtocolError(f"a frame of {body_bytes} body bytes; the layout's gradient region holds "
-                                    f"{dc.gradient_bytes(layout)}")
+            if body_bytes != (0 if in_segment else dc.gradient_bytes(layout)):
+                raise ProtocolError(f"a frame of {body_bytes} body bytes; " + (
+                    "one whose bytes are in shared memory has none" if in_segment else
+                    f"the layout's gradient region holds {dc.gradient_bytes(layout)}"))
             try:
                 header = dc.recv_exactly(conn.sock, header_bytes)
-                buffer.finite = dc.recv_checking_finite(conn.sock, gradients, layout.gradients)
+                if not in_segment:
+                    buffer.finite = dc.recv_checking_finite(conn.sock, gradients, layout.gradients)
             except TimeoutError as exc:
                 raise ProtocolError(f"stalled mid-frame for {self.idle_seconds:g} s (stream_idle_seconds)") from exc
             close_after = False
             code, started = "OK", time.perf_counter()
-            ahead = ValuesAhead(conn.sock, layout, buffer, self.idle_seconds) \
-                if conn.values_first and dc.values_bytes(layout) >= dc.VALUES_FIRST_MIN_BYTES else None
+            ahead = ValuesAhead(conn.sock, layout, buffer, self.idle_seconds) if conn.values_first and \
+                not in_segment and dc.values_bytes(layout) >= dc.VALUES_FIRST_MIN_BYTES else None
             try:
-                answer, body = self.serve(grant, header, buffer, None if ahead is None else ahead.written)
+                answer, body = self.serve(grant, header, None if in_segment else buffer,
+                                          None if ahead is None else ahead.written)
                 body = body or []
+                if in_segment and body:
+                    raise RuntimeError("an answer with a body to a frame whose bytes are in shared memory")
                 if body and sum(len(v) for v in body) != dc.values_bytes(layout):
                     raise RuntimeError(f"an answer of {sum(len(v) for v in body)} value bytes for a values region "
                                        f"of {dc.values_bytes(layout)}")

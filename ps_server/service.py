@@ -290,7 +290,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             result = self.shard.push_pull(push, self._read_after(frame.pull, segment, context.time_remaining()))
         return push_pull_response(result, self.chunk_bytes)
 
-    def push_pull_on_channel(self, grant: Grant, raw: bytes, memory: FrameBuffer,
+    def push_pull_on_channel(self, grant: Grant, raw: bytes, memory: FrameBuffer | None,
                              written: Callable[[PartKey, int], None] | None = None) -> tuple[bytes, list | None]:
         """PushPull from a frame of the data channel (ps_server/data_channel.py): the same domain call as the
         rpc, with the connection's buffer standing for a shared-memory segment (the gradients are read from it,
@@ -299,7 +299,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         parts only, and its frames name them in pull.names; row gradients and rows read travel in the headers.
         Returns the response header and the answer's body (None: not ready); typed errors are raised for the
         channel to answer. `written(part key, bytes)`, when given, is told as the values land in the buffer
-        (Read.written), for the channel to send them while the rest are written."""
+        (Read.written), for the channel to send them while the rest are written. No `memory`: the frame's bytes
+        are in the worker's shared-memory segment (SharedMemoryUnavailableError when it has none for the shard's
+        parts), read and written there as by the rpc, and the answer has no body."""
         worker_id, layout = grant.worker_id, grant.layout
         with self.admission.enter("PushPull", worker_id):
             frame = frames.decode_request(raw)
@@ -321,15 +323,24 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 raise DataChannelUnavailableError(
                     f"worker {worker_id!r}: the data channel's layout no longer fits shard "
                     f"{self.shard.config.shard_index}'s parts (re-initialized?): open it again")
-            segment = (memory, layout)
-            grads = _gradients_in(segment)
-            if grant.narrow is not None:   # the half-size wire: float32 master values take float32 gradients
-                grads = {key: g.astype(np.float32) if g.dtype == grant.narrow else g for key, g in grads.items()}
-            push = self._push(frame.header, grads, finite=memory.finite)
-            read = self._read_after(frame.pull, None if grant.narrow else segment, None, written)
-            result = self.shard.push_pull(push, read)
+            if memory is None:   # the bytes are in the segment: every part, at full width
+                if grant.narrow is not None or grant.names is not None:
+                    raise InvalidRequestError(
+                        "PushPull on the data channel with its bytes in shared memory: the connection was opened "
+                        f"for {'a half-size wire' if grant.narrow is not None else 'some tensors'}; a segment "
+                        "holds every part of the shard at full width")
+                segment = self.segments.get(worker_id, self.shard.generation)
+                push = self._push(frame.header, _gradients_in(segment))
+                result = self.shard.push_pull(push, self._read_after(frame.pull, segment, None))
+            else:
+                grads = _gradients_in((memory, layout))
+                if grant.narrow is not None:   # the half-size wire: float32 master values take float32 gradients
+                    grads = {key: g.astype(np.float32) if g.dtype == grant.narrow else g for key, g in grads.items()}
+                push = self._push(frame.header, grads, finite=memory.finite)
+                read = self._read_after(frame.pull, None if grant.narrow else (memory, layout), None, written)
+                result = self.shard.push_pull(push, read)
         answer = push_pull_response(result, self.chunk_bytes)
-        if result.values is None:
+        if memory is None or result.values is None:
             return answer, None
         if grant.narrow is None:   # the shard wrote the values into the buffer under its lock
             return answer, [memory.buffer[layout.values_offset:layout.size]]

@@ -22,12 +22,12 @@ from tests.helpers.replay_proxy import ReplayProxy
 from worker_client.client import PSClient, RetryPolicy, ServerError
 
 STEPS = 200
-#: the shards offer no data channel on the gRPC paths: a worker without shared memory would take it, around the
-#: proxy (its own replays: tests/integration/test_data_channel.py)
+#: the shards offer no data channel: a worker would send its calls over it, around the proxy (with shared memory,
+#: the call's header; the channel's own replays: tests/integration/test_data_channel.py)
 GRPC_ONLY = ["--no-data-channel"]
 PATHS = {
     # path: (shards, shard flags, worker flags)
-    "push-pull, shared memory": (2, [], ["--shared-memory-min-bytes", "0"]),   # its small shards too
+    "push-pull, shared memory": (2, GRPC_ONLY, ["--shared-memory-min-bytes", "0"]),   # its small shards too
     "push-pull, gRPC bytes": (2, GRPC_ONLY, ["--no-shared-memory"]),
     "push and pull streams": (1, GRPC_ONLY, ["--no-shared-memory", "--model", "deep_mlp"]),   # 369 KB > one message
 }

@@ -49,6 +49,8 @@ def test_push_pull_gives_what_push_then_pull_gives_on_either_data_path(start_clu
             report, pulled = worker.push_pull(grads(values), wait_for_step=mode == "sync", ssp=mode == "ssp")
             assert report.accepted and pulled is not None
         assert (worker._segments.get(0) is not None) == shm
+        # with shared memory the bytes go through the segments and the calls over the data channel
+        assert [link.in_segment for link in worker._links.values()] == ([4, 4] if shm else [0, 0])
         assert worker.steps == [4, 4] and worker.clock == 4
         for name, value in values.items():
             expected = value - 4 * LR * 0.25 if value.dtype.kind == "f" else value
@@ -202,33 +204,105 @@ def test_after_a_shard_restarts_the_worker_opens_shared_memory_again(start_clust
 
 @needs_shm
 @pytest.mark.parametrize("offered", [True, False])
-def test_on_one_host_a_small_shard_takes_the_data_channel_first_and_a_large_one_shared_memory(start_cluster,
-                                                                                             offered: bool,
-                                                                                             caplog) -> None:
+def test_on_one_host_the_bytes_go_through_shared_memory_and_the_call_over_the_channel(start_cluster, offered: bool,
+                                                                                      caplog) -> None:
     import logging
 
     caplog.set_level(logging.WARNING, logger="worker_client.client.ps_client")
     values = model()
     cluster = start_cluster(1, mode="async", flags=[*FLAGS, *([] if offered else ["--no-data-channel"])])
     shard_bytes = sum(v.nbytes for v in values.values())
-    with PSClient(cluster.addresses, worker_id="small", rpc_timeout=20, retry=QUICK) as small, \
-            PSClient(cluster.addresses, worker_id="large", rpc_timeout=20, retry=QUICK,
-                     shared_memory_min_bytes=shard_bytes) as large:
-        small.wait_ready(20)
-        small.initialize(values)
-        for worker in (small, large):
+    with PSClient(cluster.addresses, worker_id="default", rpc_timeout=20, retry=QUICK) as default, \
+            PSClient(cluster.addresses, worker_id="bounded", rpc_timeout=20, retry=QUICK,
+                     shared_memory_min_bytes=shard_bytes + 1) as bounded:
+        default.wait_ready(20)
+        default.initialize(values)
+        for worker in (default, bounded):
             worker.register(heartbeat=False)
             worker.pull()
-            report, pulled = worker.push_pull(grads(values))
-            assert report.accepted and pulled is not None
-        # below the bound: the channel when the shard offers one, else shared memory; at the bound: shared memory
-        assert (sorted(small._links), small._segments.get(0) is not None) == (([0], False) if offered else ([], True))
-        assert (sorted(large._links), large._segments.get(0) is not None) == ([], True)
+            for _ in range(2):
+                report, pulled = worker.push_pull(grads(values))
+                assert report.accepted and pulled is not None
+        # by default: the segment's bytes with the call over the channel when the shard offers one, else over gRPC
+        assert (sorted(default._links), default._segments.get(0) is not None) == (([0], True) if offered else ([], True))
+        assert default._links[0].in_segment == 2 if offered else not default._links
+        # below the bound: the bytes in the channel's frames when the shard offers one, else shared memory
+        assert (sorted(bounded._links), bounded._segments.get(0) is not None) == (([0], False) if offered else ([], True))
+        assert bounded._links[0].in_segment == 0 if offered else not bounded._links
         # the warning names where the bytes went instead of the channel
         warned = [r.getMessage() for r in caplog.records if "no data channel" in r.getMessage()]
         assert (not warned) if offered else \
-            (len(warned) == 1 and "shared memory where the shard shares this host" in warned[0]), warned
-        np.testing.assert_allclose(large.pull()["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
+            (len(warned) == 2 and all("shared memory where the shard shares this host" in w for w in warned)), warned
+        np.testing.assert_allclose(bounded.pull()["w"], values["w"] - 4 * LR * 0.25, rtol=1e-6)
+
+
+def test_a_frame_in_shared_memory_without_a_segment_or_on_a_half_size_wire_is_refused_and_nothing_applied(
+        start_cluster) -> None:
+    from ps_common import data_channel as dc
+    from ps_common import frames
+    from ps_proto.v1 import parameter_server_pb2 as pb
+
+    values = model()
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    for wire in ("float32", "bfloat16"):
+        with PSClient(cluster.addresses, worker_id=f"w-{wire}", rpc_timeout=20, retry=QUICK, shared_memory=False,
+                      wire_dtype=wire) as worker:
+            worker.wait_ready(20)
+            if wire == "float32":
+                worker.initialize(values)
+            worker.register(heartbeat=False)
+            link = worker._link(0, grads(values))
+            assert link is not None
+            header = frames.encode_request(
+                pb.PushHeader(worker_id=worker.worker_id, clock=0),
+                pb.PullAfterPush(wait_timeout_ms=100, shared_memory=True, wire_dtype=worker._wire_value),
+                gradients_in_shared_memory=True)
+            magic, answer = link.exchange_in_segment(header, timeout=20)
+            status = pb.DataChannelStatus.FromString(answer)
+            assert magic == dc.ERROR_MAGIC
+            assert (status.code, status.reason) == (("FAILED_PRECONDITION", "SHARED_MEMORY_UNAVAILABLE")
+                                                    if wire == "float32" else ("INVALID_ARGUMENT", "INVALID_REQUEST"))
+            assert ("no shared-memory segment" if wire == "float32" else "half-size wire") in status.message
+            assert not link.closed   # the connection goes on, its next frame carries the bytes
+            report, pulled = worker.push_pull(grads(values))
+            assert report.accepted and link.frames == 2 and link.in_segment == 1
+    np.testing.assert_allclose(pulled["w"], values["w"] - 2 * LR * 0.25, rtol=1e-2)   # two pushes, none twice
+
+
+@needs_shm
+def test_a_shard_without_the_workers_segment_gets_the_calls_bytes_over_the_channel_and_a_new_segment_next(
+        start_cluster, monkeypatch) -> None:
+    from ps_common import data_channel as dc
+    from ps_proto.v1 import parameter_server_pb2 as pb
+
+    values = model()
+    cluster = start_cluster(1, mode="async", flags=FLAGS)
+    with PSClient(cluster.addresses, worker_id="w0", rpc_timeout=20, retry=QUICK) as worker:
+        worker.wait_ready(20)
+        worker.initialize(values)
+        worker.register(heartbeat=False)
+        worker.pull()
+        worker.push_pull(grads(values))
+        first = worker._segments[0][0]
+        real = dc.Link.exchange_in_segment
+        answered = []
+
+        def unavailable_once(link, header, *, timeout):   # as a shard that lost the worker's segment answers
+            if answered:
+                return real(link, header, timeout=timeout)
+            answered.append(True)
+            status = pb.DataChannelStatus(code="FAILED_PRECONDITION", reason="SHARED_MEMORY_UNAVAILABLE",
+                                          message="worker 'w0' has no shared-memory segment on shard 0")
+            return dc.ERROR_MAGIC, status.SerializeToString()
+
+        monkeypatch.setattr(dc.Link, "exchange_in_segment", unavailable_once)
+        report, pulled = worker.push_pull(grads(values))   # its bytes over the channel, applied once
+        assert report.accepted and pulled is not None and first.closed and 0 not in worker._segments
+        link = worker._links[0]
+        assert (link.frames, link.in_segment) == (2, 1)
+        report, pulled = worker.push_pull(grads(values))   # a new segment
+        assert worker._segments[0][0] is not first and link.in_segment == 2
+        np.testing.assert_allclose(pulled["w"], values["w"] - 3 * LR * 0.25, rtol=1e-6)
 
 
 def test_a_negative_shared_memory_bound_is_refused() -> None:

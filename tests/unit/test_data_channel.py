@@ -43,8 +43,10 @@ class Stand:
         self.regress = False   # tells a part's bytes, then fewer
         self.pause = 0.0   # seconds to stop for after the first part's first half is told
         self.offered: list[bool] = []   # whether each call was given `written` (values first)
+        self.in_segment: list[bool] = []   # whether each call's bytes were in shared memory (no buffer)
+        self.segment_body: list[bytes] | None = None   # answers a frame whose bytes are in shared memory with it
 
-    def __call__(self, grant: Grant, raw: bytes, memory: FrameBuffer, written=None):
+    def __call__(self, grant: Grant, raw: bytes, memory: FrameBuffer | None, written=None):
         worker_id, layout = grant.worker_id, grant.layout
         frame = frames.decode_request(raw)
         if frame.header.worker_id != worker_id:
@@ -53,6 +55,10 @@ class Stand:
             raise self.fail
         self.calls.append((worker_id, frame.header))
         self.offered.append(written is not None)
+        self.in_segment.append(memory is None)
+        if memory is None:   # the bytes are in a segment the stand does not have: the reply alone
+            push = pb.PushResponse(outcome=pb.PUSH_ACCEPTED, step=frame.header.clock + 1, clock=frame.header.clock + 1)
+            return frames.encode_response(push, ready=True, step=frame.header.clock + 1), self.segment_body
         grads = {slot.key: memory.view(slot) for slot in layout.gradients}
         for slot in reversed(layout.values):   # the last part first: the first ones gate what can go
             target = memory.view(slot)
@@ -290,6 +296,54 @@ def test_a_typed_error_comes_back_as_an_error_frame_and_the_connection_stays(ser
         assert link.exchange(request(), gradients(), empty_values(), timeout=TIMEOUT)[0] == dc.REPLY_MAGIC
     finally:
         link.close()
+
+
+def test_a_frame_whose_bytes_are_in_shared_memory_carries_its_header_only_and_the_connection_goes_on(
+        server, stand) -> None:
+    link = connect(server)
+    try:
+        magic, answer = link.exchange_in_segment(request(clock=3), timeout=TIMEOUT)
+        reply = frames.decode_response(answer)
+        assert magic == dc.REPLY_MAGIC and reply.ready and reply.step == 4
+        assert stand.in_segment == [True] and stand.offered == [False] and stand.calls[0][1].clock == 3
+        assert (link.frames, link.in_segment) == (1, 1)
+        values = empty_values()   # the same connection then carries the bytes in its frames
+        magic, _, received = link.exchange(request(clock=4), gradients(), values, timeout=TIMEOUT)
+        assert magic == dc.REPLY_MAGIC and received and stand.in_segment == [True, False]
+        np.testing.assert_array_equal(values[0], 2 * gradients()[0])
+        stand.segment_body = [memoryview(bytes(dc.values_bytes(LAYOUT)))]   # a shard's bug: a body after all
+        magic, answer = link.exchange_in_segment(request(clock=5), timeout=TIMEOUT)
+        status = pb.DataChannelStatus.FromString(answer)
+        assert magic == dc.ERROR_MAGIC and status.code == "INTERNAL" and "shared memory" in status.message
+        assert not link.closed
+    finally:
+        link.close()
+
+
+def test_a_frame_in_shared_memory_with_a_body_closes_the_connection_and_nothing_is_served(server, stand) -> None:
+    sock = hello(server)
+    with sock:
+        header = request()
+        sock.sendall(dc.FRAME.pack(dc.SEGMENT_MAGIC, len(header), 8) + header + bytes(8))
+        assert closed_by_peer(sock)
+    assert stand.calls == []
+
+
+@pytest.mark.parametrize("answer", ["with-body", "values-first", "request"])
+def test_a_worker_refuses_an_answer_to_a_frame_in_shared_memory_that_is_not_a_bare_reply_or_error(answer) -> None:
+    reply = frames.encode_response(pb.PushResponse(outcome=pb.PUSH_ACCEPTED, step=1, clock=1), ready=True, step=1)
+    sent = {"with-body": dc.FRAME.pack(dc.REPLY_MAGIC, len(reply), 8) + reply + bytes(8),
+            "values-first": dc.FRAME.pack(dc.VALUES_MAGIC, 0, 8) + bytes(8),
+            "request": dc.FRAME.pack(dc.REQUEST_MAGIC, len(reply), 0) + reply}[answer]
+    left, right = socket.socketpair()
+    with left, right:
+        link = Link(left, LAYOUT, idle_seconds=5.0)
+        right.sendall(sent)
+        with pytest.raises(ProtocolError, match="frame whose bytes are in shared memory"):
+            link.exchange_in_segment(request(), timeout=TIMEOUT)
+        assert link.closed
+        prefix = dc.read_prefix(right)   # what the worker sent: the header, no body
+        assert prefix is not None and prefix[0] == dc.SEGMENT_MAGIC and prefix[2] == 0
 
 
 def test_a_bug_behind_the_channel_is_internal_and_logged(server, stand, caplog) -> None:

@@ -92,13 +92,14 @@ FAILOVER_WINDOW = 15.0
 #: for Push + Pull, gRPC Python being slow with large single messages; on a 45 KB model it
 #: took 1.2 ms against 2.4 ms.
 GRPC_PUSH_PULL_MAX_BYTES = 256 << 10
-#: On one host a shard holding fewer parameter bytes than this moves them through the data channel when it
-#: can be had, and through shared memory otherwise (PSClient's `shared_memory_min_bytes`). Shared memory
-#: still takes one gRPC call per step for its control message; the channel's single socket round trip is
-#: cheaper below about 2 MB per shard, the segment's one copy each way cheaper above. Measured with
-#: `ps_bench.pushpull_bench` on loopback, 2 cores (GB/s, shared memory / channel): 0.25 MB 0.44 / 0.82,
-#: 1 MB 1.13 / 1.72, 2 MB 1.88 / 1.84, 4 MB 2.62 / 2.04, 8 MB 3.23 / 1.99.
-SHARED_MEMORY_MIN_BYTES = 2 << 20
+#: On one host a shard holding fewer parameter bytes than this moves them through the data channel (PSClient's
+#: `shared_memory_min_bytes`); every other shard on this host moves them through a shared-memory segment, the
+#: call's header over the data channel (or over gRPC where the channel cannot be had). 0: none. Before the header
+#: went over the channel, the segment's gRPC call cost more than the channel's socket round trip below about 2 MB
+#: a shard, and 2 MiB was the default; with the header over the channel the segment is as fast for a small shard
+#: and faster from a few hundred KB up (loopback, 2 cores, one worker, ms a PushPull, channel / segment: 4 KB
+#: 1.13 / 1.17, 1 MB 2.87 / 1.79; 16 MB, segment with the rpc / with the channel, 19.7 / 16.0).
+SHARED_MEMORY_MIN_BYTES = 0
 #: Bytes of a data-channel frame's header kept for its fields other than row gradients (names, ids, the pull).
 FRAME_HEADER_ROOM = 1 << 20
 #: A Push's row gradients above this many wire bytes go on past its header, in messages of at most ROW_PIECE_BYTES
@@ -270,9 +271,9 @@ class PSClient:
         (ps_common.data_channel.client_tls_context, from the files of the gRPC credentials); without it
         the bytes go over gRPC. `channel_options` are added to every channel's (e.g.
         ``("grpc.ssl_target_name_override", NAME)``, also the name a TLS data channel checks).
-        A shard holding fewer parameter bytes than `shared_memory_min_bytes` takes the data channel
-        first even on this host (faster for small shards: SHARED_MEMORY_MIN_BYTES), shared memory
-        when the channel cannot be had; 0: shared memory first for every shard."""
+        On this host, with both on, a shard's bytes go through its segment and the call's header over the
+        data channel; a shard holding fewer parameter bytes than `shared_memory_min_bytes` (default 0: none)
+        takes the channel's bytes instead (SHARED_MEMORY_MIN_BYTES)."""
         if not addresses:
             raise ValueError("PSClient needs at least one shard address")
         if shared_memory_min_bytes < 0:
@@ -1010,7 +1011,7 @@ class PSClient:
         written in place by `destination`; {} when not ready)."""
         if link is not None:
             answered = self._push_pull_link(shard, link, shard_map, gradients, clock, read_step, wait_for_step,
-                                            ssp, wait, destination, rows, asked, turn)
+                                            ssp, wait, destination, rows, asked, turn, segment)
             if answered is not None:
                 return answered
         if segment is None and not self._small(shard_map, shard, names, rows, asked):
@@ -1028,57 +1029,82 @@ class PSClient:
             for chunk in reply.chunks:
                 assembler.add(chunk)
             return reply, assembler.finish()
+        return reply, self._values_from_segment(segment, destination)
+
+    def _values_from_segment(self, segment: tuple[Segment, Layout], destination) -> dict[PartKey, np.ndarray]:
+        """The values a ready answer left in the segment, copied into their destinations (split tensors' parts)
+        or into arrays of their own (returned): the segment is rewritten by the next call."""
         memory, layout = segment
         values = {}
         for slot in layout.values:
             target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
-            view = memory.view(slot)
-            if target is None:   # the segment is rewritten by the next call: a copy of its own
+            if target is None:
                 target = values[slot.key] = self._buffers.empty(slot.key, slot.shape, slot.dtype)
-            np.copyto(target, view)
-        return reply, values
+            np.copyto(target, memory.view(slot))
+        return values
+
+    def _write_gradients(self, segment: tuple[Segment, Layout], shard_map: ShardMap,
+                         gradients: Mapping[str, np.ndarray]) -> None:
+        """The shard's gradient parts into the segment's gradient region."""
+        memory, layout = segment
+        pieces = []
+        for slot in layout.gradients:
+            array = np.asarray(gradients[slot.key[0]])
+            part = shard_map.part(slot.key[0], slot.key[1])
+            pieces.append(array if part.whole else array[part.row_start:part.row_end])
+        memory.write(layout.gradients, pieces)
 
     def _push_pull_link(self, shard: int, link: Link, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
                         clock: int, read_step: int, wait_for_step: bool, ssp: bool, wait: float, destination,
                         rows: Sequence[pb.RowGradient] = (), asked: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
-                        turn: dc.SendTurn | None = None) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]] | None:
+                        turn: dc.SendTurn | None = None, segment: tuple[Segment, Layout] | None = None,
+                        ) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]] | None:
         """One PushPull over the shard's data channel: gradients sent from the arrays, values received straight
         into their destinations; a channel opened for some tensors (`link.names`) pulls those, with the row
         gradients `rows` and the rows `asked` in the frames' headers. None: the call goes over gRPC instead
         (the channel broke, the shard is stopping or busy, its layout changed, it forgot this worker); the push
         may have been applied, and the resend with the same clock is then answered as a duplicate, never applied
-        twice. The errors gRPC would raise are raised as the same classes."""
+        twice. The errors gRPC would raise are raised as the same classes. With a `segment` (a shard on this
+        host), the bytes go through it and the frame carries the header only."""
         layout = link.layout
         header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step, row_gradients=rows)
         pull = pb.PullAfterPush(names=sorted(link.names or ()), wait_for_step=wait_for_step, ssp=ssp,
                                 wait_timeout_ms=max(1, int(wait * 1000)), shared_memory=True,
                                 wire_dtype=self._wire_value, rows=[pb.RowIds(name=n, ids=ids) for n, _, ids in asked])
-        pieces = []
-        for slot in layout.gradients:
-            array = np.asarray(gradients[slot.key[0]])
-            part = shard_map.part(slot.key[0], slot.key[1])
-            piece = array if part.whole else array[part.row_start:part.row_end]
-            # the half-size wire narrows float32 parts (the layout says so), as over gRPC; else sent as they are
-            pieces.append(piece.astype(slot.dtype) if piece.dtype != slot.dtype else np.ascontiguousarray(piece))
+        raw_header = frames.encode_request(header, pull, gradients_in_shared_memory=True)
         targets, received = [], {}
-        for slot in layout.values:
-            # straight into the tensor a split part belongs to; whole tensors and half-size parts into their own
-            # arrays (_place widens the latter), as the gRPC path's assembler does
-            target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
-            if target is None:
-                target = received[slot.key] = self._buffers.empty(slot.key, slot.shape, slot.dtype)
-            targets.append(target)
-        address = self.addresses[shard]
         try:
-            magic, answer, got_values = link.exchange(frames.encode_request(header, pull, gradients_in_shared_memory=True),
-                                             pieces, targets, timeout=wait + self.rpc_timeout, turn=turn)
+            if segment is not None:
+                self._write_gradients(segment, shard_map, gradients)
+                magic, answer = link.exchange_in_segment(raw_header, timeout=wait + self.rpc_timeout)
+                got_values = False
+            else:
+                pieces = []
+                for slot in layout.gradients:
+                    array = np.asarray(gradients[slot.key[0]])
+                    part = shard_map.part(slot.key[0], slot.key[1])
+                    piece = array if part.whole else array[part.row_start:part.row_end]
+                    # the half-size wire narrows float32 parts (the layout says so), as over gRPC; else as they are
+                    pieces.append(piece.astype(slot.dtype) if piece.dtype != slot.dtype else np.ascontiguousarray(piece))
+                for slot in layout.values:
+                    # straight into the tensor a split part belongs to; whole tensors and half-size parts into their
+                    # own arrays (_place widens the latter), as the gRPC path's assembler does
+                    target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
+                    if target is None:
+                        target = received[slot.key] = self._buffers.empty(slot.key, slot.shape, slot.dtype)
+                    targets.append(target)
+                magic, answer, got_values = link.exchange(raw_header, pieces, targets, timeout=wait + self.rpc_timeout,
+                                                          turn=turn)
         except (OSError, ProtocolError) as exc:
             # reopened at the next call, unless it never answered a frame (then after a while)
             self._link_failed(shard, f"the data channel broke ({exc or type(exc).__name__})",
                               retry_now=link.frames > 0)
             return None
+        address = self.addresses[shard]
         if magic == dc.REPLY_MAGIC:
             reply = frames.decode_response(answer, rows_asked=len(asked), shard=shard)
+            if segment is not None:   # the values, when ready, are in the segment
+                return reply, (self._values_from_segment(segment, destination) if reply.ready else {})
             if reply.ready != got_values:   # a ready answer must bring the values, and only a ready one
                 self._link_failed(shard, f"the shard's answer says ready={reply.ready} with "
                                   f"{'' if got_values else 'no '}values", retry_now=False)
@@ -1090,6 +1116,14 @@ class PSClient:
         what = f"PushPull on shard {shard} ({address}) over the data channel"
         if status.reason == OverloadedError.reason:
             return None   # gRPC's retries (with backoff) take it; the channel stays
+        if segment is not None and error is SharedMemoryUnavailableError:
+            # The shard has no segment for this worker (restarted, or reset): nothing was applied; this call's bytes
+            # go over the channel, the next call opens a new segment.
+            log.info("shard %d: shared memory unavailable (%s); this call's bytes go over the data channel", shard,
+                     status.message)
+            self._drop_segment(shard)
+            return self._push_pull_link(shard, link, shard_map, gradients, clock, read_step, wait_for_step, ssp,
+                                        wait, destination, rows, asked, turn)
         if code == grpc.StatusCode.UNAVAILABLE or error is DataChannelUnavailableError:
             self._link_failed(shard, f"{what}: {code.name}: {status.message}", retry_now=True)
             return None
@@ -1113,13 +1147,7 @@ class PSClient:
                                 wait_timeout_ms=max(1, int(wait * 1000)), shared_memory=segment is not None,
                                 wire_dtype=self._wire_value, rows=[pb.RowIds(name=n, ids=ids) for n, _, ids in asked])
         if segment is not None:
-            memory, layout = segment
-            pieces = []
-            for slot in layout.gradients:
-                array = np.asarray(gradients[slot.key[0]])
-                part = shard_map.part(slot.key[0], slot.key[1])
-                pieces.append(array if part.whole else array[part.row_start:part.row_end])
-            memory.write(layout.gradients, pieces)
+            self._write_gradients(segment, shard_map, gradients)
             body = frames.encode_request(header, pull, gradients_in_shared_memory=True)
         else:
             body = frames.encode_request(header, pull, self._part_chunks(shard_map, shard, gradients, narrow=True))
@@ -1214,12 +1242,22 @@ class PSClient:
 
     def _bytes_path(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
                     ) -> tuple[tuple[Segment, Layout] | None, Link | None]:
-        """How a whole-shard PushPull's bytes travel: (the shared-memory segment, None), (None, the data
-        channel), or (None, None) for gRPC bytes. A shard smaller than `shared_memory_min_bytes` tries the
-        channel first, any other shared memory first; each falls back to the other."""
+        """How a whole-shard PushPull's bytes travel: (the shared-memory segment, the data channel) -- the bytes
+        in the segment, the call's header over the channel --, (the segment, None) -- the call over gRPC --, (None,
+        the data channel) -- the bytes over it --, or (None, None) for gRPC bytes. A shard smaller than
+        `shared_memory_min_bytes` takes the channel's bytes, else shared memory where it can be had (on a
+        half-size wire, over gRPC); each falls back to the other."""
         if self.shared_memory and self.data_channel and shard_map.shard_bytes(shard) < self.shared_memory_min_bytes:
             link = self._link(shard, gradients, then=THEN_SHARED_MEMORY)
             return (None, link) if link is not None else (self._segment(shard), None)
+        if self.shared_memory and self.data_channel and self.wire_dtype == np.float32:
+            # Both: the bytes in the segment, the call over the channel (a frame of its header only), which costs
+            # a fraction of the rpc that otherwise carries the call; a shard on another host has no segment.
+            link = self._link(shard, gradients, then=THEN_SHARED_MEMORY)
+            if link is not None and link.remote:
+                return None, link
+            segment = self._segment(shard)
+            return (segment, link) if segment is not None else (None, link)
         segment = self._segment(shard)
         return (segment, None) if segment is not None else (None, self._link(shard, gradients))
 

@@ -3,8 +3,7 @@
 The systems of one case (a model, a worker count, a mode, a network):
 
 - ours, one per data path (`PATHS`): ``shm`` (the defaults on one host: bytes through a
-  shared-memory segment with each shard of at least 2 MiB, through the data channel with smaller
-  ones -- PSClient's `shared_memory_min_bytes`), ``channel`` (the data channel, a TCP
+  shared-memory segment with each shard, the call's header over the data channel), ``channel`` (the data channel, a TCP
   connection of its own per shard: the default between hosts, where this version has it),
   ``grpc`` (every byte through gRPC: ``PSClient(shared_memory=False, data_channel=False)``);
 - PyTorch RPC (`ps_bench.torch_rpc`), one per variant and transport (`TORCH_VARIANTS`):

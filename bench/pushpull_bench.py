@@ -25,7 +25,7 @@ Without torch here it runs our side only and says so on stderr.
 `--data-path` picks how our bytes travel, several comma-separated side by side (each with a
 shard of its own, each repeat running them and torch in a rotated order; one line per path,
 told apart by its "data_path" field): push-pull (the training loop's defaults on one host: shared
-memory for a shard of 2 MiB or more, the data channel below), channel (PushPull through the data channel, shared memory off: the bytes cross a TCP
+memory, the call's header over the data channel), channel (PushPull through the data channel, shared memory off: the bytes cross a TCP
 connection as between hosts), grpc (PushPull with gRPC bytes only; past 256 KiB that is Push
 then Pull streams), streams (Push then Pull). `--data-path channel,grpc` is our wire path next to
 gRPC's "across the wire" on one host. `--raw-tcp` adds a reference with no framework at all: a
@@ -135,8 +135,8 @@ class Ours:
     """One shard and one client of ours, kept for every size and repeat.
 
     `data_path` "push-pull" is what the training loop uses (PSClient.push_pull: one round trip,
-    through shared memory when the shard shares the host and holds 2 MiB or more, else through the data
-    channel: PSClient's defaults); "channel" is PSClient.push_pull through
+    through shared memory when the shard shares the host, the call's header over the data channel:
+    PSClient's defaults); "channel" is PSClient.push_pull through
     the data channel (no shared memory); "grpc" is PSClient.push_pull with neither (gRPC bytes, or
     Push and Pull past 256 KiB); "streams" is Push then Pull over gRPC.
     """

@@ -10,8 +10,8 @@ The model is ``--model`` (any ONNX file the engine trains; default: the MLP 784-
 written here) on ``--data`` (a dataset file or spec; default: the MLP's synthetic data),
 with ps-worker's defaults for tables (those of 1 MiB or more train by rows) unless
 ``--sparse-tables`` names them. ``--data-path`` picks how bytes reach the shards:
-``shm`` (ps-worker's defaults: a shared-memory segment with each shard of 2 MiB or more on
-this host, the data channel with smaller ones and with other hosts, else gRPC), ``channel`` (the data channel, a TCP connection of its own per
+``shm`` (ps-worker's defaults: a shared-memory segment with each shard on this host, the
+call's header over the data channel; the data channel with other hosts, else gRPC), ``channel`` (the data channel, a TCP connection of its own per
 shard, as between hosts, where this version has it) or ``grpc`` (gRPC bytes only:
 ``PSClient(shared_memory=False, data_channel=False)``). In async mode
 without tables by rows a step's PushPull travels while the next gradient is computed
@@ -63,14 +63,16 @@ def data_channel_supported() -> bool:
 
 
 def client_settings(path: str, *, profile: bool = False) -> dict[str, bool | int]:
-    """PSClient's keywords for a data path: shm (the defaults on one host: shared memory with shards of at least
-    shared_memory_min_bytes, the data channel with smaller ones), channel (the data
-    channel even on this host), grpc (gRPC bytes only); ValueError for channel where there is none. A `profile`d shm
-    run takes shared memory for small shards too: the profile times the gRPC handler that shared memory's control
-    message reaches, and does not instrument the data channel."""
+    """PSClient's keywords for a data path: shm (the defaults on one host: shared memory with every shard, the
+    call's header over the data channel), channel (the data channel even on this host), grpc (gRPC bytes only);
+    ValueError for channel where there is none. A `profile`d shm run takes shared memory for small shards too,
+    and its calls over gRPC: the profile times the gRPC handler that shared memory's control message reaches,
+    and does not instrument the data channel."""
     if path == "shm":
         takes_bound = "shared_memory_min_bytes" in inspect.signature(PSClient.__init__).parameters
-        return {"shared_memory_min_bytes": 0} if profile and takes_bound else {}
+        if not (profile and takes_bound):
+            return {}
+        return {"shared_memory_min_bytes": 0, **({"data_channel": False} if data_channel_supported() else {})}
     if path == "channel" and not data_channel_supported():
         raise ValueError("this version's PSClient has no data channel (--data-path channel)")
     return {"shared_memory": False, **({"data_channel": path == "channel"} if data_channel_supported() else {})}

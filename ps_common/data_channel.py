@@ -204,8 +204,8 @@ def set_timeout(sock: socket.socket, seconds: float) -> None:
         sock.settimeout(seconds)
         return
     sock.settimeout(None)
-    whole = int(seconds)
-    bound = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    micros = max(1, round(seconds * 1e6))   # a zero timeval would mean no bound at all
+    bound = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bound)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bound)
 

@@ -220,6 +220,11 @@ def test_a_timeout_kept_by_the_kernel_bounds_every_receive_and_send_as_a_timeout
         with pytest.raises(TimeoutError, match="send waited past the socket's timeout"):
             dc.send_views(left, [memoryview(bytearray(64 << 20))])   # nobody reads: the buffers fill
         assert time.monotonic() - started < 5.0
+    left, right = socket.socketpair()
+    with left, right:
+        dc.set_timeout(right, 1e-9)   # below the kernel's microsecond: still a bound, never none
+        with pytest.raises(TimeoutError):
+            dc.recv_exactly(right, 4)
 
 # ---------------------------------------------------------------------- tickets
 

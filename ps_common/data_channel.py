@@ -210,11 +210,9 @@ def set_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bound)
 
 
-def _timed_out(exc: BlockingIOError, doing: str) -> TimeoutError:
-    """The TimeoutError of a blocking socket's kernel bound (set_timeout) running out."""
-    error = TimeoutError(f"{doing} waited past the socket's timeout")
-    error.__cause__ = exc
-    return error
+def _timed_out(doing: str) -> TimeoutError:
+    """The TimeoutError of a blocking socket's kernel bound (set_timeout) running out (raised from its EAGAIN)."""
+    return TimeoutError(f"{doing} waited past the socket's timeout")
 
 
 def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
@@ -229,7 +227,7 @@ def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None
         try:
             sent = sock.sendmsg(pending[:MAX_IOV])
         except BlockingIOError as exc:
-            raise _timed_out(exc, "a send") from exc
+            raise _timed_out("a send") from exc
         while sent and sent >= len(pending[0]):
             sent -= len(pending[0])
             pending.pop(0)
@@ -248,7 +246,7 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
         try:
             got = sock.recvmsg_into(pending[:MAX_IOV])[0]
         except BlockingIOError as exc:
-            raise _timed_out(exc, "a receive") from exc
+            raise _timed_out("a receive") from exc
         if not got:
             raise ProtocolError(f"the peer closed the connection with {sum(len(v) for v in pending)} bytes "
                                 "of a frame unread")
@@ -291,7 +289,7 @@ def _recv_into(sock: socket.socket, view: memoryview, *, unread_after: int = 0) 
         try:
             got = sock.recv_into(view[at:])
         except BlockingIOError as exc:
-            raise _timed_out(exc, "a receive") from exc
+            raise _timed_out("a receive") from exc
         if not got:
             raise ProtocolError(f"the peer closed the connection with {len(view) - at + unread_after} bytes of a "
                                 "frame unread")
@@ -308,7 +306,7 @@ def recv_exactly(sock: socket.socket, n: int, *, at_boundary: bool = False) -> b
         try:
             got = sock.recv_into(view[at:])
         except BlockingIOError as exc:
-            raise _timed_out(exc, "a receive") from exc
+            raise _timed_out("a receive") from exc
         if not got:
             if at == 0 and at_boundary:
                 return None

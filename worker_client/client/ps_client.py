@@ -1043,16 +1043,21 @@ class PSClient:
             np.copyto(target, memory.view(slot))
         return values
 
-    def _write_gradients(self, segment: tuple[Segment, Layout], shard_map: ShardMap,
-                         gradients: Mapping[str, np.ndarray]) -> None:
-        """The shard's gradient parts into the segment's gradient region."""
-        memory, layout = segment
+    @staticmethod
+    def _gradient_pieces(layout: Layout, shard_map: ShardMap, gradients: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Each gradient slot's piece of its tensor's gradient (a split tensor's rows of the part), in slot order."""
         pieces = []
         for slot in layout.gradients:
             array = np.asarray(gradients[slot.key[0]])
             part = shard_map.part(slot.key[0], slot.key[1])
             pieces.append(array if part.whole else array[part.row_start:part.row_end])
-        memory.write(layout.gradients, pieces)
+        return pieces
+
+    def _write_gradients(self, segment: tuple[Segment, Layout], shard_map: ShardMap,
+                         gradients: Mapping[str, np.ndarray]) -> None:
+        """The shard's gradient parts into the segment's gradient region."""
+        memory, layout = segment
+        memory.write(layout.gradients, self._gradient_pieces(layout, shard_map, gradients))
 
     def _push_pull_link(self, shard: int, link: Link, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
                         clock: int, read_step: int, wait_for_step: bool, ssp: bool, wait: float, destination,
@@ -1079,13 +1084,9 @@ class PSClient:
                 magic, answer = link.exchange_in_segment(raw_header, timeout=wait + self.rpc_timeout)
                 got_values = False
             else:
-                pieces = []
-                for slot in layout.gradients:
-                    array = np.asarray(gradients[slot.key[0]])
-                    part = shard_map.part(slot.key[0], slot.key[1])
-                    piece = array if part.whole else array[part.row_start:part.row_end]
-                    # the half-size wire narrows float32 parts (the layout says so), as over gRPC; else as they are
-                    pieces.append(piece.astype(slot.dtype) if piece.dtype != slot.dtype else np.ascontiguousarray(piece))
+                # the half-size wire narrows float32 parts (the layout says so), as over gRPC; else as they are
+                pieces = [piece.astype(slot.dtype) if piece.dtype != slot.dtype else np.ascontiguousarray(piece)
+                          for slot, piece in zip(layout.gradients, self._gradient_pieces(layout, shard_map, gradients))]
                 for slot in layout.values:
                     # straight into the tensor a split part belongs to; whole tensors and half-size parts into their
                     # own arrays (_place widens the latter), as the gRPC path's assembler does

@@ -304,7 +304,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         parts), read and written there as by the rpc, and the answer has no body."""
         worker_id, layout = grant.worker_id, grant.layout
         with self.admission.enter("PushPull", worker_id):
-            frame = frames.decode_request(raw)
+            frame = frames.decode_request(raw, chunks=False)
             if frame.header.worker_id != worker_id:
                 raise Violation(f"a PushPull header for worker {frame.header.worker_id!r} on the data channel of "
                                 f"worker {worker_id!r}")
@@ -339,7 +339,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 push = self._push(frame.header, grads, finite=memory.finite)
                 read = self._read_after(frame.pull, None if grant.narrow else (memory, layout), None, written)
                 result = self.shard.push_pull(push, read)
-        answer = push_pull_response(result, self.chunk_bytes)
+        answer = push_pull_response(result, self.chunk_bytes, values_in_chunks=False)
         if memory is None or result.values is None:
             return answer, None
         if grant.narrow is None:   # the shard wrote the values into the buffer under its lock
@@ -456,13 +456,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 # ---------------------------------------------------------------------- filling responses
 
 
-def push_pull_response(result: PushPullResult, chunk_bytes: int) -> bytes:
-    """The PushPullResponse of a push and its read (values in shared memory leave no chunks)."""
+def push_pull_response(result: PushPullResult, chunk_bytes: int, *, values_in_chunks: bool = True) -> bytes:
+    """The PushPullResponse of a push and its read: the values read as copies in its chunks (values in shared
+    memory leave none), or none when they travel elsewhere (`values_in_chunks=False`: a data channel's answer,
+    whose body carries them)."""
     values = result.values
     if values is None:
         return frames.encode_response(push_response(result.push), ready=False)
     return frames.encode_response(push_response(result.push), ready=True, step=values.step,
-                                  chunks=codec.values_chunks(values.parts, chunk_bytes=chunk_bytes),
+                                  chunks=codec.values_chunks(values.parts, chunk_bytes=chunk_bytes)
+                                  if values.parts and values_in_chunks else None,
                                   rows=[row_values(name, rows) for name, rows in values.rows])
 
 

@@ -221,16 +221,29 @@ def test_frames_to_shards_on_another_host_go_one_after_another_and_give_the_same
 
 
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
-def test_a_half_size_wire_halves_the_channels_float32_bytes_as_it_does_grpcs(start_cluster, wire: str) -> None:
+def test_a_half_size_wire_halves_the_channels_float32_bytes_as_it_does_grpcs(start_cluster, monkeypatch,
+                                                                           wire: str) -> None:
     from ps_common import codec
 
     narrow = codec.WIRE_DTYPES[wire]
     values = model()
     cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "256"])
+    answers = []   # (magic, header bytes, body bytes) of each answer the worker reads
+
+    def read_prefix(sock, **kwargs):
+        answers.append(real_read_prefix(sock, **kwargs))
+        return answers[-1]
+
+    real_read_prefix = dc.read_prefix
     with started(cluster, values, wire_dtype=wire) as worker, client(cluster, "exact", data_channel=False) as exact:
         gradient = {"w": np.full((16, 8), 0.3, np.float32), "b": np.full(8, 0.3, np.float32)}
+        monkeypatch.setattr(dc, "read_prefix", read_prefix)
         report, after = worker.push_pull(gradient)
+        monkeypatch.undo()
         assert report.accepted and sorted(worker._links) == [0, 1]
+        # the values travel once, in the answers' bodies: the reply headers carry no copy of them
+        replies = [a for a in answers if a[0] == dc.REPLY_MAGIC]
+        assert len(replies) == 2 and all(body > 0 and header < 64 for _, header, body in replies), answers
         assert worker._links[0].layout.values[-1].dtype == narrow        # "w" travels half-size
         master = exact.pull()["w"]
         np.testing.assert_allclose(master, values["w"] - LR * np.float32(np.float32(0.3).astype(narrow)), rtol=1e-6)

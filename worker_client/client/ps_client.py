@@ -1103,7 +1103,7 @@ class PSClient:
             return None
         address = self.addresses[shard]
         if magic == dc.REPLY_MAGIC:
-            reply = frames.decode_response(answer, rows_asked=len(asked), shard=shard)
+            reply = frames.decode_response(answer, rows_asked=len(asked), shard=shard, chunks=False)
             if segment is not None:   # the values, when ready, are in the segment
                 return reply, (self._values_from_segment(segment, destination) if reply.ready else {})
             if reply.ready != got_values:   # a ready answer must bring the values, and only a ready one
@@ -1173,7 +1173,7 @@ class PSClient:
                 pb.RegisterWorkerRequest(worker_id=self.worker_id), timeout=self.rpc_timeout, metadata=self.metadata))
             self._drop_segment(shard)
             return self._push_pull_once(*again)
-        return frames.decode_response(raw, rows_asked=len(asked), shard=shard), segment
+        return frames.decode_response(raw, rows_asked=len(asked), shard=shard, chunks=segment is None), segment
 
     @staticmethod
     def _destination(shard_map: ShardMap, out: dict[str, np.ndarray], lock: threading.Lock, buffers: ReceiveBuffers):

@@ -61,7 +61,7 @@ import numpy as np
 from ps_common.codec import MAX_MESSAGE_BYTES, sum_is_finite
 from ps_common.errors import PSError
 from ps_common.shard_map import PartKey
-from ps_common.shared_memory import ALIGN, Layout, Slot
+from ps_common.shared_memory import ALIGN, Layout, Slot, SlotMemory
 from ps_common.tls import read_pem
 
 #: The hello a worker sends first: magic, version, flags, two zero bytes, the ticket. (Version 1's hellos had
@@ -170,10 +170,11 @@ def as_bytes(array: np.ndarray) -> memoryview:
 
 
 def region_views(slots: Sequence[Slot], start: int, end: int, arrays: Sequence[np.ndarray],
-                 padding: memoryview) -> list[memoryview]:
-    """Byte views of `arrays` (one per slot, its dtype and shape) and of `padding` in the region's order."""
+                 padding: memoryview, pieces: Sequence[tuple[int, int]] | None = None) -> list[memoryview]:
+    """Byte views of `arrays` (one per slot, its dtype and shape) and of `padding` in the region's order;
+    `pieces`: the region's `_region(slots, start, end)` when the caller keeps it (a link, for every frame)."""
     views = []
-    for i, n in _region(slots, start, end):
+    for i, n in _region(slots, start, end) if pieces is None else pieces:
         if i < 0:
             views.append(padding[:n])
             continue
@@ -261,18 +262,27 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
 FINITE_CHUNK_BYTES = 1 << 20
 
 
-def recv_checking_finite(sock: socket.socket, region: memoryview, slots: Sequence[Slot]) -> frozenset[PartKey]:
+def recv_checking_finite(sock: socket.socket, region: memoryview, slots: Sequence[Slot], *,
+                         header: memoryview | None = None) -> frozenset[PartKey]:
     """Fills `region` (a layout's gradient region, `slots` its slots) from the socket as recv_views does, and
     sums each float32 and float64 slot's elements a chunk at a time as they arrive, while they are still in the
     cache and the link brings the next ones: the keys of the slots whose every partial sum is finite, so every
     element is (a NaN or an inf makes its sum NaN or inf). A slot left out, of another dtype or whose sum
-    overflowed, is checked whole by the shard as before. ProtocolError when the peer closes first."""
+    overflowed, is checked whole by the shard as before. ProtocolError when the peer closes first. `header`:
+    the frame's header, which comes before the region, filled in the same receive as the region's first chunk
+    (one receive less a frame)."""
     summed = [slot for slot in slots if slot.dtype.kind == "f" and slot.nbytes]
     unsure: set[PartKey] = set()
     end = len(region)
+    if header is not None and not end:
+        _recv_into(sock, header)
     for start in range(0, end, FINITE_CHUNK_BYTES):
         stop = min(start + FINITE_CHUNK_BYTES, end)
-        _recv_into(sock, region[start:stop], unread_after=end - stop)
+        if header is not None:
+            recv_views(sock, [header, region[start:stop]])
+            header = None
+        else:
+            _recv_into(sock, region[start:stop], unread_after=end - stop)
         for slot in summed:
             lo, hi = max(slot.offset, start), min(slot.offset + slot.nbytes, stop)
             if lo < hi and slot.key not in unsure:
@@ -321,25 +331,22 @@ def read_prefix(sock: socket.socket, *, at_boundary: bool = False) -> tuple[byte
     return None if raw is None else FRAME.unpack(raw)
 
 
-class FrameBuffer:
+class FrameBuffer(SlotMemory):
     """A connection's memory laid out like a shared-memory segment (anonymous pages, made on first touch).
 
-    It has the `view(slot)` of ps_common.shared_memory.Segment, so the shard's shared-memory
-    code path reads gradients from it and writes values into it.
+    A SlotMemory as ps_common.shared_memory.Segment is, so the shard's shared-memory code path reads
+    gradients from it and writes values into it.
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._map = mmap.mmap(-1, max(size, 1))
-        self.buffer = memoryview(self._map)[:size]
+        super().__init__(memoryview(self._map)[:size])
         #: the gradient slots of the frame now in the buffer found finite as they arrived (recv_checking_finite)
         self.finite: frozenset[PartKey] = frozenset()
 
-    def view(self, slot: Slot) -> np.ndarray:
-        count = slot.nbytes // slot.dtype.itemsize
-        return np.frombuffer(self.buffer, dtype=slot.dtype, count=count, offset=slot.offset).reshape(slot.shape)
-
     def close(self) -> None:
+        self._forget_views()
         try:
             self.buffer.release()
             self._map.close()
@@ -497,6 +504,9 @@ class Link:
         self._last_used = time.monotonic()
         self._timeout: float | None = None   # the socket's timeout as set_timeout last set it
         self._padding = memoryview(bytearray(64))   # pads are < ALIGN bytes: read into, or sent from, here
+        # the gradient and values regions' pieces (slot or padding, bytes), the same for every frame
+        self._gradient_pieces = _region(layout.gradients, 0, layout.values_offset)
+        self._value_pieces = _region(layout.values, layout.values_offset, layout.size)
         #: whether the shard is on another host: its address is neither a loopback one nor this end's own
         self.remote = _remote_peer(sock)
 
@@ -549,7 +559,8 @@ class Link:
         layout = self.layout
         try:
             self._bound(timeout)
-            body = region_views(layout.gradients, 0, layout.values_offset, gradients, self._padding)
+            body = region_views(layout.gradients, 0, layout.values_offset, gradients, self._padding,
+                                self._gradient_pieces)
             if turn is not None:
                 turn.wait()
             try:
@@ -564,7 +575,7 @@ class Link:
                     raise ProtocolError(f"values sent ahead with a {header_bytes}-byte header and {body_bytes} body "
                                         f"bytes; the layout's values region holds {values_bytes(layout)}")
                 recv_views(self.sock, region_views(layout.values, layout.values_offset, layout.size, values,
-                                                   self._padding))
+                                                   self._padding, self._value_pieces))
                 magic, header_bytes, body_bytes = read_prefix(self.sock)
                 if magic not in (REPLY_MAGIC, ERROR_MAGIC) or header_bytes > MAX_HEADER_BYTES or body_bytes:
                     raise ProtocolError(f"values sent ahead of a frame with magic {magic!r}, a {header_bytes}-byte "
@@ -574,10 +585,13 @@ class Link:
             elif body_bytes not in (0, values_bytes(layout)) or (magic == ERROR_MAGIC and body_bytes):
                 raise ProtocolError(f"an answer of {body_bytes} body bytes; the layout's values region holds "
                                     f"{values_bytes(layout)}")
-            answer = recv_exactly(self.sock, header_bytes)
-            if body_bytes:
-                recv_views(self.sock, region_views(layout.values, layout.values_offset, layout.size, values,
-                                                   self._padding))
+            if body_bytes:   # the header and the values in one receive
+                head = bytearray(header_bytes)
+                recv_views(self.sock, [memoryview(head), *region_views(
+                    layout.values, layout.values_offset, layout.size, values, self._padding, self._value_pieces)])
+                answer = bytes(head)
+            else:
+                answer = recv_exactly(self.sock, header_bytes)
             self._last_used = time.monotonic()
             self.frames += 1
             self.values_first += ahead

@@ -114,7 +114,34 @@ class Layout:
         return cls(tuple(gradients), tuple(values), values_offset, max(offset, ALIGN))
 
 
-class Segment:
+class SlotMemory:
+    """Memory laid out by a Layout -- a shared-memory segment, a data channel connection's buffer -- whose parts'
+    bytes are seen as arrays: `view(slot)`, `views(slots)`. The arrays of a slot sequence (a layout's gradients
+    or values) are made at its first use and kept until `close`: a frame of a shard with a dozen parts made a
+    dozen np.frombuffer arrays each way, each time the same."""
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+        self._made: dict[int, tuple[Sequence[Slot], dict[PartKey, np.ndarray]]] = {}
+
+    def view(self, slot: Slot) -> np.ndarray:
+        """The part's bytes as an array (a view: valid until the memory is closed)."""
+        count = slot.nbytes // slot.dtype.itemsize
+        return np.frombuffer(self.buffer, dtype=slot.dtype, count=count, offset=slot.offset).reshape(slot.shape)
+
+    def views(self, slots: Sequence[Slot]) -> dict[PartKey, np.ndarray]:
+        """{slot key: view} of `slots`, a new dict each call of the same arrays (made once per sequence)."""
+        made = self._made.get(id(slots))
+        if made is None or made[0] is not slots:   # (an id may be reused once a sequence is gone)
+            made = self._made[id(slots)] = (slots, {slot.key: self.view(slot) for slot in slots})
+        return dict(made[1])
+
+    def _forget_views(self) -> None:
+        """Drops the kept arrays (before the memory is released: each holds an export of it)."""
+        self._made = {}
+
+
+class Segment(SlotMemory):
     """One mapped anonymous segment. Not thread-safe: one call in flight per worker and shard.
 
     The shard's holds its file descriptor (to hand it out, `fd`) until `close`; a worker's
@@ -124,7 +151,7 @@ class Segment:
     def __init__(self, fd: int, size: int, *, keep_fd: bool = True) -> None:
         self.size = size
         self._map = mmap.mmap(fd, size)   # holds a descriptor of its own
-        self.buffer = memoryview(self._map)
+        super().__init__(memoryview(self._map))
         if not keep_fd:
             os.close(fd)
             fd = -1
@@ -162,21 +189,17 @@ class Segment:
             os.close(fd)
             raise
 
-    def view(self, slot: Slot) -> np.ndarray:
-        """The part's bytes in the segment as an array (a view: valid until the segment is closed)."""
-        count = slot.nbytes // slot.dtype.itemsize
-        return np.frombuffer(self.buffer, dtype=slot.dtype, count=count, offset=slot.offset).reshape(slot.shape)
-
     def write(self, slots: Sequence[Slot], arrays: Sequence[np.ndarray]) -> None:
         """Copies each array into its slot (dtype and shape must match the slot's)."""
-        for slot, array in zip(slots, arrays):
-            np.copyto(self.view(slot), array, casting="no")
+        for view, array in zip(self.views(slots).values(), arrays):
+            np.copyto(view, array, casting="no")
 
     def close(self) -> None:
         """Unmaps and closes the fd; the memory goes when no process maps it any more."""
         if self.closed:
             return
         self.closed = True
+        self._forget_views()
         try:
             self.buffer.release()
             self._map.close()

@@ -253,9 +253,13 @@ class DataChannelServer:
                     "one whose bytes are in shared memory has none" if in_segment else
                     f"the layout's gradient region holds {dc.gradient_bytes(layout)}"))
             try:
-                header = dc.recv_exactly(conn.sock, header_bytes)
-                if not in_segment:
-                    buffer.finite = dc.recv_checking_finite(conn.sock, gradients, layout.gradients)
+                if in_segment:
+                    header = dc.recv_exactly(conn.sock, header_bytes)
+                else:   # the header with the body's first bytes, in one receive
+                    head = bytearray(header_bytes)
+                    buffer.finite = dc.recv_checking_finite(conn.sock, gradients, layout.gradients,
+                                                            header=memoryview(head))
+                    header = bytes(head)
             except TimeoutError as exc:
                 raise ProtocolError(f"stalled mid-frame for {self.idle_seconds:g} s (stream_idle_seconds)") from exc
             close_after = False

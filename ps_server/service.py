@@ -383,7 +383,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         into = None
         if pull.shared_memory and segment is not None:
             memory, layout = segment
-            into = {slot.key: memory.view(slot) for slot in layout.values}
+            into = memory.views(layout.values)
         return Read(names=list(pull.names) or None, rows=_row_ids(pull.rows), wait_for_step=pull.wait_for_step,
                     ssp=pull.ssp, timeout=timeout, narrow=wire_dtype(pull.wire_dtype), into=into,
                     written=written if into is not None else None)
@@ -521,4 +521,4 @@ def _gradients_in(segment: tuple[Segment | FrameBuffer, Layout]) -> dict[PartKey
     """The gradients a worker wrote into its segment (or sent in a data-channel frame), as views (read by the shard
     inside the call)."""
     memory, layout = segment
-    return {slot.key: memory.view(slot) for slot in layout.gradients}
+    return memory.views(layout.gradients)

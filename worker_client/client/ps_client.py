@@ -961,21 +961,25 @@ class PSClient:
         out: dict[str, np.ndarray] = {}
         destination = self._destination(shard_map, out, threading.Lock(), self._buffers)
 
-        order = _SendOrder(self.num_shards, timeout=wait + self.rpc_timeout)
+        routes = {i: paths[i] if wanted is None else (None, partial_links.get(i)) for i in range(self.num_shards)}
+        ordered = {i for i, (_, link) in routes.items()
+                   if link is not None and link.remote and dc.gradient_bytes(link.layout) >= ORDERED_FRAME_BYTES}
+        # (no frame to order, no order: shared memory, gRPC, this host or small frames)
+        order = _SendOrder(self.num_shards, timeout=wait + self.rpc_timeout) if ordered else None
 
         def one(shard: int) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
-            turn = order.turn(shard)
+            turn = None if order is None else order.turn(shard)
             try:
-                segment, link = paths[shard] if wanted is None else (None, partial_links.get(shard))
-                ordered = link is not None and link.remote and dc.gradient_bytes(link.layout) >= ORDERED_FRAME_BYTES
-                if not ordered:   # shared memory, gRPC, this host or a small frame: the next shard need not wait
+                segment, link = routes[shard]
+                if turn is not None and shard not in ordered:   # the next shard need not wait for this one
                     turn.done()
                 grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
                 reply, values = self._exchange(shard, shard_map, gradients, clock, steps[shard], segment, link,
                                                wait_for_step, ssp, wait, grads, names, asked, destination,
-                                               turn=turn if ordered else None)
+                                               turn=turn if shard in ordered else None)
             finally:
-                turn.done()
+                if turn is not None:
+                    turn.done()
             if reply.push.duplicate and reply.push.clock > clock + 1:
                 # The shard restarted and took this worker back at a later clock (see push).
                 segment = self._segments.get(shard) if segment is not None else None
@@ -1036,11 +1040,11 @@ class PSClient:
         or into arrays of their own (returned): the segment is rewritten by the next call."""
         memory, layout = segment
         values = {}
-        for slot in layout.values:
+        for slot, view in zip(layout.values, memory.views(layout.values).values()):
             target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
             if target is None:
                 target = values[slot.key] = self._buffers.empty(slot.key, slot.shape, slot.dtype)
-            np.copyto(target, memory.view(slot))
+            np.copyto(target, view)
         return values
 
     @staticmethod

@@ -56,6 +56,23 @@ def test_a_collected_segment_is_the_same_memory_on_both_sides(door):
         made[0].close()
 
 
+def test_a_regions_views_are_made_once_each_call_a_new_dict_and_dropped_at_close():
+    layout = Layout.of([(("w", 0), np.float32, (4, 3)), (("ids", 0), np.int64, (2,)), (("b", 0), np.float32, (3,))])
+    segment = Segment.create(layout.size)
+    first, second = segment.views(layout.values), segment.views(layout.values)
+    assert list(first) == [("w", 0), ("ids", 0), ("b", 0)] and first is not second
+    assert all(first[key] is second[key] for key in first)          # the same arrays, kept
+    first.pop(("w", 0))                                             # a caller's dict is its own
+    assert ("w", 0) in segment.views(layout.values)
+    grads = segment.views(layout.gradients)
+    assert list(grads) == [("w", 0), ("b", 0)] and grads[("w", 0)].shape == (4, 3)
+    np.copyto(second[("b", 0)], [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(segment.view(layout.values[2]), [1.0, 2.0, 3.0])
+    del first, second, grads
+    segment.close()   # the kept views are dropped first, so the mapping is unmapped here, not when collected
+    assert segment._map.closed
+
+
 def test_a_ticket_is_good_once(door):
     ticket = door.issue(lambda: Segment.create(64))
     collect(door.name, ticket).close()

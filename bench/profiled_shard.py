@@ -10,6 +10,8 @@ wrapping (in this process only) the functions a push and a pull go through
 | server.receive  | waiting for the request stream's messages (the handler starts with the call)     |
 | server.decode   | `service._header_and_chunks` + `service._assemble`: walking and assembling the   |
 |                 | request's chunks (server.receive is inside it)                                   |
+| server.push_pull| the PushPull handler, or a data channel frame's (`push_pull_on_channel`: from   |
+|                 | its header and bytes received to its answer made; the frame's sending is wire)   |
 | server.domain   | `Shard.push` / `Shard.push_pull`: checks, the lock, the policy, the update, read |
 | server.apply    | `ParameterStore.apply`: the optimizer's update                                            |
 | server.pull     | the Pull handler up to the list of messages (waiting, the lock, encoding)        |
@@ -20,7 +22,8 @@ wrapping (in this process only) the functions a push and a pull go through
 Each call is kept as (start on the monotonic clock, seconds); at exit the calls are
 written as JSON to the file named by $PS_BENCH_PROFILE_OUT. The monotonic clock is the
 machine's, so a worker's timed window selects the calls inside it. cProfile would not do:
-it sees only the main thread, and gRPC runs the handlers on its pool's threads.
+it sees only the main thread, and gRPC runs the handlers on its pool's threads (the data
+channel its frames on a thread per connection).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def install() -> None:
     # The training loop's round trip: PushPull (its values copied under the shard's lock, into the
     # worker's shared memory or for push_pull_response to encode).
     servicer.PushPull = timed("server.push_pull", servicer.PushPull)
+    servicer.push_pull_on_channel = timed("server.push_pull", servicer.push_pull_on_channel)
     Shard.push_pull = timed("server.domain", Shard.push_pull)
     service.push_pull_response = timed("server.encode", service.push_pull_response)
     pass_bytes = service._pass_bytes

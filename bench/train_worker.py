@@ -45,7 +45,7 @@ from typing import Any
 import onnxruntime as ort
 
 from ps_bench import harness, mlp
-from ps_common import codec
+from ps_common import codec, frames
 from ps_common.modes import MODES
 from ps_models.datasets import Dataset, load_dataset, num_batches
 from worker_client.client import PSClient
@@ -65,14 +65,11 @@ def data_channel_supported() -> bool:
 def client_settings(path: str, *, profile: bool = False) -> dict[str, bool | int]:
     """PSClient's keywords for a data path: shm (the defaults on one host: shared memory with every shard, the
     call's header over the data channel), channel (the data channel even on this host), grpc (gRPC bytes only);
-    ValueError for channel where there is none. A `profile`d shm run takes shared memory for small shards too,
-    and its calls over gRPC: the profile times the gRPC handler that shared memory's control message reaches,
-    and does not instrument the data channel."""
+    ValueError for channel where there is none. A `profile`d shm run of a version that kept small shards out of
+    shared memory takes it for them too (the profile's parts are the shared-memory path's)."""
     if path == "shm":
         takes_bound = "shared_memory_min_bytes" in inspect.signature(PSClient.__init__).parameters
-        if not (profile and takes_bound):
-            return {}
-        return {"shared_memory_min_bytes": 0, **({"data_channel": False} if data_channel_supported() else {})}
+        return {"shared_memory_min_bytes": 0} if profile and takes_bound else {}
     if path == "channel" and not data_channel_supported():
         raise ValueError("this version's PSClient has no data channel (--data-path channel)")
     return {"shared_memory": False, **({"data_channel": path == "channel"} if data_channel_supported() else {})}
@@ -90,13 +87,15 @@ def epochs_for(dataset: Dataset, *, workers: int, batch: int, total: int) -> int
 
 
 def profile_client(timings: harness.Timings) -> None:
-    """Wraps the client's encoding and decoding of tensor messages (this process only)."""
+    """Wraps the client's encoding and decoding of tensor messages and of PushPull's (this process only)."""
     codec.pack_encoded = timings.timed_generator("client.encode", codec.pack_encoded)
     codec.decode_pull_response = timings.timed("client.decode", codec.decode_pull_response)
     codec.encode_message = timings.timed("client.encode", codec.encode_message)
     codec.decode_with_extras = timings.timed("client.decode", codec.decode_with_extras)
     codec.PartAssembler.add = timings.timed("client.decode", codec.PartAssembler.add)
     codec.PartAssembler.finish = timings.timed("client.decode", codec.PartAssembler.finish)
+    frames.encode_request = timings.timed("client.encode", frames.encode_request)   # (the codec's inside it once)
+    frames.decode_response = timings.timed("client.decode", frames.decode_response)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ps_bench import peers, tf_ps, train_bench
+from ps_bench import harness, peers, tf_ps, train_bench
 from ps_bench.peers import DDP, OURS, TF, TORCH, System
 from ps_bench.train_worker import epochs_for
 from ps_models.datasets import load_dataset
@@ -276,3 +277,28 @@ def test_the_machine_record_names_the_cpu_and_its_widest_vector_extension(tmp_pa
     assert harness.cpu() == {"cpu": "", "vector": ""}
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
     assert harness.cpu() == {"cpu": "", "vector": ""}
+
+
+def test_a_timed_name_counts_its_outermost_calls_once_per_thread() -> None:
+    timings = harness.Timings()
+    inner = timings.timed("encode", lambda n: n * 2)
+    outer = timings.timed("encode", lambda n: inner(n) + 1)   # an encoder wrapped beside the one it calls
+    other = timings.timed("decode", lambda n: inner(n))
+    assert outer(3) == 7 and other(1) == 2 and inner(5) == 10
+    assert len(timings.calls["encode"]) == 3    # outer's (inner not again), other's inner, the lone inner
+    assert len(timings.calls["decode"]) == 1
+    done = threading.Barrier(2, timeout=10)
+
+    def both_open_at_once() -> int:
+        done.wait()   # each thread's outer call is open while the other's is
+        return inner(1)
+
+    def nested_on_two_threads() -> None:
+        timings.timed("encode", both_open_at_once)()
+
+    threads = [threading.Thread(target=nested_on_two_threads) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert len(timings.calls["encode"]) == 5    # one each: a name open on one thread is not open on the other

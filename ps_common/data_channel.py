@@ -344,6 +344,16 @@ class FrameBuffer(SlotMemory):
         super().__init__(memoryview(self._map)[:size])
         #: the gradient slots of the frame now in the buffer found finite as they arrived (recv_checking_finite)
         self.finite: frozenset[PartKey] = frozenset()
+        self._wide: dict[PartKey, np.ndarray] = {}
+
+    def widened(self, key: PartKey, part: np.ndarray) -> np.ndarray:
+        """A half-size part of the frame (a view of the buffer) as float32, in an array kept for it: the frame's
+        gradients are read inside its call, and a fresh array each frame cost its pages' faults."""
+        wide = self._wide.get(key)
+        if wide is None or wide.shape != part.shape:
+            wide = self._wide[key] = np.empty(part.shape, np.float32)
+        np.copyto(wide, part, casting="same_kind")
+        return wide
 
     def close(self) -> None:
         self._forget_views()

@@ -250,6 +250,14 @@ def test_a_half_size_wire_halves_the_channels_float32_bytes_as_it_does_grpcs(sta
         assert after["w"].dtype == np.float32 and after["ids"].dtype == np.int64
         np.testing.assert_array_equal(after["w"], master.astype(narrow).astype(np.float32))
         np.testing.assert_array_equal(after["ids"], values["ids"])
+        # the next step's arrays (narrowed, widened) are those of the first, rewritten: each step's own values
+        held = after["w"].copy()
+        report, again = worker.push_pull({"w": np.full((16, 8), -0.5, np.float32), "b": np.full(8, 0.1, np.float32)})
+        master = exact.pull()["w"]
+        np.testing.assert_allclose(master, values["w"] - LR * (np.float32(np.float32(0.3).astype(narrow)) -
+                                                               np.float32(np.float32(0.5).astype(narrow))), rtol=1e-6)
+        np.testing.assert_array_equal(again["w"], master.astype(narrow).astype(np.float32))
+        assert not np.array_equal(again["w"], held)
 
 
 def test_a_model_too_large_for_one_grpc_message_is_one_push_pull_through_the_channel(start_cluster) -> None:

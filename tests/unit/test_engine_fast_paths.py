@@ -874,6 +874,39 @@ def test_a_convs_input_adjoint_over_a_small_map_stays_a_convtranspose_in_the_cac
                                    err_msg=name)
 
 
+def test_a_volume_conv_that_widens_its_channels_keeps_its_transposed_conv_adjoint_and_its_gradients_hold(
+        tmp_path: Path, monkeypatch) -> None:
+    """Three 3-D Convs, 2 -> 3 -> 6 -> 3 channels: the first's input adjoint is not needed (its input is data);
+    the second's makes 3 channels of 6 and stays a ConvTranspose (`narrowing_volume_transposed_conv`); the
+    third's makes 6 of 3 and is flipped into a Conv. The gradients are those of the engine that flips every
+    one."""
+    rng = np.random.default_rng(23)
+    weights = {"w1": (rng.standard_normal((3, 2, 3, 3, 3)) * 0.3).astype(np.float32),
+               "w2": (rng.standard_normal((6, 3, 3, 3, 3)) * 0.3).astype(np.float32),
+               "w3": (rng.standard_normal((3, 6, 3, 3, 3)) * 0.3).astype(np.float32)}
+    pads = [1] * 6
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["volume", "w1"], ["c1"], pads=pads), helper.make_node("Relu", ["c1"], ["r1"]),
+         helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=pads), helper.make_node("Relu", ["c2"], ["r2"]),
+         helper.make_node("Conv", ["r2", "w3"], ["c3"], pads=pads)],
+        "volumes", [helper.make_tensor_value_info("volume", TensorProto.FLOAT, ["batch", 2, 5, 5, 5])],
+        [helper.make_tensor_value_info("c3", TensorProto.FLOAT, ["batch", 3, 5, 5, 5])],
+        [numpy_helper.from_array(v, n) for n, v in weights.items()])
+    engine, flipped = _with_and_without(graph, tmp_path, monkeypatch, rewrites, "narrowing_volume_transposed_conv",
+                                        lambda node: False)   # none kept: every one flipped
+    kept = [n for n in engine._graph.model.graph.node if n.op_type == "ConvTranspose"]
+    assert [n.input[1] for n in kept] == ["w2"], [n.input for n in kept]
+    assert "ConvTranspose" not in {n.op_type for n in flipped._graph.model.graph.node}
+    batch = {"volume": rng.standard_normal((4, 2, 5, 5, 5)).astype(np.float32),
+             "labels": rng.standard_normal((4, 3, 5, 5, 5)).astype(np.float32)}
+    loss, gradients = engine.gradients(engine.parameters(), batch)
+    flipped_loss, flipped_gradients = flipped.gradients(flipped.parameters(), batch)
+    assert loss == pytest.approx(flipped_loss, rel=1e-6)
+    for name, want in flipped_gradients.items():
+        np.testing.assert_allclose(gradients[name], want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()),
+                                   err_msg=name)
+
+
 def _crd_adjoint(blocks: tuple[int, int] = (2, 2), perm: Sequence[int] = (0, 1, 3, 5, 2, 4),
                  batch: int = 2) -> onnx.ModelProto:
     """onnx-ad's adjoint of DepthToSpace in CRD mode: Reshape to [N, C, H, s, W, s], Transpose, Reshape back."""

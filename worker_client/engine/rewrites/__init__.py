@@ -103,6 +103,7 @@ from worker_client.engine.rewrites.conv import (
     explicit_transposed_conv_pads,
     flip_unit_stride_transposed_convs,
     gemm_large_kernel_convs,
+    narrowing_volume_transposed_conv,
     phases_gain,
     resize_window_spreads,
     route_max_pool_adjoints,
@@ -172,7 +173,8 @@ def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
     gemm_large_kernel_convs(model)
     resize_window_spreads(model)
     small = small_map_transposed_conv(model)   # those a CPU session runs as a GEMM and a Col2Im (col2im.py)
-    flip_unit_stride_transposed_convs(model, lambda node: not small(node))
+    narrowing = narrowing_volume_transposed_conv(model)   # 3-D ones faster as they are (conv.py)
+    flip_unit_stride_transposed_convs(model, lambda node: not small(node) and not narrowing(node))
     gain = phases_gain(model)           # the others run as onnxruntime's ConvTranspose, or a GEMM and a Col2Im
     split_strided_transposed_convs(model, lambda node: gain(node) and not small(node))
     route_max_pool_adjoints(model)

@@ -16,8 +16,8 @@ from worker_client.engine.rewrites.toolkit import (Emitter, Writer, auto_pads, c
                                                    static_shapes)
 
 __all__ = ["assign_unique_scatters", "explicit_auto_pads", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
-           "gemm_large_kernel_convs", "phases_gain", "resize_window_spreads", "route_max_pool_adjoints",
-           "split_strided_transposed_convs"]
+           "gemm_large_kernel_convs", "narrowing_volume_transposed_conv", "phases_gain", "resize_window_spreads",
+           "route_max_pool_adjoints", "split_strided_transposed_convs"]
 
 #: The widest channel block of onnxruntime's blocked Conv kernels (AVX-512; AVX2's is 8): what pads a phase
 #: Conv's channels by more than a third here keeps it on the plain kernel under any block (`phases_gain`).
@@ -452,6 +452,29 @@ def _explicit_transposed_conv_pads_once(model: onnx.ModelProto, adjoints: bool) 
         node.attribute.append(helper.make_attribute("pads", heads + [t - h for t, h in zip(totals, heads)]))
         rewritten += 1
     return rewritten
+
+
+def narrowing_volume_transposed_conv(model: onnx.ModelProto) -> Callable[[onnx.NodeProto], bool]:
+    """Which of the model's ConvTransposes stay ConvTransposes rather than flipped Convs: 3-D ones, ungrouped, of
+    static shape, that make fewer channels than they take -- the input adjoint of a volume Conv that widens
+    its channels, as an encoder's do.
+
+    onnxruntime has no channel-blocked kernels for 3-D Convs (rewrites/nchwc.py is 2-D): a flipped Conv is an
+    im2col and a GEMM per image whose rows are its output channels, few here, so the big operand is packed for
+    few uses; its ConvTranspose's GEMM has the kernel's channels times taps for rows. One thread, a batch of 32,
+    ms as a flipped Conv / as a ConvTranspose: [32, 16, 8^3] from 16 to 32 channels' adjoint (an encoder's
+    second Conv) 27.3 / 21.3, from 1 to 16 at 16^3 37.7 / 7.1, from 4 to 8 at 16^3 28.6 / 19.8; where the
+    channels do not narrow the flip wins: 16 to 16 at 16^3 61.9 / 84.4, 32 to 32 at 8^3 23.0 / 39.5, 64 to 64 at
+    4^3 14.2 / 20.6, 32 to 1 at 16^3 7.1 / 128."""
+    shapes, _ = shapes_and_types(model)
+
+    def narrowing(node: onnx.NodeProto) -> bool:
+        if node.op_type != "ConvTranspose" or _attributes(node).get("group", 1) != 1:
+            return False
+        x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
+        return x is not None and w is not None and len(x) == 5 and len(w) == 5 and w[1] < w[0]
+
+    return narrowing
 
 
 def flip_unit_stride_transposed_convs(model: onnx.ModelProto,

@@ -129,12 +129,19 @@ class SlotMemory:
         count = slot.nbytes // slot.dtype.itemsize
         return np.frombuffer(self.buffer, dtype=slot.dtype, count=count, offset=slot.offset).reshape(slot.shape)
 
+    #: Slot sequences whose arrays are kept (a layout's two regions, and room for a caller's own).
+    KEPT_SEQUENCES = 4
+
     def views(self, slots: Sequence[Slot]) -> dict[PartKey, np.ndarray]:
-        """{slot key: view} of `slots`, a new dict each call of the same arrays (made once per sequence)."""
+        """{slot key: view} of `slots`, a new dict each call of the same arrays (made once per sequence, for the
+        first KEPT_SEQUENCES sequences; others' made each call)."""
         made = self._made.get(id(slots))
-        if made is None or made[0] is not slots:   # (an id may be reused once a sequence is gone)
-            made = self._made[id(slots)] = (slots, {slot.key: self.view(slot) for slot in slots})
-        return dict(made[1])
+        if made is not None and made[0] is slots:   # (an id may be reused once a sequence is gone)
+            return dict(made[1])
+        views = {slot.key: self.view(slot) for slot in slots}
+        if made is not None or len(self._made) < self.KEPT_SEQUENCES:
+            self._made[id(slots)] = (slots, views)
+        return dict(views)
 
     def _forget_views(self) -> None:
         """Drops the kept arrays (before the memory is released: each holds an export of it)."""

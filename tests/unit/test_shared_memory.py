@@ -66,6 +66,10 @@ def test_a_regions_views_are_made_once_each_call_a_new_dict_and_dropped_at_close
     assert ("w", 0) in segment.views(layout.values)
     grads = segment.views(layout.gradients)
     assert list(grads) == [("w", 0), ("b", 0)] and grads[("w", 0)].shape == (4, 3)
+    for _ in range(10):   # sequences made for one call are not all kept: at most KEPT_SEQUENCES
+        segment.views(layout.values[:2])
+    assert len(segment._made) <= Segment.KEPT_SEQUENCES
+    assert all(first[key] is segment.views(layout.values)[key] for key in first)
     np.copyto(second[("b", 0)], [1.0, 2.0, 3.0])
     np.testing.assert_array_equal(segment.view(layout.values[2]), [1.0, 2.0, 3.0])
     del first, second, grads

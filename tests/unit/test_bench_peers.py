@@ -234,8 +234,8 @@ def test_shards_get_their_index_and_count_and_the_mode_its_flags() -> None:
 def test_each_data_path_sets_the_client_as_documented(monkeypatch: pytest.MonkeyPatch) -> None:
     from ps_bench import train_worker
     assert train_worker.client_settings("shm") == {}   # ps-worker's defaults
-    # a profile times the gRPC handler shared memory's control message reaches: shared memory however small
-    assert train_worker.client_settings("shm", profile=True) == {"shared_memory_min_bytes": 0, "data_channel": False}
+    # a profile times the one-host default's frames too (the data channel stays on): shared memory however small
+    assert train_worker.client_settings("shm", profile=True) == {"shared_memory_min_bytes": 0}
     monkeypatch.setattr(train_worker, "data_channel_supported", lambda: True)
     assert train_worker.client_settings("channel") == {"shared_memory": False, "data_channel": True}
     assert train_worker.client_settings("grpc") == {"shared_memory": False, "data_channel": False}

@@ -58,10 +58,9 @@ class Read:
       WaitTimeoutError (PushPull: no values).
     - where the values go: copies returned in Values.parts, float32 parts as `narrow` when
       set; or, with `into`, copied into those arrays (one per part read, e.g. a worker's
-      shared-memory segment; a float32 part's may be half-size, a data channel's buffer on a
-      half-size wire) and not returned.
+      shared-memory segment) and not returned.
     - `written(part key, bytes)`, with `into`: told how many leading bytes of a part's array
-      (its target in `into`) hold their final values, as they land, so that a data channel sends them while the rest
+      hold their final values, as they land, so that a data channel sends them while the rest
       are written (Shard.push_pull: a PushPull's values are committed once written, and a read
       that follows its push without waiting is copied out block by block as the update writes
       them). Never called where the answer must wait after the read (a replicated shard) or

@@ -295,9 +295,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """PushPull from a frame of the data channel (ps_server/data_channel.py): the same domain call as the
         rpc, with the connection's buffer standing for a shared-memory segment (the gradients are read from it,
         the values written into it). On a half-size wire (`grant.narrow`) the gradients are widened and the
-        values narrowed into the buffer, as gRPC narrows them. A connection opened for some tensors
-        (`grant.names`) carries their parts only, and its frames name them in pull.names; row gradients and
-        rows read travel in the headers.
+        values read narrowed, as over gRPC. A connection opened for some tensors (`grant.names`) carries their
+        parts only, and its frames name them in pull.names; row gradients and rows read travel in the headers.
         Returns the response header and the answer's body (None: not ready); typed errors are raised for the
         channel to answer. `written(part key, bytes)`, when given, is told as the values land in the buffer
         (Read.written), for the channel to send them while the rest are written. No `memory`: the frame's bytes
@@ -338,13 +337,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 if grant.narrow is not None:   # the half-size wire: float32 master values take float32 gradients
                     grads = {key: memory.widened(key, g) if g.dtype == grant.narrow else g for key, g in grads.items()}
                 push = self._push(frame.header, grads, finite=memory.finite)
-                # the values into the buffer (narrowed there on a half-size wire, whose layout is at its width)
-                read = self._read_after(frame.pull, (memory, layout), None, written)
+                read = self._read_after(frame.pull, None if grant.narrow else (memory, layout), None, written)
                 result = self.shard.push_pull(push, read)
         answer = push_pull_response(result, self.chunk_bytes, values_in_chunks=False)
         if memory is None or result.values is None:
             return answer, None
-        return answer, [memory.buffer[layout.values_offset:layout.size]]   # written under the shard's lock
+        if grant.narrow is None:   # the shard wrote the values into the buffer under its lock
+            return answer, [memory.buffer[layout.values_offset:layout.size]]
+        parts = result.values.parts   # narrowed copies: sent from where they are
+        arrays = [parts.get(slot.key, memory.view(slot)) for slot in layout.values]
+        return answer, dc.region_views(layout.values, layout.values_offset, layout.size, arrays,
+                                       memoryview(bytes(dc.ALIGN)))
 
     @translate_errors
     def Barrier(self, request, context):

@@ -33,7 +33,7 @@ from ps_common.errors import (
     WaitTimeoutError,
     shorten,
 )
-from ps_common.codec import CHUNK_BYTES, NARROW_FLOAT32
+from ps_common.codec import CHUNK_BYTES
 from ps_common.shard_map import ParamSpec, ShardMap, build_shard_map
 from ps_server.barrier import Barriers
 from ps_server.checkpoints.state import (OutcomeSnapshot, PartSnapshot, ShardState, WorkerSnapshot,
@@ -108,13 +108,6 @@ class _ReadPlan:
     nbytes: int
 
 
-def _cast_into(target: np.ndarray, value: np.ndarray) -> None:
-    """A part's values copied into a read's array (Read.into): of its dtype, or, for a float32 part, of a half-size
-    one (a data channel's buffer laid out at a half-size wire's width). Any other difference raises (TypeError)."""
-    narrowing = value.dtype == np.float32 and target.dtype in NARROW_FLOAT32
-    np.copyto(target, value, casting="same_kind" if narrowing else "no")
-
-
 class _CopyOut:
     """A read into arrays (Read.into), each part copied once: from the update's blocks while they are still in the
     cache (`updated`, where the read follows the push at once) or afterwards (`copy`); with `written`, each
@@ -135,9 +128,9 @@ class _CopyOut:
             return   # not read, or no place for it: _read_locked copies or refuses it
         # (Never raises into the update, which must finish. A part updated twice before its read would tell fewer
         # bytes than it told: the data channel then drops the answer and the connection, and the worker asks again.)
-        _cast_into(target.reshape(-1)[start:stop], value.reshape(-1)[start:stop])
+        np.copyto(target.reshape(-1)[start:stop], value.reshape(-1)[start:stop], casting="no")
         if self.written is not None:
-            self.written(key, stop * target.itemsize)
+            self.written(key, stop * value.itemsize)
         if stop == value.size:
             self.done.add(key)
 
@@ -147,14 +140,14 @@ class _CopyOut:
             return
         self.done.add(key)
         if self.written is None:
-            _cast_into(target, value)
+            np.copyto(target, value, casting="no")
             return
         flat_value, flat_target = value.reshape(-1), target.reshape(-1)
         block = max(1, self.BLOCK_BYTES // max(1, value.itemsize))
         for start in range(0, value.size, block):
             stop = min(start + block, value.size)
-            _cast_into(flat_target[start:stop], flat_value[start:stop])
-            self.written(key, stop * target.itemsize)
+            np.copyto(flat_target[start:stop], flat_value[start:stop], casting="no")
+            self.written(key, stop * value.itemsize)
         if not value.size:
             self.written(key, 0)
 
@@ -777,7 +770,7 @@ class Shard:
                     raise InvalidRequestError(f"part {state.part.label!r} has no place to be read into (a shared-"
                                               "memory layout of another parameter list?): open it again")
                 if copy_out is None:
-                    _cast_into(target, value)
+                    np.copyto(target, value, casting="no")
                 else:
                     copy_out.copy(state.part.key, value, target)
             elif read.narrow is not None and value.dtype == np.float32 and read.narrow != value.dtype:

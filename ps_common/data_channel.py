@@ -52,7 +52,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -331,6 +331,23 @@ def read_prefix(sock: socket.socket, *, at_boundary: bool = False) -> tuple[byte
     return None if raw is None else FRAME.unpack(raw)
 
 
+class CastArrays:
+    """Arrays kept per key for a frame's casts on a half-size wire (a worker narrowing its gradients, a shard
+    widening them): each is used inside its frame's call and rewritten by the next frame's. A fresh array a
+    frame cost its pages' faults: a 1 MB float32 part's cast took 0.7 ms in the training loop, 0.15 alone."""
+
+    def __init__(self) -> None:
+        self._kept: dict[Hashable, np.ndarray] = {}
+
+    def cast(self, key: Hashable, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """`array` cast to `dtype` (same kind, any width) in the array kept for `key`."""
+        kept = self._kept.get(key)
+        if kept is None or kept.shape != array.shape or kept.dtype != dtype:
+            kept = self._kept[key] = np.empty(array.shape, dtype)
+        np.copyto(kept, array, casting="same_kind")
+        return kept
+
+
 class FrameBuffer(SlotMemory):
     """A connection's memory laid out like a shared-memory segment (anonymous pages, made on first touch).
 
@@ -344,16 +361,8 @@ class FrameBuffer(SlotMemory):
         super().__init__(memoryview(self._map)[:size])
         #: the gradient slots of the frame now in the buffer found finite as they arrived (recv_checking_finite)
         self.finite: frozenset[PartKey] = frozenset()
-        self._wide: dict[PartKey, np.ndarray] = {}
-
-    def widened(self, key: PartKey, part: np.ndarray) -> np.ndarray:
-        """A half-size part of the frame (a view of the buffer) as float32, in an array kept for it: the frame's
-        gradients are read inside its call, and a fresh array each frame cost its pages' faults."""
-        wide = self._wide.get(key)
-        if wide is None or wide.shape != part.shape:
-            wide = self._wide[key] = np.empty(part.shape, np.float32)
-        np.copyto(wide, part, casting="same_kind")
-        return wide
+        #: a half-size wire's gradients widened to float32, read inside the frame's call
+        self.widened = CastArrays()
 
     def close(self) -> None:
         self._forget_views()

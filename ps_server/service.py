@@ -335,7 +335,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             else:
                 grads = _gradients_in((memory, layout))
                 if grant.narrow is not None:   # the half-size wire: float32 master values take float32 gradients
-                    grads = {key: memory.widened(key, g) if g.dtype == grant.narrow else g for key, g in grads.items()}
+                    grads = {key: memory.widened.cast(key, g, np.dtype(np.float32)) if g.dtype == grant.narrow else g
+                             for key, g in grads.items()}
                 push = self._push(frame.header, grads, finite=memory.finite)
                 read = self._read_after(frame.pull, None if grant.narrow else (memory, layout), None, written)
                 result = self.shard.push_pull(push, read)

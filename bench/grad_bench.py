@@ -10,7 +10,8 @@ documented recipe into ``--export-dir``; and the small models of other architect
 forward, cross-entropy (mse for ``embedding_bag``, ``unet`` and ``pixelshuffle``) and backward, the
 gradients handed out as numpy arrays; torch runs the module in training mode (BatchNorm on batch
 statistics, Dropout on), the engine draws its Dropout masks itself as a worker's step does. Both sides
-start from the same weights.
+start from the same weights. ``--device cuda`` runs both on the GPU (the engine through onnxruntime-gpu),
+each taking the parameters from host arrays and handing the gradients back as host arrays, as a worker does.
 
 JSON lines (ps_bench.harness.emit): per model ``grad_step_ms_NAME`` of each system (the median
 step) and ``grad_step_speedup_NAME`` of ``torch/onnx-ps``: torch's time over the engine's, above 1
@@ -136,14 +137,20 @@ def zoo_case(name: str, batch: int, export_dir: Path) -> Case:
 
 
 def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, warmup: int,
-                cache_dir: Path | None) -> list[dict[str, object]]:
-    """Interleaved engine / torch gradient steps on one model; emits and returns the JSON records."""
-    engine = GradientEngine(case.onnx_path, batch_size=batch, loss=case.loss,
+                cache_dir: Path | None, device: str = "cpu") -> list[dict[str, object]]:
+    """Interleaved engine / torch gradient steps on one model; emits and returns the JSON records.
+
+    On a CUDA `device` both sides do what a worker's step does there: take the parameters from host
+    arrays (the engine binds them as CPU inputs; torch copies them into its module on the device),
+    read the batch from the host, and hand the gradients back as host arrays."""
+    engine = GradientEngine(case.onnx_path, batch_size=batch, loss=case.loss, device=device,
                             intra_op_threads=threads, inter_op_threads=1, cache_dir=cache_dir)
     # what a worker holds: the parameters and the state, fed back every step
     parameters = {**engine.parameters(), **engine.state()}
     inputs = case.inputs
-    module = case.module
+    on_cuda = device != "cpu"
+    module = case.module.to(device)
+    host_parameters = {k: p.detach().cpu().clone() for k, p in module.named_parameters()} if on_cuda else {}
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
         F.cross_entropy if case.loss == "cross_entropy" else F.mse_loss)
 
@@ -151,11 +158,15 @@ def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, 
         engine.step(parameters, inputs)
 
     def torch_step() -> None:
+        if on_cuda:   # a worker's fresh parameters, from the host
+            with torch.no_grad():
+                for key, parameter in module.named_parameters():
+                    parameter.copy_(host_parameters[key])
         for parameter in module.parameters():
             parameter.grad = None
-        loss_fn(module(case.torch_input), case.torch_labels).backward()
-        # hand the gradients out as numpy arrays, as the engine does
-        {k: p.grad.numpy() for k, p in module.named_parameters()}  # noqa: B018
+        loss_fn(module(case.torch_input.to(device)), case.torch_labels.to(device)).backward()
+        # hand the gradients out as numpy arrays, as the engine does (on CUDA: copied to the host, synchronizing)
+        {k: p.grad.cpu().numpy() for k, p in module.named_parameters()}  # noqa: B018
 
     # a graph with a loop first tries one thread too (worker_client/engine/thread_choice.py): settled before
     # any torch step, whose idle OpenMP threads keep spinning on the cores for a while after it
@@ -188,7 +199,7 @@ def bench_model(name: str, case: Case, *, batch: int, threads: int, steps: int, 
         ratios.append(statistics.median(block["torch"]) / statistics.median(block["onnx-ps"]))
 
     size_mb = round(sum(v.nbytes for v in engine.parameters().values()) / 1e6, 4)
-    context = {"batch": batch, "threads": threads, "steps": len(timings["torch"]),
+    context = {"batch": batch, "threads": threads, "device": device, "steps": len(timings["torch"]),
                "loadavg": harness.machine()["loadavg"]}
     records = [harness.emit(system, f"grad_step_ms_{name}", size_mb, _median_ms(samples), "ms",
                             **context, **({"engine_threads": engine.step_threads} if system == "onnx-ps" else {}))
@@ -220,8 +231,14 @@ def _agreement(engine: GradientEngine, parameters: dict[str, np.ndarray], inputs
     """(the largest |engine - torch| over every parameter both sides name alike, over the largest |torch|
     gradient; how many parameters were compared), from one step of each on the same weights and batch."""
     gradients = engine.step(parameters, inputs).gradients
-    torch_step()
-    pairs = [(gradients[name], p.grad.numpy()) for name, p in module.named_parameters()
+    # in full float32 as the engine computes (torch's cuDNN convs take TF32 by default; its timed steps still do)
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch_step()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    pairs = [(gradients[name], p.grad.cpu().numpy()) for name, p in module.named_parameters()
              if name in gradients and p.grad is not None and gradients[name].shape == tuple(p.grad.shape)]
     if not pairs:
         return float("nan"), 0
@@ -248,11 +265,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--export-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "onnx-ps-bench-models",
                         help="where the models past the fixtures are exported once [%(default)s]")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda or cuda:N: the engine's device (onnxruntime-gpu) and torch's [cpu]")
     args = parser.parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     warnings.simplefilter("ignore", UserWarning)
-    harness.log(f"grad_bench: batch {args.batch}, {args.threads} thread(s), {harness.machine()}")
+    harness.log(f"grad_bench: batch {args.batch}, {args.threads} thread(s), device {args.device}, "
+                f"{harness.machine()}")
     for name in args.models:
         kind = "fixture" if name in FIXTURE_MODELS else "user" if name in USER_MODELS else "zoo"
         steps, warmup = DEFAULT_STEPS[kind]
@@ -262,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_model(name, case, batch=args.batch, threads=args.threads,
                     steps=args.steps if args.steps is not None else steps,
                     warmup=args.warmup if args.warmup is not None else warmup,
-                    cache_dir=args.cache_dir)
+                    cache_dir=args.cache_dir, device=args.device)
     return 0
 
 

@@ -659,6 +659,18 @@ def test_the_io_binding_path_used_on_cuda_gives_the_same_results_on_cpu(
         np.testing.assert_array_equal(bound[key], value)
 
 
+def test_an_engine_names_its_device_and_the_providers_its_session_runs_on(tmp_path: Path) -> None:
+    path = _linear_model(tmp_path / "a.onnx")
+    engine = GradientEngine(path, batch_size=2, cache_dir=tmp_path)
+    assert (engine.device, engine.providers) == ("cpu", ["CPUExecutionProvider"])
+    predict_only = GradientEngine(path, batch_size=2, loss=None, cache_dir=tmp_path)
+    assert predict_only.providers == ["CPUExecutionProvider"]      # before its predict session opens
+    predict_only.predict(predict_only.parameters(), {"x": np.ones((2, 3), np.float32)})
+    assert predict_only.providers == ["CPUExecutionProvider"]
+    with pytest.raises(RuntimeError, match="loss=None and has no training form"):
+        predict_only.forward(predict_only.parameters(), {"x": np.ones((2, 3), np.float32)})
+
+
 # --- CUDA -------------------------------------------------------------------------------------
 
 CUDA_AVAILABLE = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -681,6 +693,7 @@ def test_cuda_gradients_match_torch_autograd(name: str, tmp_path: Path) -> None:
     path, inputs, kind, torch_loss, torch_grads = _fixture(name)
     engine = GradientEngine(path, batch_size=len(inputs["labels"]), loss=kind, device="cuda",
                             cache_dir=tmp_path)
+    assert (engine.device, engine.providers[0]) == ("cuda", "CUDAExecutionProvider")
     loss, grads = engine.gradients(engine.parameters(), inputs)
     assert abs(loss - torch_loss) <= 1e-4 * abs(torch_loss)
     for key, reference in torch_grads.items():  # TF32 and reordered sums: looser than CPU

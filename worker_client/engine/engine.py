@@ -481,6 +481,9 @@ class GradientEngine:
         engine's batch size. A pipeline stage runs it to send its activations on, then `step`
         (loss="vjp") with the same inputs and masks for their gradients.
         """
+        if self._graph is None:
+            raise RuntimeError("this engine was built with loss=None and has no training form; "
+                               "`predict` runs the model")
         if self._forward_session is None:
             model, forms = training_form(self._lifted, self.state_names, scaled_masks=True)
             model = fix_batch(model, self.input_names + list(forms.dropout_rates), self.batch_size)
@@ -535,6 +538,16 @@ class GradientEngine:
         default), or 1 once the first steps measured one thread faster for a graph that loops (a recurrent
         layer's Scan; thread_choice.py). None too for an engine built with loss=None."""
         return None if self._graph is None else self._sessions.threads
+
+    @property
+    def providers(self) -> list[str]:
+        """The onnxruntime execution providers the gradient step's session runs on, first the preferred
+        (["CUDAExecutionProvider", "CPUExecutionProvider"] on a GPU: nodes CUDA has no kernel for run on the
+        CPU); for an engine built with loss=None, its `predict` session's, or the placement's before one opens."""
+        session = self._sessions.session if self._graph is not None else self._eval_session
+        if session is not None:
+            return list(session.get_providers())
+        return [p if isinstance(p, str) else p[0] for p in self._placement.providers]
 
     @property
     def trying_threads(self) -> bool:

@@ -421,7 +421,8 @@ class Trainer:
             "bytes_pulled_per_step": round((client.bytes_pulled - tally.bytes_pulled) / max(1, tally.iterations), 1),
             "bytes_pushed_per_step": round((client.bytes_pushed - tally.bytes_pushed) / max(1, tally.iterations), 1),
             "unique_rows_per_step": round(tally.rows / max(1, tally.iterations), 1),
-            "peak_rss_mb": round(peak_rss_mb(), 1)}
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            "device": self.engine.device, "providers": self.engine.providers}
         result.update(self._result_extras(result))
         self.report("done", result)
         return result

@@ -35,16 +35,17 @@ def default_cache_dir() -> Path:
 
 
 def entry_path(cache_dir: Path, lifted: onnx.ModelProto, *, batch_size: int, loss: LossSpec,
-               trainable: Sequence[str], inputs: Sequence[str] = ()) -> Path:
+               trainable: Sequence[str], inputs: Sequence[str] = (), target: str = "cpu") -> Path:
     """The file holding the gradient model of `lifted` for these options.
 
     The key covers the lifted model's graph (the trainable values are inputs there, so
-    training does not change it), the options that shape the gradient model, and the
+    training does not change it), the options that shape the gradient model (`target`: the
+    kind of device its rewrites are for, rewrites.TARGETS), and the
     versions of everything that builds it: onnx-ad's and onnx's, and this engine's own
     sources (`code_digest`), so a changed rewrite never meets a graph an older one cached.
     """
     options = {"batch_size": batch_size, "loss": loss.key(), "trainable": list(trainable),
-               "input_gradients": list(inputs),
+               "input_gradients": list(inputs), "target": target,
                "onnx_ad": onnx_ad.__version__, "onnx": onnx.__version__,
                "ir_version": max_ir_version(), "format": GRAPH_FORMAT, "code": code_digest()}
     return cache_dir / f"{_content_key(lifted, options)}.onnx"

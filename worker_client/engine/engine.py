@@ -44,6 +44,7 @@ from worker_client.engine.loss import LossSpec, attach_loss, parse_loss, probabi
 from worker_client.engine.opset import upgrade_opset
 from worker_client.engine.rewrites import rewrite_adjoints, rewrite_forward
 from worker_client.engine.rewrites.affine import channel_affines
+from worker_client.engine.rewrites.conv import equal_transposed_conv_pads
 from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im, small_transposed_convs_as_col2im
 from worker_client.engine.rewrites.masks import selects_as_products
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
@@ -228,7 +229,7 @@ class GradientEngine:
             return  # predict only: no gradient model, no cache entry
         self.cache_path = entry_path(self.cache_dir, self._lifted, batch_size=self.batch_size,
                                      loss=loss, trainable=self.trainable_names + self.state_names,
-                                     inputs=self.input_gradient_names)
+                                     inputs=self.input_gradient_names, target=self._placement.target)
         self._graph, self.cache_hit = cached_or_built(self.cache_path,
                                                       lambda: self._gradient_graph(loss))
         placed = self._for_placement(self._graph.model)      # once: the trial's one-thread session runs it too
@@ -245,10 +246,16 @@ class GradientEngine:
         with the Convs that gain on onnxruntime's channel-blocked kernels moved there (rewrites/nchwc.py; only
         Convs of static shapes), DepthToSpace and ConvTransposes over small maps, strided or not, as Col2Im
         (rewrites/col2im.py), per-channel scales and shifts as BatchNormalization (rewrites/affine.py) and the
-        gradients' Wheres over whole tensors as products (rewrites/masks.py), then pruned; a copy, so the cached
-        gradient graph is left device-neutral."""
+        gradients' Wheres over whole tensors as products (rewrites/masks.py), then pruned; on CUDA, with each
+        ConvTranspose padded unequally given equal pads and a Slice (the CUDA provider has no kernel for it; the
+        gradient graph, built for the target, has none left). A copy, so the cached graph is left as it was."""
         if self._placement.cuda_index is not None:
-            return model
+            if not any(n.op_type == "ConvTranspose" for n in model.graph.node):
+                return model
+            cuda = onnx.ModelProto()
+            cuda.CopyFrom(model)
+            equal_transposed_conv_pads(cuda)   # a model's own unequally padded ConvTranspose would run on the CPU
+            return cuda
         block = nchwc_block_size()
         ops = {n.op_type for n in model.graph.node}
         if not ops & {"DepthToSpace", "ConvTranspose"} and not (block and "Conv" in ops) and \
@@ -282,7 +289,7 @@ class GradientEngine:
                 seeded = self.seeded_outputs()
                 model = rewrite_forward(model)
                 model = differentiate(model, wrt, None, seeded=seeded)
-                model = rewrite_adjoints(model)
+                model = rewrite_adjoints(model, self._placement.target)
                 return gradient_graph(model, "", None, self.trainable_names, forms,
                                       seeded=seeded, inputs=self.input_gradient_names)
             model, loss_output, labels = attach_loss(model, loss, self.batch_size)
@@ -291,7 +298,7 @@ class GradientEngine:
             model.graph.output.extend(state_outputs)
             model = rewrite_forward(model)
             model = differentiate(model, wrt, loss_output)
-            model = rewrite_adjoints(model)
+            model = rewrite_adjoints(model, self._placement.target)
             return gradient_graph(model, loss_output, labels, self.trainable_names, forms,
                                   inputs=self.input_gradient_names)
         except UnsupportedModelError as exc:

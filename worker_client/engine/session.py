@@ -29,6 +29,11 @@ class Placement:
     providers: list[str | tuple[str, dict[str, str]]]
     cuda_index: int | None
 
+    @property
+    def target(self) -> str:
+        """The kind of device the gradient graph's rewrites are for (rewrites.TARGETS)."""
+        return "cpu" if self.cuda_index is None else "cuda"
+
 
 def placement(device: str) -> Placement:
     """The Placement for "cpu", "cuda" or "cuda:N".
@@ -48,7 +53,12 @@ def placement(device: str) -> Placement:
                 f"device={device!r} needs onnxruntime's {CUDA_PROVIDER}, but this "
                 f"onnxruntime ({ort.__version__}) offers only {available}; install "
                 f"onnxruntime-gpu (pip install 'onnx-ps[gpu]') in place of onnxruntime")
-        return Placement(device, [(CUDA_PROVIDER, {"device_id": index}), CPU_PROVIDER],
+        # TF32 off (onnxruntime's CUDA provider turns it on by default): float32 products in full, as torch's
+        # matmuls and the CPU compute them. With TF32's 10-bit mantissa a ReLU whose input lies near 0 can flip,
+        # and one flipped mask entry of the test MLP moved its first layer's gradient by 4.5% against the CPU's;
+        # off, the two agree to 2e-7 (H200, onnxruntime-gpu 1.31.1). Workers on GPUs and CPUs of one job
+        # then push the same gradients.
+        return Placement(device, [(CUDA_PROVIDER, {"device_id": index, "use_tf32": "0"}), CPU_PROVIDER],
                          int(index))
     raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 

@@ -99,6 +99,7 @@ from worker_client.engine.rewrites.broadcasts import broadcast_in_readers
 from worker_client.engine.rewrites.col2im import small_map_transposed_conv
 from worker_client.engine.rewrites.conv import (
     assign_unique_scatters,
+    equal_transposed_conv_pads,
     explicit_auto_pads,
     explicit_transposed_conv_pads,
     flip_unit_stride_transposed_convs,
@@ -133,7 +134,7 @@ from worker_client.engine.rewrites.step_factors import regroup_step_factors
 from worker_client.engine.rewrites.sums import sums_as_adds
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs, restore_transposed_convs
 
-__all__ = ["rewrite_adjoints", "rewrite_forward"]
+__all__ = ["TARGETS", "rewrite_adjoints", "rewrite_forward"]
 
 
 def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -162,21 +163,38 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def rewrite_adjoints(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The differentiated model, rewritten in place and returned; the passes run in order."""
+#: What `rewrite_adjoints` shapes a graph for: onnxruntime's CPU kernels, or its CUDA provider (cuDNN's Conv and
+#: ConvTranspose, which need none of the CPU's conv rewrites, and no ConvTranspose with unequal pads).
+TARGETS = ("cpu", "cuda")
+
+
+def rewrite_adjoints(model: onnx.ModelProto, target: str = "cpu") -> onnx.ModelProto:
+    """The differentiated model, rewritten in place and returned; the passes run in order.
+
+    `target` "cuda" leaves out the passes that trade a Conv or ConvTranspose for what onnxruntime's CPU
+    kernels run faster (a GEMM per output position, flipped and phase-split ConvTransposes: on a GPU the
+    many small nodes cost a launch each, 39 against 21 ms a ResNet-18 step on an H200), and gives each
+    ConvTranspose equal pads (`equal_transposed_conv_pads`), which the CUDA provider has kernels for."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    on_cpu = target == "cpu"
     from worker_client.engine.differentiate import GRAD_PREFIX   # here: differentiate imports this package
     fold_shape_queries(model, floats=True)   # everything static, so the passes below apply; an adjoint's exponent
     powers_as_products(model)           # Pow(x, e - 1) of every Pow(x, e) adjoint: libm's pow at every element
     softmax_sums_from_outputs(model)    # onnx-ad's form still: an attention's row sums over [.., T, d], not [.., T, T]
     restore_transposed_convs(model)     # before the passes that read a ConvTranspose's shapes
     explicit_transposed_conv_pads(model, adjoints=True)   # before anything reads a ConvTranspose's inferred shape
-    gemm_large_kernel_convs(model)
+    if on_cpu:
+        gemm_large_kernel_convs(model)
     resize_window_spreads(model)
-    small = small_map_transposed_conv(model)   # those a CPU session runs as a GEMM and a Col2Im (col2im.py)
-    narrowing = narrowing_volume_transposed_conv(model)   # 3-D ones faster as they are (conv.py)
-    flip_unit_stride_transposed_convs(model, lambda node: not small(node) and not narrowing(node))
-    gain = phases_gain(model)           # the others run as onnxruntime's ConvTranspose, or a GEMM and a Col2Im
-    split_strided_transposed_convs(model, lambda node: gain(node) and not small(node))
+    if on_cpu:
+        small = small_map_transposed_conv(model)   # those a CPU session runs as a GEMM and a Col2Im (col2im.py)
+        narrowing = narrowing_volume_transposed_conv(model)   # 3-D ones faster as they are (conv.py)
+        flip_unit_stride_transposed_convs(model, lambda node: not small(node) and not narrowing(node))
+        gain = phases_gain(model)       # the others run as onnxruntime's ConvTranspose, or a GEMM and a Col2Im
+        split_strided_transposed_convs(model, lambda node: gain(node) and not small(node))
+    else:
+        equal_transposed_conv_pads(model)
     route_max_pool_adjoints(model)
     assign_unique_scatters(model)
     concat_piecewise_scatters(model)

@@ -12,10 +12,11 @@ import onnx
 from onnx import helper, numpy_helper
 
 from worker_client.engine.rewrites.nchwc import blocked_shape
-from worker_client.engine.rewrites.toolkit import (Emitter, Writer, auto_pads, constants, shapes_and_types,
-                                                   static_shapes)
+from worker_client.engine.rewrites.toolkit import (Emitter, Writer, attribute, auto_pads, constants, rebuild,
+                                                   set_attribute, shapes_and_types, static_shapes)
 
-__all__ = ["assign_unique_scatters", "explicit_auto_pads", "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
+__all__ = ["assign_unique_scatters", "equal_transposed_conv_pads", "explicit_auto_pads", "explicit_transposed_conv_pads",
+           "flip_unit_stride_transposed_convs",
            "gemm_large_kernel_convs", "narrowing_volume_transposed_conv", "phases_gain", "resize_window_spreads",
            "route_max_pool_adjoints", "split_strided_transposed_convs"]
 
@@ -418,6 +419,43 @@ def explicit_transposed_conv_pads(model: onnx.ModelProto, *, adjoints: bool) -> 
         if not done:
             break
     return rewritten
+
+
+def equal_transposed_conv_pads(model: onnx.ModelProto) -> int:
+    """Give each ConvTranspose padded more at one end of an axis than at the other equal pads, the smaller
+    of each axis's two, and a Slice after it that cuts the rest away, in place.
+
+    onnxruntime's CUDA provider has no ConvTranspose kernel for unequal pads (1.31: "Dropping the
+    ConvTranspose node ... to CPU because it requires asymmetric padding which the CUDA EP currently does
+    not support"): it runs such a node on the CPU, its input and output copied across the bus every step.
+    onnx-ad writes them as the input adjoints of strided Convs padded at both ends (a ResNet's downsampling
+    3x3 Conv, pads (1, 1), has an adjoint padded (1, 0)). Padding less only widens the output, and the
+    node's output is a window of the wider one, so the Slice gives the same values. Only nodes with explicit
+    pads (no output_shape: `explicit_transposed_conv_pads` ran) and no auto_pad. Returns the number rewritten.
+    """
+    emit = Emitter(model, "equal_pads")
+
+    def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        pads = attribute(node, "pads")
+        if node.op_type != "ConvTranspose" or not pads or attribute(node, "output_shape") is not None or \
+                attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            return None
+        axes = len(pads) // 2
+        head, tail = list(pads[:axes]), list(pads[axes:])
+        if head == tail:
+            return None
+        equal = [min(h, t) for h, t in zip(head, tail)]
+        wide = onnx.NodeProto()
+        wide.CopyFrom(node)
+        set_attribute(wide, "pads", equal + equal)
+        wide.output[0] = emit.name()
+        starts = [h - e for h, e in zip(head, equal)]
+        ends = [e - t if t > e else int(np.iinfo(np.int64).max) for t, e in zip(tail, equal)]
+        cut = helper.make_node("Slice", [wide.output[0], emit.ints(starts), emit.ints(ends),
+                                         emit.ints(list(range(2, 2 + axes)))], [node.output[0]], name=emit.name())
+        return [wide, cut]
+
+    return rebuild(model, emit, replace)
 
 
 def _explicit_transposed_conv_pads_once(model: onnx.ModelProto, adjoints: bool) -> int:

@@ -19,6 +19,7 @@ from tests.helpers.lstm_fixture import assert_lstm_gradients_hold, lstm_engines
 from worker_client import GradientEngine
 from worker_client.engine import engine as engine_module
 from worker_client.engine import rewrites
+from worker_client.engine.device_masks import DeviceMasks, masks_graph
 from worker_client.engine.rewrites.col2im import (
     SMALL_MAP_POSITIONS,
     depth_to_space_as_col2im,
@@ -34,6 +35,7 @@ from worker_client.engine.rewrites.nchwc import NCHWC_DOMAIN, block_convs, nchwc
 from worker_client.engine.rewrites.scatter import concat_padded_pieces, concat_piecewise_scatters
 from worker_client.engine.rewrites.toolkit import static_shapes
 from worker_client.engine.rewrites.transposed import RESTORED_KEY
+from worker_client.engine.session import placement
 from worker_client.engine.training_mode import training_form
 
 OPSET = 18
@@ -373,7 +375,7 @@ def test_a_padded_piece_read_elsewhere_keeps_the_sum() -> None:
     assert count == 0
 
 
-def _dropout_engine(tmp_path: Path, ratio: float, *, seed: int = 0) -> GradientEngine:
+def _dropout_engine(tmp_path: Path, ratio: float, *, seed: int = 0, device: str = "cpu") -> GradientEngine:
     """x (batch, 4096) -> training-mode Dropout(ratio) -> sum over the features, mse loss."""
     nodes = [
         helper.make_node("Constant", [], ["ratio"], value=numpy_helper.from_array(np.array(ratio, np.float32))),
@@ -388,7 +390,7 @@ def _dropout_engine(tmp_path: Path, ratio: float, *, seed: int = 0) -> GradientE
         initializer=[numpy_helper.from_array(np.full(4096, 0.5, np.float32), "w"),
                      numpy_helper.from_array(np.array([1], np.int64), "axes")])
     path = _saved(graph, tmp_path / f"dropout_{ratio}.onnx")
-    return GradientEngine(path, batch_size=8, loss="mse", seed=seed, cache_dir=tmp_path)
+    return GradientEngine(path, batch_size=8, loss="mse", seed=seed, cache_dir=tmp_path, device=device)
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.5])
@@ -433,7 +435,9 @@ def test_the_mask_output_of_a_dropout_of_ratio_zero_keeps_every_element() -> Non
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5]),
                                helper.make_tensor_value_info("kept", TensorProto.BOOL, [3, 5])])
-    model, forms = training_form(helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)]), [])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9   # onnx 1.23 writes IR 14 by default, past what onnxruntime 1.31 loads
+    model, forms = training_form(model, [])
     assert forms.dropout_rates == {}
     x = np.random.default_rng(19).standard_normal((3, 5)).astype(np.float32)
     y, kept = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
@@ -451,6 +455,55 @@ def test_masks_the_step_draws_follow_the_seed(tmp_path: Path) -> None:
                          for _ in range(2)]
     assert losses["a"] == losses["b"] and losses["a"][0] != losses["a"][1]
     assert losses["a"] != losses["c"]
+
+
+def test_the_gpu_masks_graph_keeps_one_minus_the_ratio_scaled_and_draws_afresh_each_run() -> None:
+    """device_masks.masks_graph, run here by onnxruntime's CPU kernels (a CUDA engine runs it on its GPU)."""
+    masks = {"a": (np.dtype(np.float32), (8, 4096), 0.25), "b": (np.dtype(np.float16), (64, 512), 0.5)}
+
+    def runs(seed: int, count: int) -> list[list[np.ndarray]]:
+        session = ort.InferenceSession(masks_graph(masks, np.random.default_rng(seed)).SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        return [session.run(["a", "b"], {}) for _ in range(count)]
+
+    (a, b), (a2, _) = runs(3, 2)
+    for mask, (dtype, shape, ratio) in ((a, masks["a"]), (b, masks["b"])):
+        assert mask.dtype == dtype and mask.shape == shape
+        values = np.unique(mask)
+        assert values[0] == 0 and len(values) == 2 and values[1] == pytest.approx(1 / (1 - ratio), rel=1e-3)
+        assert abs((mask > 0).mean() - (1 - ratio)) < 0.02
+    assert 0.3 < (a != a2).mean() < 0.45          # a fresh draw each run: 2 * 0.25 * 0.75 of the elements differ
+    assert all(np.array_equal(x, y) for x, y in zip(runs(3, 1)[0], [a, b]))   # the generator's seeds repeat
+    assert not np.array_equal(runs(4, 1)[0][0], a)
+
+
+def test_device_masks_refuse_a_placement_without_a_gpu() -> None:
+    with pytest.raises(ValueError, match="DeviceMasks draws on a GPU; the placement is 'cpu'"):
+        DeviceMasks({"m": (np.dtype(np.float32), (2, 2), 0.5)}, placement("cpu"), np.random.default_rng(0))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="needs onnxruntime-gpu with CUDAExecutionProvider, which this onnxruntime lacks "
+                           f"(providers: {ort.get_available_providers()})")
+def test_a_cuda_engine_draws_the_masks_it_is_not_given_on_the_gpu_by_its_seed(tmp_path: Path) -> None:
+    x = np.ones((8, 4096), np.float32)
+    labels = np.zeros((8, 1), np.float32)
+    losses = {}
+    for label, seed in (("a", 5), ("b", 5), ("c", 6)):
+        engine = _dropout_engine(tmp_path, 0.5, seed=seed, device="cuda")
+        losses[label] = [engine.step(engine.parameters(), {"x": x, "labels": labels}).loss for _ in range(2)]
+        assert engine._device_masks is not None
+    assert losses["a"] == losses["b"] and losses["a"][0] != losses["a"][1]
+    assert losses["a"] != losses["c"]
+    # y = 0.5 * (kept elements of 4096) * 2: 2048 in expectation, loss = mean(y ** 2)
+    assert all(abs(loss / 2048 ** 2 - 1) < 0.05 for loss in losses["a"] + losses["c"]), losses
+    # a mask the caller gives is the one the step uses
+    (name,) = engine.mask_names
+    mask = engine.draw_masks()[name]
+    y = (0.5 * mask / 0.5).sum(1, keepdims=True)
+    result = engine.step(engine.parameters(), {"x": x, "labels": labels, name: mask})
+    assert result.loss == pytest.approx(float((y ** 2).mean()), rel=1e-5)
 
 
 # --- convolutions on onnxruntime's channel-blocked kernels (rewrites/nchwc.py) ----------------------------------

@@ -14,6 +14,7 @@ import onnxruntime as ort
 from ps_common.errors import UnsupportedModelError
 from worker_client.engine.batch import fix_batch
 from worker_client.engine.cache import cached_or_built, default_cache_dir, entry_path
+from worker_client.engine.device_masks import DeviceMasks
 from worker_client.engine.differentiate import (
     GRAD_PREFIX,
     GradientGraph,
@@ -136,6 +137,7 @@ class GradientEngine:
         self.cache_hit = False
         self._graph: GradientGraph | None = None
         self._eval_session: ort.InferenceSession | None = None
+        self._device_masks: DeviceMasks | None = None   # a CUDA engine's, made at its first step (device_masks.py)
         if isinstance(sparse_tables, str):
             raise TypeError("sparse_tables is a sequence of table names, not a string")
         if isinstance(dynamic_tables, str) or isinstance(dense_tables, str):
@@ -409,7 +411,11 @@ class GradientEngine:
             raise RuntimeError("this engine was built with loss=None and computes no "
                                "gradients; pass loss='cross_entropy', 'mse' or 'output:NAME'")
         feed = parameter_feed(parameters, {**self._initial, **self._state_initial})
-        feed.update(self._mask_feed(inputs))
+        on_gpu: dict[str, ort.OrtValue] = {}
+        if self._placement.cuda_index is not None and self._masks and not set(self._masks) & set(inputs):
+            on_gpu = self._gpu_masks()
+        else:
+            feed.update(self._mask_feed(inputs))
         feed.update(self._seed_feed(cotangents))
         unknown = set(inputs) - set(self._feeds) - set(self._masks)
         if unknown:
@@ -429,7 +435,7 @@ class GradientEngine:
                 raise ValueError(f"labels must lie in [0, {self._classes}), got values in "
                                  f"[{labels.min()}, {labels.max()}]")
         if self._bind_outputs:
-            results = self._sessions.run(lambda session: run_bound(session, feed, self._output_specs))
+            results = self._sessions.run(lambda session: run_bound(session, feed, self._output_specs, on_gpu))
         else:
             results = self._sessions.run(lambda session: session.run(self._fetches, feed))
         loss = float(results[0]) if self._has_loss else 0.0
@@ -583,11 +589,24 @@ class GradientEngine:
         from the engine's generator (what `step` draws for a mask it is not given)."""
         return {name: self._draw_mask(name, scaled=False) for name in self._masks}
 
+    def _mask_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the Dropout mask `name` at this engine's batch size."""
+        return tuple(d if isinstance(d, int) else self.batch_size for d in self._masks[name][1] or ())
+
+    def _gpu_masks(self) -> dict[str, ort.OrtValue]:
+        """A step's scaled masks drawn on the GPU, left there (device_masks.py: drawn and copied from the host,
+        a model with many Dropouts spent most of its GPU step on them)."""
+        if self._device_masks is None:
+            self._device_masks = DeviceMasks({name: (dtype, self._mask_shape(name), rate)
+                                              for name, (dtype, _, rate) in self._masks.items()},
+                                             self._placement, self._generator)
+        return self._device_masks.draw()
+
     def _draw_mask(self, name: str, *, scaled: bool) -> np.ndarray:
         """One Dropout's mask from the generator: each element kept with probability 1 - ratio,
         a 32-bit draw at or above ratio * 2**32; 1 where kept, or 1 / (1 - ratio) when `scaled`."""
-        dtype, dims, rate = self._masks[name]
-        shape = tuple(d if isinstance(d, int) else self.batch_size for d in dims or ())
+        dtype, _, rate = self._masks[name]
+        shape = self._mask_shape(name)
         count = int(np.prod(shape))
         # the generator's raw 64-bit words, two 32-bit draws each: a third of the time of
         # Generator.random's doubles, which every step paid for every masked element

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,16 +103,20 @@ def open_session(model: onnx.ModelProto, where: Placement, *,
 
 
 def run_bound(session: ort.InferenceSession, feed: dict[str, np.ndarray],
-              outputs: list[tuple[str, np.dtype, tuple[int, ...]]]) -> list[np.ndarray]:
+              outputs: list[tuple[str, np.dtype, tuple[int, ...]]],
+              on_device: Mapping[str, ort.OrtValue] | None = None) -> list[np.ndarray]:
     """One run through an IO binding; the results land in freshly allocated host arrays.
 
     `outputs` lists (name, dtype, shape) of every result. On CUDA the binding copies each
     input to the device once and each result straight into its final host array, rather
-    than through onnxruntime's own staging buffers and a second copy into numpy.
+    than through onnxruntime's own staging buffers and a second copy into numpy. `on_device`
+    holds inputs already in the device's memory (a CUDA engine's Dropout masks), bound as they are.
     """
     binding = session.io_binding()
     for name, array in feed.items():
         binding.bind_cpu_input(name, array)
+    for name, value in (on_device or {}).items():
+        binding.bind_ortvalue_input(name, value)
     results = []
     for name, dtype, shape in outputs:
         result = np.empty(shape, dtype)

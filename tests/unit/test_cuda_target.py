@@ -131,6 +131,40 @@ def test_the_gradient_graph_built_for_cuda_computes_the_cpu_graphs_gradients_wit
                                    err_msg=name)
 
 
+def _conv1d(path: Path) -> Path:
+    """Two 1-D Convs over 400 samples, the first strided: weight adjoints with kernels of 200 and 196 taps."""
+    rng = np.random.default_rng(12)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], pads=[4, 4], strides=[2]),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["y"], dilations=[2])]
+    graph = helper.make_graph(
+        nodes, "audio", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 400])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 192])],
+        [numpy_helper.from_array(rng.standard_normal((8, 1, 9)).astype(np.float32) * 0.3, "w1"),
+         numpy_helper.from_array(rng.standard_normal((4, 8, 5)).astype(np.float32) * 0.2, "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.save(model, path)
+    return path
+
+
+def test_the_gradient_graph_built_for_cuda_keeps_the_gemm_weight_adjoints_of_1d_convs(tmp_path: Path) -> None:
+    """cuDNN is slow on a 1-D kernel of hundreds of taps (onnx-ad's weight adjoint): those stay GEMMs on CUDA."""
+    engine = GradientEngine(_conv1d(tmp_path / "audio.onnx"), batch_size=4, loss="mse", cache_dir=tmp_path)
+    cpu_gemms = sum(n.op_type == "Gemm" for n in engine._graph.model.graph.node)
+    engine._placement = Placement("cuda:0", [CPU_PROVIDER], 0)
+    cuda_graph = engine._gradient_graph(parse_loss("mse"))
+    assert cpu_gemms > 0 and sum(n.op_type == "Gemm" for n in cuda_graph.model.graph.node) == cpu_gemms
+    rng = np.random.default_rng(13)
+    feeds = {**engine.parameters(), "x": rng.standard_normal((4, 1, 400)).astype(np.float32),
+             "labels": rng.standard_normal((4, 4, 192)).astype(np.float32)}
+    session = ort.InferenceSession(cuda_graph.model.SerializeToString(), providers=[CPU_PROVIDER])
+    got = session.run(list(cuda_graph.gradient_outputs.values()), {i.name: feeds[i.name] for i in session.get_inputs()})
+    expected = engine.gradients(engine.parameters(), {"x": feeds["x"], "labels": feeds["labels"]})[1]
+    for name, value in zip(cuda_graph.gradient_outputs, got):
+        np.testing.assert_allclose(value.reshape(expected[name].shape), expected[name], rtol=1e-4, atol=1e-6)
+
+
 def test_the_cache_keeps_each_targets_gradient_graph_apart(tmp_path: Path) -> None:
     engine = GradientEngine(_downsampling_cnn(tmp_path / "down.onnx"), batch_size=4, loss="mse", cache_dir=tmp_path)
     key = {"batch_size": 4, "loss": parse_loss("mse"), "trainable": engine.trainable_names}

@@ -172,7 +172,7 @@ def rewrite_adjoints(model: onnx.ModelProto, target: str = "cpu") -> onnx.ModelP
     """The differentiated model, rewritten in place and returned; the passes run in order.
 
     `target` "cuda" leaves out the passes that trade a Conv or ConvTranspose for what onnxruntime's CPU
-    kernels run faster (a GEMM per output position, flipped and phase-split ConvTransposes: on a GPU the
+    kernels run faster (a GEMM per output position but for 1-D Convs, flipped and phase-split ConvTransposes: on a GPU the
     many small nodes cost a launch each, 39 against 21 ms a ResNet-18 step on an H200), and gives each
     ConvTranspose equal pads (`equal_transposed_conv_pads`), which the CUDA provider has kernels for."""
     if target not in TARGETS:
@@ -184,8 +184,8 @@ def rewrite_adjoints(model: onnx.ModelProto, target: str = "cpu") -> onnx.ModelP
     softmax_sums_from_outputs(model)    # onnx-ad's form still: an attention's row sums over [.., T, d], not [.., T, T]
     restore_transposed_convs(model)     # before the passes that read a ConvTranspose's shapes
     explicit_transposed_conv_pads(model, adjoints=True)   # before anything reads a ConvTranspose's inferred shape
-    if on_cpu:
-        gemm_large_kernel_convs(model)
+    # cuDNN's kernels for 2-D and 3-D weight adjoints; its Conv of a 1-D kernel of a thousand taps is slow
+    gemm_large_kernel_convs(model, None if on_cpu else {1})
     resize_window_spreads(model)
     if on_cpu:
         small = small_map_transposed_conv(model)   # those a CPU session runs as a GEMM and a Col2Im (col2im.py)

@@ -85,6 +85,12 @@ class _StageEngineView:
         self.loss_kind = runner.engine.loss_kind
         self.takes_labels = True   # the batch's labels go to the last stage, whose loss reads them
         self.sparse = SparsePlan({}, [])
+        self.device = runner.engine.device
+
+    @property
+    def providers(self) -> list[str]:
+        """The stage engine's onnxruntime providers (GradientEngine.providers)."""
+        return self.runner.engine.providers
 
     def server_parameters(self) -> dict[str, np.ndarray]:
         return self.runner.parameters()

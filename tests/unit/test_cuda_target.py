@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from worker_client import GradientEngine
 from worker_client.engine import session as session_module
 from worker_client.engine.cache import entry_path
+from worker_client.engine.differentiate import GradientGraph
 from worker_client.engine.loss import parse_loss
 from worker_client.engine.rewrites import rewrite_adjoints
 from worker_client.engine.rewrites.conv import equal_transposed_conv_pads
@@ -90,24 +91,32 @@ def _downsampling_cnn(path: Path) -> Path:
              helper.make_node("Conv", ["r", "w2"], ["d"], pads=[1, 1, 1, 1], strides=[2, 2]),
              helper.make_node("Relu", ["d"], ["s"]),
              helper.make_node("Conv", ["s", "w3"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "down", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 8])],
-        [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3, "w1"),
-         numpy_helper.from_array(rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.2, "w2"),
-         numpy_helper.from_array(rng.standard_normal((4, 16, 1, 1)).astype(np.float32) * 0.2, "w3")])
+    weights = {"w1": rng.standard_normal((8, 3, 3, 3)) * 0.3, "w2": rng.standard_normal((16, 8, 3, 3)) * 0.2,
+               "w3": rng.standard_normal((4, 16, 1, 1)) * 0.2}
+    return _saved(path, nodes, ["batch", 3, 16, 16], ["batch", 4, 8, 8], weights)
+
+
+def _saved(path: Path, nodes: list[onnx.NodeProto], x: list, y: list, weights: dict[str, np.ndarray]) -> Path:
+    """A model of `nodes` from input x to output y, with float32 `weights`, written to `path`."""
+    graph = helper.make_graph(nodes, path.stem, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, y)],
+                              [numpy_helper.from_array(w.astype(np.float32), k) for k, w in weights.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 9
     onnx.save(model, path)
     return path
 
 
+def _cuda_graph(engine: GradientEngine) -> GradientGraph:
+    """The gradient graph an engine on a GPU builds (built here without one: the target is all that differs)."""
+    engine._placement = Placement("cuda:0", [CPU_PROVIDER], 0)
+    return engine._gradient_graph(parse_loss("mse"))
+
+
 def test_the_gradient_graph_built_for_cuda_computes_the_cpu_graphs_gradients_with_plain_convs(tmp_path: Path) -> None:
     engine = GradientEngine(_downsampling_cnn(tmp_path / "down.onnx"), batch_size=4, loss="mse", cache_dir=tmp_path)
     cpu_graph = engine._graph
-    # the graph an engine on a GPU builds (built here without one: the target is all that differs)
-    engine._placement = Placement("cuda:0", [CPU_PROVIDER], 0)
-    cuda_graph = engine._gradient_graph(parse_loss("mse"))
+    cuda_graph = _cuda_graph(engine)
 
     cpu_ops = [n.op_type for n in cpu_graph.model.graph.node]
     cuda_nodes = cuda_graph.model.graph.node
@@ -137,23 +146,15 @@ def _conv1d(path: Path) -> Path:
     nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], pads=[4, 4], strides=[2]),
              helper.make_node("Relu", ["h"], ["r"]),
              helper.make_node("Conv", ["r", "w2"], ["y"], dilations=[2])]
-    graph = helper.make_graph(
-        nodes, "audio", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 400])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 192])],
-        [numpy_helper.from_array(rng.standard_normal((8, 1, 9)).astype(np.float32) * 0.3, "w1"),
-         numpy_helper.from_array(rng.standard_normal((4, 8, 5)).astype(np.float32) * 0.2, "w2")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 9
-    onnx.save(model, path)
-    return path
+    weights = {"w1": rng.standard_normal((8, 1, 9)) * 0.3, "w2": rng.standard_normal((4, 8, 5)) * 0.2}
+    return _saved(path, nodes, ["batch", 1, 400], ["batch", 4, 192], weights)
 
 
 def test_the_gradient_graph_built_for_cuda_keeps_the_gemm_weight_adjoints_of_1d_convs(tmp_path: Path) -> None:
     """cuDNN is slow on a 1-D kernel of hundreds of taps (onnx-ad's weight adjoint): those stay GEMMs on CUDA."""
     engine = GradientEngine(_conv1d(tmp_path / "audio.onnx"), batch_size=4, loss="mse", cache_dir=tmp_path)
     cpu_gemms = sum(n.op_type == "Gemm" for n in engine._graph.model.graph.node)
-    engine._placement = Placement("cuda:0", [CPU_PROVIDER], 0)
-    cuda_graph = engine._gradient_graph(parse_loss("mse"))
+    cuda_graph = _cuda_graph(engine)
     assert cpu_gemms > 0 and sum(n.op_type == "Gemm" for n in cuda_graph.model.graph.node) == cpu_gemms
     rng = np.random.default_rng(13)
     feeds = {**engine.parameters(), "x": rng.standard_normal((4, 1, 400)).astype(np.float32),

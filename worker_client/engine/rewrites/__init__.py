@@ -172,8 +172,8 @@ def rewrite_adjoints(model: onnx.ModelProto, target: str = "cpu") -> onnx.ModelP
     """The differentiated model, rewritten in place and returned; the passes run in order.
 
     `target` "cuda" leaves out the passes that trade a Conv or ConvTranspose for what onnxruntime's CPU
-    kernels run faster (a GEMM per output position but for 1-D Convs, flipped and phase-split ConvTransposes: on a GPU the
-    many small nodes cost a launch each, 39 against 21 ms a ResNet-18 step on an H200), and gives each
+    kernels run faster (a GEMM per output position but for 1-D Convs, flipped and phase-split ConvTransposes:
+    on a GPU the many small nodes cost a launch each, 39 against 21 ms a ResNet-18 step on an H200), and gives each
     ConvTranspose equal pads (`equal_transposed_conv_pads`), which the CUDA provider has kernels for."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")

@@ -12,11 +12,11 @@ import onnx
 from onnx import helper, numpy_helper
 
 from worker_client.engine.rewrites.nchwc import blocked_shape
-from worker_client.engine.rewrites.toolkit import (Emitter, Writer, attribute, auto_pads, constants, rebuild,
-                                                   set_attribute, shapes_and_types, static_shapes)
+from worker_client.engine.rewrites.toolkit import (Emitter, Writer, auto_pads, constants, rebuild, set_attribute,
+                                                   shapes_and_types, static_shapes)
 
-__all__ = ["assign_unique_scatters", "equal_transposed_conv_pads", "explicit_auto_pads", "explicit_transposed_conv_pads",
-           "flip_unit_stride_transposed_convs",
+__all__ = ["assign_unique_scatters", "equal_transposed_conv_pads", "explicit_auto_pads",
+           "explicit_transposed_conv_pads", "flip_unit_stride_transposed_convs",
            "gemm_large_kernel_convs", "narrowing_volume_transposed_conv", "phases_gain", "resize_window_spreads",
            "route_max_pool_adjoints", "split_strided_transposed_convs"]
 
@@ -440,9 +440,12 @@ def equal_transposed_conv_pads(model: onnx.ModelProto) -> int:
     emit = Emitter(model, "equal_pads")
 
     def replace(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        pads = attribute(node, "pads")
-        if node.op_type != "ConvTranspose" or not pads or attribute(node, "output_shape") is not None or \
-                attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        if node.op_type != "ConvTranspose":
+            return None
+        attributes = _attributes(node)
+        pads = attributes.get("pads")
+        if not pads or "output_shape" in attributes or \
+                attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
             return None
         axes = len(pads) // 2
         head, tail = list(pads[:axes]), list(pads[axes:])

@@ -330,7 +330,10 @@ class WorkerSettings:
     eval_every: int = _setting(100, "--eval-every", scopes=_WORKER, minimum=0,
                                help="worker 0 evaluates on the test split every this many global steps "
                                     "(a pipeline job: ps-launch evaluates the whole model); 0: only at the end")
-    device: str = _setting("cpu", "--device", scopes=_WORKER, help="cpu, cuda or cuda:N (needs onnxruntime-gpu)")
+    device: str = _setting("cpu", "--device", scopes=_WORKER,
+                           help="cpu, cuda or cuda:N (needs onnxruntime-gpu); on CUDA products in full float32 (TF32 "
+                                "off, so GPU and CPU workers push the same gradients) and Dropout masks drawn on the "
+                                "GPU; each worker's result in run.json names its device and onnxruntime's providers")
     intra_op_threads: int | None = _setting(None, "--intra-op-threads", scopes=_WORKER, minimum=1,
                                             default_doc="onnxruntime's (ps-launch: cores / workers)",
                                             help="onnxruntime threads per gradient computation, at most: a graph "

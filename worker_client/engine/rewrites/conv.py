@@ -26,6 +26,8 @@ _WIDEST_BLOCK = 16
 
 #: Slice's end for a negative step that runs past index 0.
 _BEFORE_START = int(np.iinfo(np.int64).min)
+#: Slice's end for a step of 1 that runs to the end of the axis.
+_PAST_END = int(np.iinfo(np.int64).max)
 
 #: Input index of the optional bias of Conv and ConvTranspose.
 _BIAS = 2
@@ -445,7 +447,7 @@ def equal_transposed_conv_pads(model: onnx.ModelProto) -> int:
         attributes = _attributes(node)
         pads = attributes.get("pads")
         if not pads or "output_shape" in attributes or \
-                attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+                attributes.get("auto_pad", b"NOTSET") != b"NOTSET":
             return None
         axes = len(pads) // 2
         head, tail = list(pads[:axes]), list(pads[axes:])
@@ -457,7 +459,7 @@ def equal_transposed_conv_pads(model: onnx.ModelProto) -> int:
         set_attribute(wide, "pads", equal + equal)
         wide.output[0] = emit.name()
         starts = [h - e for h, e in zip(head, equal)]
-        ends = [e - t if t > e else int(np.iinfo(np.int64).max) for t, e in zip(tail, equal)]
+        ends = [e - t if t > e else _PAST_END for t, e in zip(tail, equal)]
         cut = helper.make_node("Slice", [wide.output[0], emit.ints(starts), emit.ints(ends),
                                          emit.ints(list(range(2, 2 + axes)))], [node.output[0]], name=emit.name())
         return [wide, cut]
@@ -474,7 +476,7 @@ def _explicit_transposed_conv_pads_once(model: onnx.ModelProto, adjoints: bool) 
         attributes = _attributes(node)
         x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
         if "output_shape" not in attributes or x is None or w is None or len(x) != len(w) or \
-                attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+                attributes.get("auto_pad", b"NOTSET") != b"NOTSET":
             continue
         spatial = len(x) - 2
         wanted = list(attributes["output_shape"])[-spatial:]

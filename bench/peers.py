@@ -57,10 +57,11 @@ class ModelCase:
 MODELS: dict[str, ModelCase] = {
     # The MLP's runs were 50 + 500 steps, a window of about 3 s, until 2026-12-01: there DDP's sync rate ran above
     # its rate over 3,000 steps (docs/benchmarks.md, that day) and ours a few percent under its own after 1,000
-    # steps of warm-up; a training run is long, so a window of about 10 s. The FM keeps 50 + 500: at 100 + 1,500
-    # its DDP peer died in both runs tried (a rank killed by SIGSEGV, or its partner's gloo read reset, in the
-    # backward pass's sparse all-reduce of the embeddings' gradients; torch 2.13, gloo on CPU).
+    # steps of warm-up; a training run is long, so a window of about 10 s.
     "mlp": ModelCase("mlp", "MLP 784-256-10 (0.2 M parameters), synthetic features", (100, 1500), 0.05),
+    # The FM keeps 50 + 500: at 100 + 1,500 its DDP peer died in both runs tried (a rank killed by SIGSEGV, or its
+    # partner's gloo read reset, in the backward pass's sparse all-reduce of the embeddings' gradients; torch 2.13,
+    # gloo on CPU).
     "fm": ModelCase("fm", "the recommendation example: models/recsys/fm.onnx on synthetic:clicks, both tables "
                           "trained by rows", (50, 500), 0.1, sparse_tables=("factors.weight", "linear.weight"),
                     classes=2),

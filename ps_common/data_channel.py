@@ -504,7 +504,8 @@ def no_delay(sock: socket.socket) -> None:
 
 
 class Link:
-    """A worker's open data channel with one shard: `exchange` sends a frame and receives its answer.
+    """A worker's open data channel with one shard: `exchange` sends a frame and receives its answer (`send`,
+    then `answer`: a worker with several shards sends every frame before it reads the first answer).
 
     Not thread-safe: one call in flight per worker and shard, as with shared memory. Any
     OSError or ProtocolError leaves it closed; the caller goes on over gRPC.
@@ -569,12 +570,20 @@ class Link:
     def exchange(self, header: bytes, gradients: Sequence[np.ndarray], values: Sequence[np.ndarray], *,
                  timeout: float, turn: SendTurn | None = None) -> tuple[bytes, bytes, bool]:
         """Sends a request frame (`header`, then `gradients`, one per gradient slot of the layout) and reads its
-        answer, its values straight into `values` (one per value slot) when ready. With a `turn`, the frame is
-        sent when the turn comes, and the turn handed on once it is sent (whether or not that went well).
+        answer, its values straight into `values` (one per value slot) when ready: `send`, then `answer`.
 
         Returns (magic, answer header, whether the values were received). OSError or ProtocolError
         close the link: the frame may or may not have been applied (a resend with the same clock is safe).
         """
+        self.send(header, gradients, timeout=timeout, turn=turn)
+        return self.answer(values)
+
+    def send(self, header: bytes, gradients: Sequence[np.ndarray], *, timeout: float,
+             turn: SendTurn | None = None) -> None:
+        """Sends a request frame (`header`, then `gradients`, one per gradient slot of the layout); its answer is
+        read by `answer`, before the next frame. `timeout` bounds each of the socket's sends and receives until
+        then. With a `turn`, the frame is sent when the turn comes, and the turn handed on once it is sent
+        (whether or not that went well). OSError or ProtocolError close the link."""
         layout = self.layout
         try:
             self._bound(timeout)
@@ -587,6 +596,16 @@ class Link:
             finally:
                 if turn is not None:
                     turn.done()
+        except BaseException:
+            self.close()
+            raise
+
+    def answer(self, values: Sequence[np.ndarray]) -> tuple[bytes, bytes, bool]:
+        """Reads the answer to the frame `send` sent, its values straight into `values` (one per value slot) when
+        ready: (magic, answer header, whether the values were received). OSError or ProtocolError close the
+        link: the frame may or may not have been applied (a resend with the same clock is safe)."""
+        layout = self.layout
+        try:
             magic, header_bytes, body_bytes = read_prefix(self.sock)
             ahead = magic == VALUES_MAGIC
             if ahead:   # the values first, then their reply without a body
@@ -621,12 +640,26 @@ class Link:
 
     def exchange_in_segment(self, header: bytes, *, timeout: float) -> tuple[bytes, bytes]:
         """Sends a frame whose bytes are in the worker's shared-memory segment with the shard (SEGMENT_MAGIC: the
-        request's `header`, no body) and reads its answer, which has no body either: (magic, answer header). The
-        gradients must be in the segment before, the values are there after a ready reply. OSError or
-        ProtocolError close the link, as exchange's do."""
+        request's `header`, no body) and reads its answer, which has no body either: `send_in_segment`, then
+        `answer_in_segment`."""
+        self.send_in_segment(header, timeout=timeout)
+        return self.answer_in_segment()
+
+    def send_in_segment(self, header: bytes, *, timeout: float) -> None:
+        """Sends a frame whose bytes are in the worker's shared-memory segment with the shard (SEGMENT_MAGIC: the
+        request's `header`, no body); the gradients must be in the segment before. Its answer is read by
+        `answer_in_segment`. OSError or ProtocolError close the link."""
         try:
             self._bound(timeout)
             send_views(self.sock, [FRAME.pack(SEGMENT_MAGIC, len(header), 0), header])
+        except BaseException:
+            self.close()
+            raise
+
+    def answer_in_segment(self) -> tuple[bytes, bytes]:
+        """The answer to the frame `send_in_segment` sent, which has no body: (magic, answer header); the values
+        are in the segment after a ready reply. OSError or ProtocolError close the link, as answer's do."""
+        try:
             magic, header_bytes, body_bytes = read_prefix(self.sock)
             if magic not in (REPLY_MAGIC, ERROR_MAGIC) or header_bytes > MAX_HEADER_BYTES or body_bytes:
                 raise ProtocolError(f"an answer to a frame whose bytes are in shared memory with magic {magic!r}, "

@@ -220,6 +220,121 @@ def test_frames_to_shards_on_another_host_go_one_after_another_and_give_the_same
             assert first[2] <= second[1], f"shard 1's frame started at {second[1]}, before shard 0's was sent ({first[2]})"
 
 
+def recorded_link_calls(monkeypatch) -> list[tuple[str, int, str]]:
+    """(send or answer, the shard's channel port, the thread's name) of every Link.send and Link.answer from now on."""
+    calls: list[tuple[str, int, str]] = []
+    send, answer = dc.Link.send, dc.Link.answer
+
+    def recorded_send(link, *args, **kwargs):
+        calls.append(("send", link.sock.getpeername()[1], threading.current_thread().name))
+        return send(link, *args, **kwargs)
+
+    def recorded_answer(link, *args, **kwargs):
+        calls.append(("answer", link.sock.getpeername()[1], threading.current_thread().name))
+        return answer(link, *args, **kwargs)
+
+    monkeypatch.setattr(dc.Link, "send", recorded_send)
+    monkeypatch.setattr(dc.Link, "answer", recorded_answer)
+    return calls
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small-frames", "frames-of-IN_TURN_FRAME_BYTES"])
+def test_small_frames_to_several_shards_all_go_from_the_calling_thread_before_the_first_answer_is_read(
+        start_cluster, monkeypatch, large: bool) -> None:
+    """ps_client.PSClient._frames_in_turn: a step's frames under IN_TURN_FRAME_BYTES go from the caller's thread,
+    every frame sent before an answer is read (no hand-off to a pool thread); larger ones from a thread each."""
+    rows = ps_client.IN_TURN_FRAME_BYTES // (8 * 4) * 2 + 64 if large else 16   # "w" split over the two shards
+    values = model(rows=rows)
+    cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "256"])
+    with started(cluster, values) as worker:
+        worker.push_pull(grads(values, 0.25))   # opens both channels
+        ports = sorted(link.sock.getpeername()[1] for link in worker._links.values())
+        calls = recorded_link_calls(monkeypatch)
+        for step in range(2, 4):
+            report, pulled = worker.push_pull(grads(values, 0.25 * step))
+            assert report.accepted and pulled is not None
+        monkeypatch.undo()
+        assert len(calls) == 8 and sorted({port for _, port, _ in calls}) == ports, calls
+        if large:
+            assert len({thread for _, _, thread in calls}) == 2, calls
+        else:
+            assert {thread for _, _, thread in calls} == {threading.current_thread().name}, calls
+            for step in range(2):
+                assert [what for what, _, _ in calls[4 * step:4 * step + 4]] == ["send", "send", "answer", "answer"]
+        np.testing.assert_array_equal(pulled["w"], worker.pull()["w"])
+        np.testing.assert_allclose(pulled["w"], values["w"] - LR * 0.25 * (1 + 2 + 3), rtol=1e-6)
+
+
+def test_a_frame_that_cannot_be_sent_in_turn_goes_over_grpc_and_the_other_shards_answer_is_read(
+        start_cluster, monkeypatch) -> None:
+    values = model()
+    cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "256"])
+    with started(cluster, values) as worker:
+        worker.push_pull(grads(values))
+        first, second = worker._links[0], worker._links[1]
+        send = dc.Link.send
+
+        def broken_on_shard_1(link, *args, **kwargs):
+            if link is second:
+                link.close()
+                raise OSError("connection reset before the frame went")
+            return send(link, *args, **kwargs)
+
+        monkeypatch.setattr(dc.Link, "send", broken_on_shard_1)
+        report, pulled = worker.push_pull(grads(values))   # shard 1's share over gRPC
+        monkeypatch.undo()
+        assert report.accepted and pulled is not None and not report.responses[1].duplicate
+        assert worker._links[0] is first and first.frames == 2 and second.closed
+        report, pulled = worker.push_pull(grads(values))   # a new channel to shard 1
+        assert worker._links[0] is first and first.frames == 3 and worker._links[1] is not second
+        np.testing.assert_allclose(pulled["w"], values["w"] - 3 * LR * 0.25, rtol=1e-6)   # each push once
+        np.testing.assert_array_equal(pulled["w"], worker.pull()["w"])
+
+
+@pytest.mark.parametrize("fails", ["an-error-answer", "a-frame-not-made"])
+def test_a_step_in_turn_that_fails_on_one_shard_leaves_every_channel_in_step(start_cluster, monkeypatch,
+                                                                            fails: str) -> None:
+    """The error is raised after every frame sent has been answered (the channels stay in step), or, when a frame
+    could not be made, with the channels whose answers were not read closed; the next step applies each push once."""
+    values = model()
+    cluster = start_cluster(2, mode="async", flags=[*FLAGS, "--partition-min-bytes", "256"])
+    with started(cluster, values) as worker:
+        worker.push_pull(grads(values))
+        first, second = worker._links[0], worker._links[1]
+        if fails == "an-error-answer":
+            answer = dc.Link.answer
+
+            def refused_on_shard_0(link, targets):
+                magic, raw, received = answer(link, targets)   # read whole, then seen as a refusal
+                if link is not first:
+                    return magic, raw, received
+                status = pb.DataChannelStatus(code="INVALID_ARGUMENT", reason="", message="refused for the test")
+                return dc.ERROR_MAGIC, status.SerializeToString(), False
+
+            monkeypatch.setattr(dc.Link, "answer", refused_on_shard_0)
+            with pytest.raises(ServerError, match="refused for the test"):
+                worker.push_pull(grads(values))
+            assert not first.closed and not second.closed and (first.frames, second.frames) == (2, 2)
+        else:
+            link_send = ps_client.PSClient._link_send
+
+            def unmade_on_shard_1(self, shard, *args, **kwargs):
+                if shard == 1:
+                    raise ValueError("no frame for shard 1")
+                return link_send(self, shard, *args, **kwargs)
+
+            monkeypatch.setattr(ps_client.PSClient, "_link_send", unmade_on_shard_1)
+            with pytest.raises(ValueError, match="no frame for shard 1"):
+                worker.push_pull(grads(values))
+            assert first.closed and 0 not in worker._links and worker._links[1] is second and not second.closed
+        monkeypatch.undo()
+        # the failed step's push is on the shards that took it; its resend at the same clock is not applied twice
+        report, pulled = worker.push_pull(grads(values))
+        assert report.accepted and pulled is not None
+        np.testing.assert_allclose(pulled["w"], values["w"] - 2 * LR * 0.25, rtol=1e-6)
+        np.testing.assert_array_equal(pulled["w"], worker.pull()["w"])
+
+
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
 def test_a_half_size_wire_halves_the_channels_float32_bytes_as_it_does_grpcs(start_cluster, monkeypatch,
                                                                            wire: str) -> None:
@@ -282,15 +397,15 @@ def test_a_channel_that_breaks_under_a_model_too_large_for_one_grpc_message_fall
         report, pulled = worker.push_pull(grads(values))
         assert report.accepted and pulled is not None and worker._links[0].frames == 1
         link = worker._links[0]
-        exchange = link.exchange
+        send = link.send
 
         def broken(*args, **kwargs):
             if applied:
-                exchange(*args, **kwargs)     # the shard took the frame; its answer is lost
+                send(*args, **kwargs)     # the shard takes the frame; its answer is lost
             link.close()
             raise OSError("connection reset mid-frame")
 
-        link.exchange = broken
+        link.send = broken
         with caplog.at_level(logging.WARNING, logger="worker_client.client.ps_client"):
             report, pulled = worker.push_pull(grads(values))
         # not an oversized gRPC message: a streamed Push (a duplicate when the frame was applied), values left to

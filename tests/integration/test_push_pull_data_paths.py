@@ -284,18 +284,23 @@ def test_a_shard_without_the_workers_segment_gets_the_calls_bytes_over_the_chann
         worker.pull()
         worker.push_pull(grads(values))
         first = worker._segments[0][0]
-        real = dc.Link.exchange_in_segment
+        real_send, real_answer = dc.Link.send_in_segment, dc.Link.answer_in_segment
         answered = []
 
-        def unavailable_once(link, header, *, timeout):   # as a shard that lost the worker's segment answers
+        def kept_once(link, header, *, timeout):   # the first frame never reaches the shard...
             if answered:
-                return real(link, header, timeout=timeout)
+                real_send(link, header, timeout=timeout)
+
+        def unavailable_once(link):   # ... which answers it as a shard that lost the worker's segment would
+            if answered:
+                return real_answer(link)
             answered.append(True)
             status = pb.DataChannelStatus(code="FAILED_PRECONDITION", reason="SHARED_MEMORY_UNAVAILABLE",
                                           message="worker 'w0' has no shared-memory segment on shard 0")
             return dc.ERROR_MAGIC, status.SerializeToString()
 
-        monkeypatch.setattr(dc.Link, "exchange_in_segment", unavailable_once)
+        monkeypatch.setattr(dc.Link, "send_in_segment", kept_once)
+        monkeypatch.setattr(dc.Link, "answer_in_segment", unavailable_once)
         report, pulled = worker.push_pull(grads(values))   # its bytes over the channel, applied once
         assert report.accepted and pulled is not None and first.closed and 0 not in worker._segments
         link = worker._links[0]

@@ -210,6 +210,21 @@ class _Membership:
 #: Data-channel frames of at least this many gradient bytes are sent one shard after another (_SendOrder).
 ORDERED_FRAME_BYTES = 1 << 20
 
+#: A PushPull's data-channel frames and answers under this many bytes each go from the calling thread, every frame
+#: sent before the first answer is read (PSClient._frames_in_turn).
+IN_TURN_FRAME_BYTES = 1 << 20
+
+
+@dataclass
+class _SentFrame:
+    """A PushPull frame sent on a shard's data channel (`PSClient._link_send`), its answer not read yet: the
+    segment that holds its bytes (None: they travel in the frames), and where the answer's values go (one array
+    per value slot; `received`: those of them that are arrays of their own, by part)."""
+
+    segment: tuple[Segment, Layout] | None
+    targets: list[np.ndarray] = field(default_factory=list)
+    received: dict[PartKey, np.ndarray] = field(default_factory=dict)
+
 
 class _SendOrder:
     """The data-channel frames of one PushPull to several shards, sent one shard after another.
@@ -466,6 +481,28 @@ class PSClient:
                 future.cancel()
             raise
         return [first, *(future.result() for future in futures)]
+
+    @staticmethod
+    def _in_turn(fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
+        """fn over `items` one after another in this thread, results in their order; every item's call is made
+        even when one before it raised (each reads an answer already asked for), then the first error is raised."""
+        results, error = [], None
+        for item in items:
+            try:
+                results.append(fn(item))
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+    def _frames_in_turn(self, routes: Mapping[int, tuple[tuple[Segment, Layout] | None, Link | None]]) -> bool:
+        """Whether one PushPull's frames go from this thread, all sent before the first answer is read: every
+        shard by its data channel (its bytes in the frames or in a segment) and each shard's gradients and values
+        under IN_TURN_FRAME_BYTES. Larger ones go from a thread each, so their copies run on several cores."""
+        return len(routes) > 1 and all(
+            link is not None and max(dc.gradient_bytes(link.layout), dc.values_bytes(link.layout)) < IN_TURN_FRAME_BYTES
+            for _, link in routes.values())
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Blocks until every shard's channel connects, at most timeout s (then TimeoutError naming the shard).
@@ -968,16 +1005,19 @@ class PSClient:
         # (no frame to order, no order: shared memory, gRPC, this host or small frames)
         order = _SendOrder(self.num_shards, timeout=wait + self.rpc_timeout) if ordered else None
 
-        def one(shard: int) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
+        def one(shard: int, sent: _SentFrame | None = None, broke: bool = False,
+                ) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
             turn = None if order is None else order.turn(shard)
+            grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
             try:
                 segment, link = routes[shard]
+                if broke:   # its frame could not be sent (_link_send): gRPC takes the call
+                    link = None
                 if turn is not None and shard not in ordered:   # the next shard need not wait for this one
                     turn.done()
-                grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
                 reply, values = self._exchange(shard, shard_map, gradients, clock, steps[shard], segment, link,
                                                wait_for_step, ssp, wait, grads, names, asked, destination,
-                                               turn=turn if shard in ordered else None)
+                                               turn=turn if shard in ordered else None, sent=sent)
             finally:
                 if turn is not None:
                     turn.done()
@@ -989,7 +1029,22 @@ class PSClient:
                                                link, wait_for_step, ssp, wait, grads, names, asked, destination)
             return reply, values
 
-        results = self._fan_out(one, range(self.num_shards))
+        if order is None and self._frames_in_turn(routes):
+            # every frame first, then every answer, all from this thread: no hand-off to a pool thread and back
+            sent: list[_SentFrame | None] = []
+            try:
+                for i in range(self.num_shards):
+                    sent.append(self._link_send(i, routes[i][1], shard_map, gradients, clock, steps[i], wait_for_step,
+                                                ssp, wait, destination, rows_by_shard.get(i, ()),
+                                                wanted_rows.get(i, ()), segment=routes[i][0]))
+            except BaseException:
+                for i, frame in enumerate(sent):   # answers that will not be read: their channels reopen
+                    if frame is not None:
+                        self._drop_link(i)
+                raise
+            results = self._in_turn(lambda i: one(i, sent[i], broke=sent[i] is None), range(self.num_shards))
+        else:
+            results = self._fan_out(one, range(self.num_shards))
         responses = [reply.push for reply, _ in results]
         self.clock = max(self.clock, clock + 1, *(r.clock for r in responses))
         report = PushReport(responses, clock, steps)
@@ -1010,13 +1065,14 @@ class PSClient:
                   read_step: int, segment: tuple[Segment, Layout] | None, link: Link | None, wait_for_step: bool,
                   ssp: bool, wait: float, rows: Sequence[pb.RowGradient], names: Sequence[str] | None,
                   asked: Sequence[tuple[str, np.ndarray, np.ndarray]], destination, turn: dc.SendTurn | None = None,
-                  ) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
+                  sent: _SentFrame | None = None) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
         """One PushPull to one shard by the path given (the data channel, its frame sent in `turn`, else shared
         memory or gRPC bytes; a channel that fails hands the call to gRPC): (its reply, the values not already
-        written in place by `destination`; {} when not ready)."""
+        written in place by `destination`; {} when not ready). `sent`: the channel's frame went already
+        (`_link_send`); its answer is read."""
         if link is not None:
             answered = self._push_pull_link(shard, link, shard_map, gradients, clock, read_step, wait_for_step,
-                                            ssp, wait, destination, rows, asked, turn, segment)
+                                            ssp, wait, destination, rows, asked, turn, segment, sent)
             if answered is not None:
                 return answered
         if segment is None and not self._small(shard_map, shard, names, rows, asked):
@@ -1068,6 +1124,7 @@ class PSClient:
                         clock: int, read_step: int, wait_for_step: bool, ssp: bool, wait: float, destination,
                         rows: Sequence[pb.RowGradient] = (), asked: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
                         turn: dc.SendTurn | None = None, segment: tuple[Segment, Layout] | None = None,
+                        sent: _SentFrame | None = None,
                         ) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]] | None:
         """One PushPull over the shard's data channel: gradients sent from the arrays, values received straight
         into their destinations; a channel opened for some tensors (`link.names`) pulls those, with the row
@@ -1075,33 +1132,19 @@ class PSClient:
         (the channel broke, the shard is stopping or busy, its layout changed, it forgot this worker); the push
         may have been applied, and the resend with the same clock is then answered as a duplicate, never applied
         twice. The errors gRPC would raise are raised as the same classes. With a `segment` (a shard on this
-        host), the bytes go through it and the frame carries the header only."""
-        layout = link.layout
-        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step, row_gradients=rows)
-        pull = pb.PullAfterPush(names=sorted(link.names or ()), wait_for_step=wait_for_step, ssp=ssp,
-                                wait_timeout_ms=max(1, int(wait * 1000)), shared_memory=True,
-                                wire_dtype=self._wire_value, rows=[pb.RowIds(name=n, ids=ids) for n, _, ids in asked])
-        raw_header = frames.encode_request(header, pull, gradients_in_shared_memory=True)
-        targets, received = [], {}
+        host), the bytes go through it and the frame carries the header only. `sent`: the frame was sent
+        already (`_link_send`, with these arguments); only its answer is read."""
+        if sent is None:
+            sent = self._link_send(shard, link, shard_map, gradients, clock, read_step, wait_for_step, ssp, wait,
+                                   destination, rows, asked, turn, segment)
+            if sent is None:
+                return None
         try:
-            if segment is not None:
-                self._write_gradients(segment, shard_map, gradients)
-                magic, answer = link.exchange_in_segment(raw_header, timeout=wait + self.rpc_timeout)
+            if sent.segment is not None:
+                magic, answer = link.answer_in_segment()
                 got_values = False
             else:
-                # the half-size wire narrows float32 parts (the layout says so), as over gRPC; else as they are
-                pieces = [self._narrowed.cast((shard, slot.key), piece.reshape(slot.shape), slot.dtype)
-                          if piece.dtype != slot.dtype else np.ascontiguousarray(piece)
-                          for slot, piece in zip(layout.gradients, self._gradient_pieces(layout, shard_map, gradients))]
-                for slot in layout.values:
-                    # straight into the tensor a split part belongs to; whole tensors and half-size parts into their
-                    # own arrays (_place widens the latter), as the gRPC path's assembler does
-                    target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
-                    if target is None:
-                        target = received[slot.key] = self._buffers.empty(slot.key, slot.shape, slot.dtype)
-                    targets.append(target)
-                magic, answer, got_values = link.exchange(raw_header, pieces, targets, timeout=wait + self.rpc_timeout,
-                                                          turn=turn)
+                magic, answer, got_values = link.answer(sent.targets)
         except (OSError, ProtocolError) as exc:
             # reopened at the next call, unless it never answered a frame (then after a while)
             self._link_failed(shard, f"the data channel broke ({exc or type(exc).__name__})",
@@ -1110,20 +1153,20 @@ class PSClient:
         address = self.addresses[shard]
         if magic == dc.REPLY_MAGIC:
             reply = frames.decode_response(answer, rows_asked=len(asked), shard=shard, chunks=False)
-            if segment is not None:   # the values, when ready, are in the segment
-                return reply, (self._values_from_segment(segment, destination) if reply.ready else {})
+            if sent.segment is not None:   # the values, when ready, are in the segment
+                return reply, (self._values_from_segment(sent.segment, destination) if reply.ready else {})
             if reply.ready != got_values:   # a ready answer must bring the values, and only a ready one
                 self._link_failed(shard, f"the shard's answer says ready={reply.ready} with "
                                   f"{'' if got_values else 'no '}values", retry_now=False)
                 return None
-            return reply, (received if reply.ready else {})
+            return reply, (sent.received if reply.ready else {})
         status = pb.DataChannelStatus.FromString(answer)
         code = getattr(grpc.StatusCode, status.code, grpc.StatusCode.UNKNOWN)
         error = error_for_reason(status.reason)
         what = f"PushPull on shard {shard} ({address}) over the data channel"
         if status.reason == OverloadedError.reason:
             return None   # gRPC's retries (with backoff) take it; the channel stays
-        if segment is not None and error is SharedMemoryUnavailableError:
+        if sent.segment is not None and error is SharedMemoryUnavailableError:
             # The shard has no segment for this worker (restarted, or reset): nothing was applied; this call's bytes
             # go over the channel, the next call opens a new segment.
             log.info("shard %d: shared memory unavailable (%s); this call's bytes go over the data channel", shard,
@@ -1142,6 +1185,44 @@ class PSClient:
             self._drop_link(shard)
             return None
         raise ServerError.remote(error)(f"{what} failed: {code.name}: {status.message}", code, address)
+
+    def _link_send(self, shard: int, link: Link, shard_map: ShardMap, gradients: Mapping[str, np.ndarray],
+                   clock: int, read_step: int, wait_for_step: bool, ssp: bool, wait: float, destination,
+                   rows: Sequence[pb.RowGradient] = (), asked: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+                   turn: dc.SendTurn | None = None, segment: tuple[Segment, Layout] | None = None,
+                   ) -> _SentFrame | None:
+        """The first half of `_push_pull_link`: the frame sent (its bytes into the segment first, with one), and
+        where its answer's values go. None: the channel broke (the call goes over gRPC)."""
+        layout = link.layout
+        header = pb.PushHeader(worker_id=self.worker_id, clock=clock, read_step=read_step, row_gradients=rows)
+        pull = pb.PullAfterPush(names=sorted(link.names or ()), wait_for_step=wait_for_step, ssp=ssp,
+                                wait_timeout_ms=max(1, int(wait * 1000)), shared_memory=True,
+                                wire_dtype=self._wire_value, rows=[pb.RowIds(name=n, ids=ids) for n, _, ids in asked])
+        raw_header = frames.encode_request(header, pull, gradients_in_shared_memory=True)
+        sent = _SentFrame(segment)
+        try:
+            if segment is not None:
+                self._write_gradients(segment, shard_map, gradients)
+                link.send_in_segment(raw_header, timeout=wait + self.rpc_timeout)
+            else:
+                # the half-size wire narrows float32 parts (the layout says so), as over gRPC; else as they are
+                pieces = [self._narrowed.cast((shard, slot.key), piece.reshape(slot.shape), slot.dtype)
+                          if piece.dtype != slot.dtype else np.ascontiguousarray(piece)
+                          for slot, piece in zip(layout.gradients, self._gradient_pieces(layout, shard_map, gradients))]
+                for slot in layout.values:
+                    # straight into the tensor a split part belongs to; whole tensors and half-size parts into their
+                    # own arrays (_place widens the latter), as the gRPC path's assembler does
+                    target = destination(slot.key[0], slot.key[1], slot.dtype, slot.shape)
+                    if target is None:
+                        target = sent.received[slot.key] = self._buffers.empty(slot.key, slot.shape, slot.dtype)
+                    sent.targets.append(target)
+                link.send(raw_header, pieces, timeout=wait + self.rpc_timeout, turn=turn)
+        except (OSError, ProtocolError) as exc:
+            # reopened at the next call, unless it never answered a frame (then after a while)
+            self._link_failed(shard, f"the data channel broke ({exc or type(exc).__name__})",
+                              retry_now=link.frames > 0)
+            return None
+        return sent
 
     def _push_pull_once(self, shard: int, shard_map: ShardMap, gradients: Mapping[str, np.ndarray], clock: int,
                         read_step: int, segment: tuple[Segment, Layout] | None, wait_for_step: bool, ssp: bool,

@@ -496,7 +496,8 @@ class PSClient:
             raise error
         return results
 
-    def _frames_in_turn(self, routes: Mapping[int, tuple[tuple[Segment, Layout] | None, Link | None]]) -> bool:
+    @staticmethod
+    def _frames_in_turn(routes: Mapping[int, tuple[tuple[Segment, Layout] | None, Link | None]]) -> bool:
         """Whether one PushPull's frames go from this thread, all sent before the first answer is read: every
         shard by its data channel (its bytes in the frames or in a segment) and each shard's gradients and values
         under IN_TURN_FRAME_BYTES. Larger ones go from a thread each, so their copies run on several cores."""
@@ -1005,14 +1006,11 @@ class PSClient:
         # (no frame to order, no order: shared memory, gRPC, this host or small frames)
         order = _SendOrder(self.num_shards, timeout=wait + self.rpc_timeout) if ordered else None
 
-        def one(shard: int, sent: _SentFrame | None = None, broke: bool = False,
-                ) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
+        def one(shard: int, sent: _SentFrame | None = None) -> tuple[frames.PushPullReply, dict[PartKey, np.ndarray]]:
             turn = None if order is None else order.turn(shard)
             grads, asked = rows_by_shard.get(shard, []), wanted_rows.get(shard, [])
             try:
                 segment, link = routes[shard]
-                if broke:   # its frame could not be sent (_link_send): gRPC takes the call
-                    link = None
                 if turn is not None and shard not in ordered:   # the next shard need not wait for this one
                     turn.done()
                 reply, values = self._exchange(shard, shard_map, gradients, clock, steps[shard], segment, link,
@@ -1042,7 +1040,10 @@ class PSClient:
                     if frame is not None:
                         self._drop_link(i)
                 raise
-            results = self._in_turn(lambda i: one(i, sent[i], broke=sent[i] is None), range(self.num_shards))
+            for i, frame in enumerate(sent):
+                if frame is None:   # its frame could not be sent (_link_send): gRPC takes the call
+                    routes[i] = (routes[i][0], None)
+            results = self._in_turn(lambda i: one(i, sent[i]), range(self.num_shards))
         else:
             results = self._fan_out(one, range(self.num_shards))
         responses = [reply.push for reply, _ in results]
@@ -1146,9 +1147,7 @@ class PSClient:
             else:
                 magic, answer, got_values = link.answer(sent.targets)
         except (OSError, ProtocolError) as exc:
-            # reopened at the next call, unless it never answered a frame (then after a while)
-            self._link_failed(shard, f"the data channel broke ({exc or type(exc).__name__})",
-                              retry_now=link.frames > 0)
+            self._link_broke(shard, link, exc)
             return None
         address = self.addresses[shard]
         if magic == dc.REPLY_MAGIC:
@@ -1218,9 +1217,7 @@ class PSClient:
                     sent.targets.append(target)
                 link.send(raw_header, pieces, timeout=wait + self.rpc_timeout, turn=turn)
         except (OSError, ProtocolError) as exc:
-            # reopened at the next call, unless it never answered a frame (then after a while)
-            self._link_failed(shard, f"the data channel broke ({exc or type(exc).__name__})",
-                              retry_now=link.frames > 0)
+            self._link_broke(shard, link, exc)
             return None
         return sent
 
@@ -1453,6 +1450,11 @@ class PSClient:
         self._links[shard] = link
         self._no_link_until.pop(shard, None)
         return link
+
+    def _link_broke(self, shard: int, link: Link, exc: BaseException) -> None:
+        """The shard's channel failed mid-call (a send or a receive raised `exc`): reopened at the next call, unless
+        it never answered a frame (then after a while)."""
+        self._link_failed(shard, f"the data channel broke ({exc or type(exc).__name__})", retry_now=link.frames > 0)
 
     def _link_failed(self, shard: int, why: str, *, retry_now: bool = False, then: str = THEN_GRPC) -> None:
         """Drops the shard's channel and logs why (a warning the first time for this shard, then at debug level):

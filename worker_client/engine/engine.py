@@ -289,7 +289,7 @@ class GradientEngine:
             wrt = self.trainable_names + self.input_gradient_names
             if loss.kind == "vjp":   # every float output seeded by a fed cotangent
                 seeded = self.seeded_outputs()
-                model = rewrite_forward(model)
+                model = rewrite_forward(model, self._placement.target)
                 model = differentiate(model, wrt, None, seeded=seeded)
                 model = rewrite_adjoints(model, self._placement.target)
                 return gradient_graph(model, "", None, self.trainable_names, forms,
@@ -298,7 +298,7 @@ class GradientEngine:
             # the loss took the model's outputs; the running statistics' are outputs again before any pass prunes
             # what no output reads (the group norms' adjoints do, inside differentiate)
             model.graph.output.extend(state_outputs)
-            model = rewrite_forward(model)
+            model = rewrite_forward(model, self._placement.target)
             model = differentiate(model, wrt, loss_output)
             model = rewrite_adjoints(model, self._placement.target)
             return gradient_graph(model, loss_output, labels, self.trainable_names, forms,

@@ -85,6 +85,9 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
   all the images' positions and a Col2Im;
 - `affine`: per-channel scales and shifts (a BatchNorm's, forward and adjoint) as one inference
   BatchNormalization (a CPU session's copy too: onnxruntime's CPU Mul and Add broadcast span by span);
+- `winograd`: 3 x 3 Convs of unit stride over maps of at most 16 x 16 positions and at least 64 channels as
+  Winograd's F(2 x 2, 3 x 3), 16 GEMMs between constant transforms (on the forward graph of a CPU target, so that
+  onnx-ad's adjoints of those GEMMs are the Conv's input and weight adjoints at 4/9 of the multiply-adds);
 - `toolkit`: what the passes share (static shapes, constants, fresh names).
 """
 
@@ -133,15 +136,25 @@ from worker_client.engine.rewrites.stateless import batch_stateless_steps
 from worker_client.engine.rewrites.step_factors import regroup_step_factors
 from worker_client.engine.rewrites.sums import sums_as_adds
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs, restore_transposed_convs
+from worker_client.engine.rewrites.winograd import winograd_convs
 
 __all__ = ["TARGETS", "rewrite_adjoints", "rewrite_forward"]
 
 
-def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
+#: What `rewrite_forward` and `rewrite_adjoints` shape a graph for: onnxruntime's CPU kernels, or its CUDA provider
+#: (cuDNN's Conv and ConvTranspose, which need none of the CPU's conv rewrites, and no ConvTranspose with unequal
+#: pads).
+TARGETS = ("cpu", "cuda")
+
+
+def rewrite_forward(model: onnx.ModelProto, target: str = "cpu") -> onnx.ModelProto:
     """The loss model before differentiation, rewritten in place and returned.
 
-    Its inferred shapes are dropped when anything changed; differentiation infers afresh.
+    Its inferred shapes are dropped when anything changed; differentiation infers afresh. `target` (one of
+    `TARGETS`) "cpu" adds the 3 x 3 Convs over small maps as Winograd's algorithm (`winograd`).
     """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     changed = stop_torch_detaches(model)   # first: no pass below differentiates through a detach() either
     # the passes below match static shapes only: an exporter's computed bounds, pads, axes and shapes folded first
     changed += fold_shape_queries(model, floats=True)
@@ -158,14 +171,11 @@ def rewrite_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     changed += pad_overhanging_average_pools(model)
     changed += flatten_weight_matmuls(model)
     changed += guard_singular_zeros(model)
+    if target == "cpu":   # cuDNN picks its own Winograd and FFT kernels for a Conv
+        changed += winograd_convs(model)
     if changed:
         model.graph.ClearField("value_info")
     return model
-
-
-#: What `rewrite_adjoints` shapes a graph for: onnxruntime's CPU kernels, or its CUDA provider (cuDNN's Conv and
-#: ConvTranspose, which need none of the CPU's conv rewrites, and no ConvTranspose with unequal pads).
-TARGETS = ("cpu", "cuda")
 
 
 def rewrite_adjoints(model: onnx.ModelProto, target: str = "cpu") -> onnx.ModelProto:

@@ -14,7 +14,9 @@ same product in torch, on the same arrays and threads:
   onnxruntime's Conv (MLAS: im2col, then a GEMM per image) and as torch's conv2d (oneDNN); and,
   as ``onnxruntime[nchwc]``, the Conv as the engine runs it on a CPU where it takes the
   channel-blocked kernels (`worker_client.engine.rewrites.nchwc`: larger feature maps only), the
-  reorders of the activations and of the filter included.
+  reorders of the activations and of the filter included; and, as ``onnxruntime[winograd]``, the
+  Conv as Winograd's F(2x2,3x3) in ONNX ops where the engine writes it so on a CPU
+  (`worker_client.engine.rewrites.winograd`: smaller feature maps only), the filter's transform included.
 
 JSON lines (ps_bench.harness.emit): ``kernel_gflops_CASE`` of each system (multiply-adds x 2 over the
 median time) and ``kernel_speedup_CASE`` of ``onnxruntime/torch`` (torch's time over onnxruntime's
@@ -43,6 +45,7 @@ except ImportError as exc:  # torch is a benchmark-only dependency
 
 from ps_bench import harness
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
+from worker_client.engine.rewrites.winograd import winograd_convs
 
 #: name -> (M, K, N, transA, transB): C[M, N] = op(A) @ op(B)
 GEMMS: dict[str, tuple[int, int, int, int, int]] = {
@@ -98,6 +101,12 @@ def _case(name: str, rng: np.random.Generator, threads: int) -> tuple[float, dic
     tx, tw = torch.from_numpy(x), torch.from_numpy(w)
     calls = {"onnxruntime": lambda: session.run(None, feeds)[0],
              "torch": lambda: F.conv2d(tx, tw, padding=1).numpy()}
+    winograd = onnx.ModelProto()
+    winograd.CopyFrom(model)
+    winograd.opset_import[0].version = 18   # Col2Im's; Conv is the same op there
+    if winograd_convs(winograd):   # only where the engine would write it so
+        tiled = _session(winograd, threads)
+        calls["onnxruntime[winograd]"] = lambda: tiled.run(None, feeds)[0]
     block = nchwc_block_size()
     if block and block_convs(model, block):   # only where the engine would block it
         blocked = _session(model, threads)

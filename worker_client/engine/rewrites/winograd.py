@@ -22,15 +22,17 @@ x T', N x C] by one 2-D transpose, and B^T's rows along the height as products o
 it; those constants hold the Conv's pads as missing entries, and the 16 V[xi, nu] come out as [T x T' x N, C]
 matrices with no further copy (the width second instead, as products of [T', W] by the [W, N x C] planes of a
 [T, W, N x C] tensor batched over T, the transforms' MatMuls took 29.5 ms of a profiled two-layer step at 16 x
-16 x 128 where these take 23.4). The filter is moved to [C, 9, M] (one 2-D transpose) and multiplied by the
-[16, 9] transform kron(G, G). The products [T x T' x N, M] are combined by A^T's adds and subtracts into the
-four corners of each output tile, and one 2-D transpose and a Col2Im of 2 x 2 blocks lay them on the [N, M,
-2T, 2T'] map (cropped to an odd size by a Slice). The transforms of F(2 x 2, 3 x 3) have coefficients 0, +-1
-and +-1/2 only: the results agree with the direct convolution's to float32 rounding (errors of a few units in
-the 7th digit on unit-scale data).
+16 x 128 where these take 23.4). The filter is moved to [9, M x C] (one 2-D transpose) and multiplied by the
+[16, 9] transform kron(G, G): each position's [M, C] kernel a contiguous block, read transposed by its Gemm.
+The products [T x T' x N, M] are combined by A^T's adds and subtracts into the four corners of each output
+tile, and one 2-D transpose and a DepthToSpace of 2 x 2 blocks (CRD mode) lay them on the [N, M, 2T, 2T'] map
+(cropped to an odd size by a Slice); a CPU session runs that DepthToSpace as a Col2Im (col2im.py), and its
+adjoint is one SpaceToDepth. The transforms of F(2 x 2, 3 x 3) have coefficients 0, +-1 and +-1/2 only: the
+results agree with the direct convolution's to float32 rounding (errors of a few units in the 7th digit on
+unit-scale data).
 
 Matched: a 2-D Conv of a float tensor with a 3 x 3 kernel, unit strides and dilations, one group, pads of
-at most 2, static shapes, in a model of opset 18 or later (Col2Im's), with an output map of at most
+at most 2, static shapes, in a model of opset 11 or later (DepthToSpace's CRD mode), with an output map of at most
 MAX_POSITIONS positions (from 32 x 32 on, the channel-blocked direct kernels are faster), at least
 MIN_CHANNELS input and output channels (below, the input and output transforms cost more than the products
 save) and at least MIN_BATCH_POSITIONS output positions over the batch (below, the filter's transform and
@@ -59,8 +61,8 @@ MIN_BATCH_POSITIONS = 512
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float32)
 #: The filter transform of a flattened 3 x 3 kernel: U[4 xi + nu] = sum over i, j of G[xi, i] G[nu, j] g[3 i + j].
 _FILTER_TRANSFORM = np.kron(_G, _G)
-#: The opset of Col2Im, which lays the output tiles on the map.
-_MIN_OPSET = 18
+#: The opset of DepthToSpace's CRD mode, which lays the output tiles on the map.
+_MIN_OPSET = 11
 
 
 def winograd_convs(model: onnx.ModelProto) -> int:
@@ -143,17 +145,18 @@ def _winograd(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], tran
     corners = []
     for a in range(2):
         corners += _transform_output(write, *(rows[nu][a] for nu in range(4)))
-    # the corners [4, T x T', N x M] moved by one 2-D transpose to [N, M x 4, T x T'] (Col2Im's columns, corner
-    # fastest) and laid out on the map by Col2Im with 2 x 2 blocks
+    # the corners [4, T x T', N x M] moved by one 2-D transpose to [N, M x 4, T, T'] (corner fastest) and laid out
+    # on the map by a DepthToSpace in CRD mode: a CPU session runs it as a Col2Im of 2 x 2 blocks (col2im.py),
+    # and its adjoint, onnx-ad's six-axis Transpose, becomes one SpaceToDepth (layout.space_to_depth_transposes)
+    # where a Col2Im's would be a grouped Conv of one-hot kernels
     stacked = write.node("Concat", [write.reshape(c, [1, tile_rows * tile_columns, batch * filters]) for c in corners],
                          axis=0)
     columns = write.node("Transpose", [write.reshape(stacked, [4 * tile_rows * tile_columns, batch * filters])],
                          perm=[1, 0])
     bias = len(node.input) > 2 and node.input[2]
     cropped = 2 * tile_rows != out_rows or 2 * tile_columns != out_columns
-    result = write.node("Col2Im", [write.reshape(columns, [batch, filters * 4, tile_rows * tile_columns]),
-                                   emit.ints([2 * tile_rows, 2 * tile_columns]), emit.ints([2, 2])],
-                        out=None if bias or cropped else node.output[0], strides=[2, 2])
+    result = write.node("DepthToSpace", [write.reshape(columns, [batch, filters * 4, tile_rows, tile_columns])],
+                        out=None if bias or cropped else node.output[0], blocksize=2, mode="CRD")
     if cropped:
         result = write.node("Slice", [result, emit.ints([0, 0]), emit.ints([out_rows, out_columns]), emit.ints([2, 3])],
                             out=None if bias else node.output[0])

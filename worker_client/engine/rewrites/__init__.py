@@ -147,14 +147,18 @@ __all__ = ["TARGETS", "rewrite_adjoints", "rewrite_forward"]
 TARGETS = ("cpu", "cuda")
 
 
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+
+
 def rewrite_forward(model: onnx.ModelProto, target: str = "cpu") -> onnx.ModelProto:
     """The loss model before differentiation, rewritten in place and returned.
 
     Its inferred shapes are dropped when anything changed; differentiation infers afresh. `target` (one of
     `TARGETS`) "cpu" adds the 3 x 3 Convs over small maps as Winograd's algorithm (`winograd`).
     """
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    _check_target(target)
     changed = stop_torch_detaches(model)   # first: no pass below differentiates through a detach() either
     # the passes below match static shapes only: an exporter's computed bounds, pads, axes and shapes folded first
     changed += fold_shape_queries(model, floats=True)
@@ -185,8 +189,7 @@ def rewrite_adjoints(model: onnx.ModelProto, target: str = "cpu") -> onnx.ModelP
     kernels run faster (a GEMM per output position but for 1-D Convs, flipped and phase-split ConvTransposes:
     on a GPU the many small nodes cost a launch each, 39 against 21 ms a ResNet-18 step on an H200), and gives each
     ConvTranspose equal pads (`equal_transposed_conv_pads`), which the CUDA provider has kernels for."""
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    _check_target(target)
     on_cpu = target == "cpu"
     from worker_client.engine.differentiate import GRAD_PREFIX   # here: differentiate imports this package
     fold_shape_queries(model, floats=True)   # everything static, so the passes below apply; an adjoint's exponent

@@ -37,7 +37,7 @@ MAX_POSITIONS positions (from 32 x 32 on, the channel-blocked direct kernels are
 MIN_CHANNELS input and output channels (below, the input and output transforms cost more than the products
 save) and at least MIN_BATCH_POSITIONS output positions over the batch (below, the filter's transform and
 its adjoint, which scale with the weight alone, do). A ResNet-18 step for 32 x 32 images at batch 32 on one
-thread: 12-17% faster (docs/benchmarks.md).
+thread: 1,502 / 1,385 -> 1,103 / 1,081 ms, alternated (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ MIN_CHANNELS = 64
 #: Output positions over the batch (batch x height x width) from which the products save more than the filter
 #: transform and its adjoint cost (they scale with the weight alone).
 MIN_BATCH_POSITIONS = 512
-#: F(2 x 2, 3 x 3)'s filter transform G [4, 3], input transform B^T [4, 4] and output transform A^T [2, 4].
+#: F(2 x 2, 3 x 3)'s filter transform G [4, 3] (its output transform A^T [2, 4] is `_transform_output`'s adds).
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float32)
+#: F(2 x 2, 3 x 3)'s input transform B^T: row k of a tile's transform reads the tile's rows where it is nonzero.
+_INPUT_TRANSFORM = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float32)
 #: The filter transform of a flattened 3 x 3 kernel: U[4 xi + nu] = sum over i, j of G[xi, i] G[nu, j] g[3 i + j].
 _FILTER_TRANSFORM = np.kron(_G, _G)
 #: The opset of DepthToSpace's CRD mode, which lays the output tiles on the map.
@@ -121,16 +123,16 @@ def _winograd(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], tran
     # first, on the map as it lies ([N x C x H, W] times [W, T'] for each column nu of B), then each result moved
     # to [H x T', N x C] by a 2-D transpose, and along the height ([T, H] times [H, T' x N x C] for each row xi)
     # -> the [T x T' x N, C] operand of position (xi, nu), with no copy between
-    rows = write.reshape(node.input[0], [plane * height, width])
+    flat = write.reshape(node.input[0], [plane * height, width])
     positions = tile_rows * tile_columns * batch
+    down = [_spread(emit, xi, tile_rows, height, top) for xi in range(4)]   # each read by the 4 columns' products
     inputs: list[str] = [""] * 16
     for nu in range(4):
-        across = write.node("MatMul", [rows, _spread(emit, nu, tile_columns, width, left, transposed=True)])
+        across = write.node("MatMul", [flat, _spread(emit, nu, tile_columns, width, left, transposed=True)])
         moved = write.node("Transpose", [write.reshape(across, [plane, height * tile_columns])], perm=[1, 0])
         lying = write.reshape(moved, [height, tile_columns * plane])
         for xi in range(4):
-            inputs[4 * xi + nu] = write.reshape(
-                write.node("MatMul", [_spread(emit, xi, tile_rows, height, top), lying]), [positions, channels])
+            inputs[4 * xi + nu] = write.reshape(write.node("MatMul", [down[xi], lying]), [positions, channels])
     # G g G^T for every filter: the weight as [9, M x C] (one 2-D transpose), times the [16, 9] transform ->
     # [16, M x C], one contiguous [M, C] row block per position, read transposed by its Gemm
     taps = write.node("Transpose", [write.reshape(node.input[1], [filters * channels, 9])], perm=[1, 0])
@@ -164,9 +166,6 @@ def _winograd(node: onnx.NodeProto, x: tuple[int, ...], w: tuple[int, ...], tran
         write.node("Add", [result, write.reshape(node.input[2], [1, filters, 1, 1])], out=node.output[0])
     return write.nodes
 
-
-#: F(2 x 2, 3 x 3)'s input transform B^T: row k of a tile's transform reads the tile's rows where it is nonzero.
-_INPUT_TRANSFORM = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float32)
 
 
 def _spread(emit: Emitter, row: int, tiles: int, size: int, pad: int, *, transposed: bool = False) -> str:

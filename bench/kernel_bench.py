@@ -44,6 +44,7 @@ except ImportError as exc:  # torch is a benchmark-only dependency
                      "an environment of its own that has torch and the project (docs/benchmarks.md)") from exc
 
 from ps_bench import harness
+from worker_client.engine.rewrites.col2im import depth_to_space_as_col2im
 from worker_client.engine.rewrites.nchwc import block_convs, nchwc_block_size
 from worker_client.engine.rewrites.winograd import winograd_convs
 
@@ -105,6 +106,7 @@ def _case(name: str, rng: np.random.Generator, threads: int) -> tuple[float, dic
     winograd.CopyFrom(model)
     winograd.opset_import[0].version = 18   # Col2Im's; Conv is the same op there
     if winograd_convs(winograd):   # only where the engine would write it so
+        depth_to_space_as_col2im(winograd)   # the tiles' layout as a CPU session runs it
         tiled = _session(winograd, threads)
         calls["onnxruntime[winograd]"] = lambda: tiled.run(None, feeds)[0]
     block = nchwc_block_size()

@@ -96,6 +96,43 @@ def machine() -> dict[str, object]:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+#: The place of "steal" in /proc/stat's "cpu" line after the name (user, nice, system, idle, iowait, irq,
+#: softirq, steal, ...): the time a virtual machine's CPUs were ready to run but the hypervisor ran another guest.
+STEAL_FIELD = 7
+#: A run during which the hypervisor took more than this share of the CPU is flagged in the benchmarks' lines
+#: for people: on a shared host it measured a slower machine, not the system (docs/benchmarks.md, "Stolen CPU").
+STEAL_FLAG = 0.05
+
+
+def cpu_ticks() -> list[int] | None:
+    """The machine's CPU time so far by kind, in clock ticks (/proc/stat's "cpu" line, every CPU together;
+    a network namespace sees the same); None where there is no such file or line."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("cpu "):
+                    return [int(field) for field in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def steal_share(before: Sequence[int] | None, after: Sequence[int] | None) -> float | None:
+    """The share of the machine's CPU time between two `cpu_ticks` readings that the hypervisor gave to other
+    guests (steal); None when either reading is missing, has no steal field (a kernel before 2.6.11, not a
+    virtual machine's view) or no tick passed."""
+    if before is None or after is None or min(len(before), len(after)) <= STEAL_FIELD:
+        return None
+    spent = [b - a for a, b in zip(before, after)]
+    total = sum(spent[:STEAL_FIELD + 1])   # guest time (fields 9-10) is counted inside user and nice already
+    return spent[STEAL_FIELD] / total if total > 0 else None
+
+
+def stolen_note(share: float | None) -> str:
+    """" (N% of the CPU stolen)" for a run whose steal share passed STEAL_FLAG, else ""."""
+    return f" ({share:.0%} of the CPU stolen)" if share is not None and share > STEAL_FLAG else ""
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now (bound to 0 and released): for torch's rendezvous, which needs a fixed one."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

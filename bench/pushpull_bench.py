@@ -378,21 +378,25 @@ def main(argv: list[str] | None = None) -> int:
             if raw is not None:
                 systems[RAW] = lambda: moved / raw.timed(shape, rounds) / 1e9
             runs: dict[str, list[float]] = {name: [] for name in systems}
+            stolen: dict[str, list[float | None]] = {name: [] for name in systems}   # harness.steal_share
             for repeat in range(args.repeats):
                 order = list(systems)
                 shift = repeat % len(order)   # each system goes first in turn: none always meets a warmer machine
                 for name in order[shift:] + order[:shift]:
+                    ticks = harness.cpu_ticks()
                     runs[name].append(systems[name]())
+                    stolen[name].append(harness.steal_share(ticks, harness.cpu_ticks()))
                 log(f"pushpull_bench: {size:g} MB, repeat {repeat + 1}/{args.repeats}: "
-                    + ", ".join(f"{'onnx-ps ' + n if n in ours else n} {v[-1]:.3f} GB/s" for n, v in runs.items()))
+                    + ", ".join(f"{'onnx-ps ' + n if n in ours else n} {v[-1]:.3f} GB/s"
+                                + harness.stolen_note(stolen[n][-1]) for n, v in runs.items()))
             extra = dict(size_mb=size, unit="GB/s", rounds=rounds, repeats=args.repeats, shape=list(shape),
                          network=sites.network)
             for path in ours:
-                emit_median(harness.SYSTEM, runs[path], data_path=path, **extra)
+                emit_median(harness.SYSTEM, runs[path], stolen[path], data_path=path, **extra)
             for label, peer in theirs.items():
-                emit_median(TORCH, runs[label], **extra, **peer.system.fields())
+                emit_median(TORCH, runs[label], stolen[label], **extra, **peer.system.fields())
             if raw is not None:
-                emit_median(RAW, runs[RAW], **extra)
+                emit_median(RAW, runs[RAW], stolen[RAW], **extra)
             ratio_fields = {k: v for k, v in extra.items() if k not in ("size_mb", "unit")}
             for path in ours:
                 best = peers.best_peer({peer.system: runs[label] for label, peer in theirs.items()}, SCOPES[path])
@@ -410,8 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def emit_median(system: str, values: list[float], *, size_mb: float, unit: str, **extra: object) -> None:
-    """One JSON line: the median of a system's runs (harness.emit_medians' line)."""
+def emit_median(system: str, values: list[float], stolen: Sequence[float | None] = (), *, size_mb: float, unit: str,
+                **extra: object) -> None:
+    """One JSON line: the median of a system's runs (harness.emit_medians' line), with the share of the CPU the
+    hypervisor took during each run (`stolen`, harness.steal_share) where it was measured."""
+    if any(share is not None for share in stolen):
+        extra["steal_per_run"] = [None if share is None else round(share, 4) for share in stolen]
     harness.emit(system, "pushpull_gbps", size_mb, harness.median(values), unit, **extra,
                  runs=[round(v, 4) for v in values])
 

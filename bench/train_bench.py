@@ -99,6 +99,8 @@ class Case:
     tf_steps_per_function: int = tf_ps.STEPS_PER_FUNCTION
     #: --netns: the MB the hosts sent each other in each run, by system label
     traffic: dict[str, list[float]] = field(default_factory=dict)
+    #: the share of the machine's CPU the hypervisor took during each run, by system label (harness.steal_share)
+    steal: dict[str, list[float | None]] = field(default_factory=dict)
 
     @property
     def overlapping(self) -> bool:
@@ -292,6 +294,7 @@ def rate(results: list[dict[str, Any]]) -> float:
 def runner(case: Case, system: System):
     def run() -> float:
         sent = case.net.bytes_sent() if case.net is not None else 0
+        ticks = harness.cpu_ticks()
         try:
             if system.kind == OURS:
                 value = rate(run_ours(case, system.path))
@@ -307,6 +310,7 @@ def runner(case: Case, system: System):
             raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
         if case.net is not None:   # the evidence that the bytes went between the hosts (start-up included)
             case.traffic.setdefault(system.label, []).append((case.net.bytes_sent() - sent) / 1e6)
+        case.steal.setdefault(system.label, []).append(harness.steal_share(ticks, harness.cpu_ticks()))
         return value
     return run
 
@@ -316,12 +320,13 @@ def bench_case(args: argparse.Namespace, case: Case, systems: list[System]) -> d
 
     def report(repeat: int, runs: dict[System, list[float]]) -> None:
         log(f"train_bench: {where}, repeat {repeat + 1}/{args.repeats}: "
-            + ", ".join(f"{s.label} {v[-1] * case.batch:.1f} samples/s" for s, v in runs.items() if v))
+            + ", ".join(f"{s.label} {v[-1] * case.batch:.1f} samples/s"
+                        + harness.stolen_note(case.steal.get(s.label, [None])[-1]) for s, v in runs.items() if v))
 
     def failed(system: System, exc: Exception) -> None:
         log(f"train_bench: {where}: {system.label} failed and is left out: {exc}")
 
-    case.traffic = {}
+    case.traffic, case.steal = {}, {}
     runs = peers.alternate(args.repeats, {s: runner(case, s) for s in systems}, report=report, on_error=failed)
     machine = harness.machine()
     for system, values in runs.items():
@@ -332,6 +337,9 @@ def bench_case(args: argparse.Namespace, case: Case, systems: list[System]) -> d
                 mine["steps_per_function"] = case.tf_steps_per_function
             if system.label in case.traffic:
                 mine["veth_mb_per_run"] = round(peers.median(case.traffic[system.label]), 1)
+            stolen = case.steal.get(system.label, [])
+            if any(share is not None for share in stolen):
+                mine["steal_per_run"] = [None if share is None else round(share, 4) for share in stolen]
             emit(system.kind, "steps_per_s", case.size_mb, value, "steps/s", **case.fields(), **system.fields(),
                  **mine, samples_per_s=round(value * case.batch, 2), runs=[round(v, 2) for v in values],
                  machine=machine)

@@ -45,6 +45,8 @@ def test_the_training_benchmark_prints_steps_per_second_and_a_profile(tmp_path: 
     assert rates[0]["system"] == "onnx-ps" and rates[0]["workers"] == 1 and rates[0]["mode"] == "sync"
     assert rates[0]["unit"] == "steps/s" and rates[0]["value"] > 0
     assert rates[0]["size_mb"] == pytest.approx((784 * 256 + 256 + 256 * 10 + 10) * 4 / 1e6, abs=1e-3)
+    # the share of the machine's CPU the hypervisor took during the run (0 on a machine of its own)
+    assert len(rates[0]["steal_per_run"]) == 1 and 0.0 <= rates[0]["steal_per_run"][0] <= 1.0
     parts = {r["part"]: r["value"] for r in records if r["metric"] == "profile_ms"}
     for part in ("step", "compute", "push_pull", "server.push_pull", "wire.push_pull", "client.encode",
                  "client.decode", "server.decode", "server.apply", "server.wait", "loop"):

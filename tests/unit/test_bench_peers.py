@@ -189,6 +189,60 @@ def test_bench_case_prints_a_line_per_system_and_ratio_lines_with_the_load(
     assert ratios[("onnx-ps/torch-ddp", "grpc")]["value"] == pytest.approx(0.6875)
 
 
+def test_each_run_records_the_cpu_the_hypervisor_took_and_a_large_share_is_flagged(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # /proc/stat's "cpu" line before and after each run: 250 of 1,000 ticks stolen in the first, 10 of 1,100 in
+    # the second (the guest fields after steal are inside user and nice, so not counted twice)
+    readings = iter([[100, 0, 50, 800, 0, 0, 0, 50, 7, 7], [200, 0, 100, 1400, 0, 0, 0, 300, 9, 9],
+                     [200, 0, 100, 1400, 0, 0, 0, 300, 9, 9], [300, 0, 150, 2340, 0, 0, 0, 310, 9, 9]])
+    monkeypatch.setattr(harness, "cpu_ticks", lambda: next(readings))
+    monkeypatch.setattr(train_bench, "run_ours", lambda case, path: [{"steps_per_s": 10.0}, {"steps_per_s": 5.0}])
+    args = train_bench.parse_args(["--repeats", "2"])
+    case = train_bench.Case(peers.MODELS["mlp"], tmp_path / "m.onnx", tmp_path / "d.npz", tmp_path, [], 0.8, 1, 2,
+                            "async", 32, 1, 5, 1)
+    runs = train_bench.bench_case(args, case, [System(OURS, path="shm")])
+    assert runs == {System(OURS, path="shm"): [15.0, 15.0]}
+    captured = capsys.readouterr()
+    (line,) = [json.loads(line) for line in captured.out.splitlines()]
+    assert line["steal_per_run"] == [0.25, pytest.approx(10 / 1100, abs=1e-4)]
+    first, second = [text for text in captured.err.splitlines() if "repeat" in text]
+    assert first.endswith("onnx-ps[shm] 480.0 samples/s (25% of the CPU stolen)")
+    assert second.endswith("onnx-ps[shm] 480.0 samples/s")   # 0.9%: under harness.STEAL_FLAG, not flagged
+
+
+def test_the_stolen_share_of_the_cpu_from_proc_stat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = open
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 1 5 80 2 0 1 3 0 0\ncpu0 5 0 2 40 1 0 0 2 0 0\nintr 1 2 3\n")
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(stat if path == "/proc/stat" else path,
+                                                                         *a, **k))
+    assert harness.cpu_ticks() == [10, 1, 5, 80, 2, 0, 1, 3, 0, 0]   # every CPU's line, not cpu0's
+    assert harness.steal_share([10, 1, 5, 80, 2, 0, 1, 3], [20, 1, 5, 160, 2, 0, 1, 13]) == pytest.approx(0.1)
+    assert harness.steal_share(None, [1] * 8) is None and harness.steal_share([1] * 8, None) is None
+    assert harness.steal_share([1] * 7, [2] * 7) is None   # no steal field
+    assert harness.steal_share([1] * 8, [1] * 8) is None   # no tick passed
+    assert harness.stolen_note(0.2) == " (20% of the CPU stolen)"
+    assert harness.stolen_note(harness.STEAL_FLAG) == "" and harness.stolen_note(None) == ""
+    stat.write_text("intr 1 2 3\n")   # no "cpu" line
+    assert harness.cpu_ticks() is None
+    stat.write_text("cpu  10 x\n")
+    assert harness.cpu_ticks() is None
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    assert harness.cpu_ticks() is None
+
+
+def test_a_push_pull_line_carries_the_stolen_share_of_each_run_where_it_was_measured(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from ps_bench import pushpull_bench
+
+    pushpull_bench.emit_median("onnx-ps", [1.0, 3.0, 2.0], [0.123456, None, 0.0], size_mb=16.0, unit="GB/s",
+                               data_path="channel")
+    pushpull_bench.emit_median("raw-tcp", [1.0], [None], size_mb=16.0, unit="GB/s")
+    measured, unmeasured = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert measured["value"] == 2.0 and measured["steal_per_run"] == [0.1235, None, 0.0]
+    assert "steal_per_run" not in unmeasured   # no reading (no /proc/stat): no field, rather than a made-up 0
+
+
 def test_tensorflow_lines_say_its_strategy_and_steps_per_call(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     rates = {"onnx-ps[channel]": [30.0], "tf-ps[grpc]": [12.0]}

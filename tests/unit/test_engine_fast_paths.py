@@ -559,6 +559,9 @@ def _conv_model(x: list[int], w: list[int], bias: bool = False, weight_constant:
     ([2, 32, 16, 16], [12, 32, 3, 3], True, {"pads": [1, 1, 1, 1]}),   # 12 outputs (a PixelShuffle's 3 x 2 x 2)
     ([2, 12, 16, 16], [32, 12, 3, 3], False, {"pads": [1, 1, 1, 1]}),  # 12 inputs, padded by ReorderInput
     ([2, 24, 16, 16], [32, 24, 3, 3], True, {"pads": [1, 1, 1, 1]}),   # 24 inputs (an EfficientNet's width)
+    ([4, 16, 8, 8], [16, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),     # a small map, a small filter
+    ([4, 32, 16, 16], [64, 32, 4, 4], True, {"strides": [2, 2], "pads": [1, 1, 1, 1]}),   # a GAN's downsampling
+    ([3, 16, 100], [16, 16, 3], False, {"pads": [1, 1]}),               # 1-D, 100 positions
 ])
 def test_a_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w, bias, attributes) -> None:
     model, feeds = _conv_model(x, w, bias, **attributes)
@@ -575,10 +578,12 @@ def test_a_conv_with_a_fed_weight_on_the_blocked_kernels_computes_the_same(x, w,
 @pytest.mark.parametrize("x, w, constant, attributes", [
     ([2, 32, 16, 16], [32, 16, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 2}),   # grouped, not depthwise
     ([2, 24, 16, 16], [24, 1, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 24}),   # depthwise, 24 channels
-    ([2, 16, 100], [16, 16, 3], False, {"pads": [1, 1]}),                           # 1-D, 100 positions: no gain
     ([2, 16, 16, 16], [32, 1, 3, 3], False, {"pads": [1, 1, 1, 1], "group": 16}),   # two filters per channel
     ([2, 3, 32, 32], [16, 3, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # 3 input channels (a stem)
-    ([2, 16, 8, 8], [16, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),                 # 64 positions: no gain
+    ([2, 16, 4, 4], [32, 16, 4, 4], False, {}),                                     # a 1 x 1 output: no gain
+    ([2, 16, 3, 2], [16, 16, 2, 2], False, {}),                                     # 2 x 1 positions: no gain
+    ([2, 16, 8, 8], [16, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),      # 128 positions over the batch
+    ([32, 128, 16, 16], [256, 128, 3, 3], False, {"strides": [2, 2], "pads": [1, 1, 1, 1]}),   # a 1.2 MB filter
     ([2, 16, 32, 32], [32, 16, 1, 1], False, {"strides": [2, 2]}),                  # one tap: no gain
     ([2, 16, 16, 16], [16, 16, 3, 3], True, {"pads": [1, 1, 1, 1]}),                # onnxruntime blocks it itself
     ([2, 16, 16, 16], [16, 16, 3, 3], False, {"auto_pad": "SAME_UPPER"}),
@@ -589,6 +594,18 @@ def test_convs_the_blocked_kernels_would_not_speed_up_are_left_alone(x, w, const
     model, _ = _conv_model(x, w, weight_constant=constant, **attributes)
     assert block_convs(model, 16) == 0 and [n.op_type for n in model.graph.node] == ["Conv"]
     assert block_convs(_conv_model([2, 16, 16, 16], [16, 16, 3, 3], pads=[1, 1, 1, 1])[0], 0) == 0   # no kernels
+
+
+def test_below_16_x_16_a_conv_is_blocked_where_its_filters_reorder_is_small_against_its_products() -> None:
+    from worker_client.engine.rewrites.nchwc import (MIN_BATCH_POSITIONS, MIN_SMALL_POSITIONS, SMALL_FILTER_BYTES,
+                                                     small_map_gains)
+
+    assert small_map_gains(128, 128, 8 * 8, MIN_BATCH_POSITIONS // 64, SMALL_FILTER_BYTES, 16)
+    assert not small_map_gains(128, 128, 8 * 8, MIN_BATCH_POSITIONS // 64 - 1, SMALL_FILTER_BYTES, 16)   # one image
+    assert not small_map_gains(128, 128, MIN_SMALL_POSITIONS - 1, 1024, 1024, 16)   # a 1 x 1 map, say
+    assert not small_map_gains(128, 256, 8 * 8, 1024, SMALL_FILTER_BYTES + 1, 16)   # ResNet-18's 1.2 MB: a wash
+    assert not small_map_gains(6, 32, 8 * 8, 32, 1024, 16)                          # the channel rules stand
+    assert not small_map_gains(32, 17, 8 * 8, 32, 1024, 16)
 
 
 def test_a_float16_cnn_keeps_its_convs_off_the_blocked_kernels_and_trains(tmp_path: Path) -> None:

@@ -30,7 +30,8 @@ from onnx import helper, numpy_helper
 
 from worker_client.engine.rewrites.toolkit import Emitter, constants, shapes_and_types
 
-__all__ = ["MIN_POSITIONS", "NCHWC_DOMAIN", "block_convs", "blocked_shape", "nchwc_block_size"]
+__all__ = ["MIN_BATCH_POSITIONS", "MIN_POSITIONS", "MIN_SMALL_POSITIONS", "NCHWC_DOMAIN", "SMALL_FILTER_BYTES",
+           "block_convs", "blocked_shape", "nchwc_block_size", "small_map_gains"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,19 @@ NCHWC_DOMAIN = "com.microsoft.nchwc"
 #: 17.1 / 13.1, 8 x 8 x 256 14.4 / 14.7, 4 x 4 x 512 17.9 / 26.3; a 1 x 1 kernel (a strided projection)
 #: 1.1 / 1.8, so kernels of one tap keep the plain Conv too.
 MIN_POSITIONS = 16 * 16
+#: Below MIN_POSITIONS a Conv gains as well where its filter's reorder, which every step pays and which scales
+#: with the filter alone, is small against the products, which scale with the batch's output positions too:
+#: from maps of MIN_SMALL_POSITIONS positions (2 x 2) on, a filter of at most SMALL_FILTER_BYTES and at least
+#: MIN_BATCH_POSITIONS output positions over the batch. The figures above predate the filter's reorder without
+#: six-axis Transposes (2026-11-29); with it, one thread, AVX-512 (block 16), median ms plain / blocked with every
+#: reorder, [N, C, H, H] by [M, C, k, k], N 32 unless said: 32 -> 64, k 4, stride 2, 16 -> 8: 1.87 / 1.32 (N 4:
+#: 0.24 / 0.18); 64 -> 128, k 3, stride 2, 16 -> 8: 3.43 / 2.94; 128 -> 128, 8 x 8: 6.66 / 5.28 (N 4: 0.82 /
+#: 0.68); 16 -> 16, 8 x 8: 0.24 / 0.11. Larger filters win less, or lose: 128 -> 256 (1.2 MB), stride 2, 16 -> 8
+#: (a ResNet-18's): 12.6 / 12.8; 256 -> 512 (4.7 MB), stride 2, 8 -> 4: 12.0 / 12.5; 512 -> 512 (9.4 MB), 4 x 4:
+#: 23.6 / 22.0, N 16 12.1 / 16.4; 256 -> 512, k 4, 4 -> 1 x 1: 4.48 / 4.99.
+MIN_SMALL_POSITIONS = 2 * 2
+SMALL_FILTER_BYTES = 1 << 20
+MIN_BATCH_POSITIONS = 256
 #: The filter's order in the blocked layout: [O/B, B, I/B, B, kh, kw] -> [O/B, I/B, kh, kw, B (in), B (out)].
 _FILTER_ORDER = [0, 2, 4, 5, 3, 1]
 _BIAS = 2
@@ -97,6 +111,7 @@ def block_convs(model: onnx.ModelProto, block: int) -> int:
 
     Matches 2-D Convs with static shapes whose filter is not a constant (onnxruntime blocks those itself)
     and whose kernel has more than one tap: ungrouped ones whose output has at least MIN_POSITIONS positions
+    (or fewer, where `small_map_gains` says the filter's reorder is cheap enough)
     and whose input channels are a multiple of 4 -- channels that are not a multiple of `block` are padded
     to it with zero filters (the activation's by ReorderInput, the output cut back by ReorderOutput), where
     that adds at most a third to the work (_MAX_PADDED_WORK) --, and depthwise ones (one filter per
@@ -143,6 +158,15 @@ def blocked_shape(inputs: int, outputs: int, positions: int, block: int) -> bool
         _padded(outputs, block) * _padded(inputs, block) <= _MAX_PADDED_WORK * outputs * inputs
 
 
+def small_map_gains(inputs: int, outputs: int, positions: int, batch: int, filter_bytes: int, block: int) -> bool:
+    """Whether an ungrouped Conv over a map of fewer than MIN_POSITIONS output `positions` gains on the blocked
+    kernels all the same, its filter of `filter_bytes` reordered every step: `blocked_shape`'s channels, at least
+    MIN_SMALL_POSITIONS positions, a filter of at most SMALL_FILTER_BYTES and `batch` x `positions` at least
+    MIN_BATCH_POSITIONS."""
+    return blocked_shape(inputs, outputs, MIN_POSITIONS, block) and positions >= MIN_SMALL_POSITIONS and \
+        filter_bytes <= SMALL_FILTER_BYTES and batch * positions >= MIN_BATCH_POSITIONS
+
+
 def _blocked(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], fixed: set[str], block: int,
              emit: Emitter) -> list[onnx.NodeProto] | None:
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or node.input[1] in fixed:
@@ -164,7 +188,8 @@ def _blocked(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], fixed: se
         return None
     # channels padded up to whole blocks with zero filters (ReorderInput pads the activation's, in fours)
     out_p, inp_p = (_padded(out, block), inp if depthwise else _padded(inp, block))
-    if not depthwise and (x[1] != inp or not blocked_shape(inp, out, y[2] * y[3], block)):
+    if not depthwise and (x[1] != inp or not (blocked_shape(inp, out, y[2] * y[3], block) or small_map_gains(
+            inp, out, y[2] * y[3], y[0], out * inp * kh * kw * 4, block))):
         return None
     unblocked, filter_, blocked_x, blocked_y = emit.name(), emit.name(), emit.name(), emit.name()
     ordered = emit.name()

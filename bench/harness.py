@@ -128,6 +128,14 @@ def steal_share(before: Sequence[int] | None, after: Sequence[int] | None) -> fl
     return spent[STEAL_FIELD] / total if total > 0 else None
 
 
+def steal_fields(stolen: Sequence[float | None]) -> dict[str, list[float | None]]:
+    """A system's line's `steal_per_run` (each run's `steal_share`, rounded; None where a run had no reading), or
+    no field when no run had one (no /proc/stat: no made-up zeros)."""
+    if not any(share is not None for share in stolen):
+        return {}
+    return {"steal_per_run": [None if share is None else round(share, 4) for share in stolen]}
+
+
 def stolen_note(share: float | None) -> str:
     """" (N% of the CPU stolen)" for a run whose steal share passed STEAL_FLAG, else ""."""
     return f" ({share:.0%} of the CPU stolen)" if share is not None and share > STEAL_FLAG else ""

@@ -418,10 +418,8 @@ def emit_median(system: str, values: list[float], stolen: Sequence[float | None]
                 **extra: object) -> None:
     """One JSON line: the median of a system's runs (harness.emit_medians' line), with the share of the CPU the
     hypervisor took during each run (`stolen`, harness.steal_share) where it was measured."""
-    if any(share is not None for share in stolen):
-        extra["steal_per_run"] = [None if share is None else round(share, 4) for share in stolen]
     harness.emit(system, "pushpull_gbps", size_mb, harness.median(values), unit, **extra,
-                 runs=[round(v, 4) for v in values])
+                 **harness.steal_fields(stolen), runs=[round(v, 4) for v in values])
 
 
 if __name__ == "__main__":

@@ -337,9 +337,7 @@ def bench_case(args: argparse.Namespace, case: Case, systems: list[System]) -> d
                 mine["steps_per_function"] = case.tf_steps_per_function
             if system.label in case.traffic:
                 mine["veth_mb_per_run"] = round(peers.median(case.traffic[system.label]), 1)
-            stolen = case.steal.get(system.label, [])
-            if any(share is not None for share in stolen):
-                mine["steal_per_run"] = [None if share is None else round(share, 4) for share in stolen]
+            mine.update(harness.steal_fields(case.steal.get(system.label, [])))
             emit(system.kind, "steps_per_s", case.size_mb, value, "steps/s", **case.fields(), **system.fields(),
                  **mine, samples_per_s=round(value * case.batch, 2), runs=[round(v, 2) for v in values],
                  machine=machine)

@@ -154,7 +154,13 @@ def blocked_shape(inputs: int, outputs: int, positions: int, block: int) -> bool
     of more than one tap) gains on the blocked kernels with channel blocks of `block` (`block_convs`): input
     channels in ReorderInput's steps of 4, at least MIN_POSITIONS positions, and channels padded to whole
     blocks adding at most a third to the work."""
-    return inputs % _INPUT_CHANNEL_STEP == 0 and positions >= MIN_POSITIONS and \
+    return positions >= MIN_POSITIONS and _channels_fit(inputs, outputs, block)
+
+
+def _channels_fit(inputs: int, outputs: int, block: int) -> bool:
+    """Input channels in ReorderInput's steps of 4, and channels padded to whole blocks adding at most a third to
+    the work."""
+    return inputs % _INPUT_CHANNEL_STEP == 0 and \
         _padded(outputs, block) * _padded(inputs, block) <= _MAX_PADDED_WORK * outputs * inputs
 
 
@@ -163,8 +169,8 @@ def small_map_gains(inputs: int, outputs: int, positions: int, batch: int, filte
     kernels all the same, its filter of `filter_bytes` reordered every step: `blocked_shape`'s channels, at least
     MIN_SMALL_POSITIONS positions, a filter of at most SMALL_FILTER_BYTES and `batch` x `positions` at least
     MIN_BATCH_POSITIONS."""
-    return blocked_shape(inputs, outputs, MIN_POSITIONS, block) and positions >= MIN_SMALL_POSITIONS and \
-        filter_bytes <= SMALL_FILTER_BYTES and batch * positions >= MIN_BATCH_POSITIONS
+    return positions >= MIN_SMALL_POSITIONS and filter_bytes <= SMALL_FILTER_BYTES and \
+        batch * positions >= MIN_BATCH_POSITIONS and _channels_fit(inputs, outputs, block)
 
 
 def _blocked(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], fixed: set[str], block: int,
@@ -188,8 +194,9 @@ def _blocked(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]], fixed: se
         return None
     # channels padded up to whole blocks with zero filters (ReorderInput pads the activation's, in fours)
     out_p, inp_p = (_padded(out, block), inp if depthwise else _padded(inp, block))
-    if not depthwise and (x[1] != inp or not (blocked_shape(inp, out, y[2] * y[3], block) or small_map_gains(
-            inp, out, y[2] * y[3], y[0], out * inp * kh * kw * 4, block))):
+    positions, filter_bytes = y[2] * y[3], out * inp * kh * kw * 4   # float32 alone reaches here (block_convs)
+    if not depthwise and (x[1] != inp or not (blocked_shape(inp, out, positions, block) or small_map_gains(
+            inp, out, positions, y[0], filter_bytes, block))):
         return None
     unblocked, filter_, blocked_x, blocked_y = emit.name(), emit.name(), emit.name(), emit.name()
     ordered = emit.name()

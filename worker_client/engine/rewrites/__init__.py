@@ -136,6 +136,7 @@ from worker_client.engine.rewrites.stateless import batch_stateless_steps
 from worker_client.engine.rewrites.step_factors import regroup_step_factors
 from worker_client.engine.rewrites.sums import sums_as_adds
 from worker_client.engine.rewrites.transposed import convolve_trained_transposed_convs, restore_transposed_convs
+from worker_client.engine.rewrites.volumes import planar_volume_convs
 from worker_client.engine.rewrites.winograd import winograd_convs
 
 __all__ = ["TARGETS", "rewrite_adjoints", "rewrite_forward"]
@@ -170,6 +171,8 @@ def rewrite_forward(model: onnx.ModelProto, target: str = "cpu") -> onnx.ModelPr
     changed += detach_batch_norm_statistics(model)
     changed += detach_group_norms(model)
     changed += expand_grouped_convs(model)
+    if target == "cpu":   # before `indexing`, which rewrites the stepped Slices of a strided one
+        changed += planar_volume_convs(model)
     changed += index_without_steps_or_copying_pads(model)
     changed += drop_idle_ceil_modes(model)
     changed += pad_overhanging_average_pools(model)

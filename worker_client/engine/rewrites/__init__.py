@@ -88,6 +88,9 @@ arithmetic (`gates`, `batch_norms`, `accumulators`), equal to rounding.
 - `winograd`: 3 x 3 Convs of unit stride over maps of at most 16 x 16 positions and at least 64 channels as
   Winograd's F(2 x 2, 3 x 3), 16 GEMMs between constant transforms (on the forward graph of a CPU target, so that
   onnx-ad's adjoints of those GEMMs are the Conv's input and weight adjoints at 4/9 of the multiply-adds);
+- `volumes`: 3-D Convs as 2-D Convs over their depth taps stacked as channels (on the forward graph of a CPU
+  target, before `indexing`, which rewrites a strided one's stepped Slices): onnxruntime's 3-D Conv is an
+  im2col of every tap with no blocked kernels, and its adjoints are no faster;
 - `toolkit`: what the passes share (static shapes, constants, fresh names).
 """
 

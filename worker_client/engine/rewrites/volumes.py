@@ -21,7 +21,12 @@ Measured on the AVX-512 machine of docs/benchmarks.md, one thread, batch 32, 3 x
 Conv alone, plain / stacked ms: 16 -> 32 channels over 8^3 7.98 / 5.59, 32 -> 32 over 8^3 15.75 / 10.10, 32 ->
 32 over 16^3 110 / 97, 8 -> 16 over 8^3 4.32 / 2.06; and with few input channels it loses, the stacked
 channels too few for the blocked kernels: 1 -> 16 over 16^3 2.49 / 4.26, 4 -> 16 9.35 / 12.73. So a Conv
-needs MIN_CHANNELS input channels. cuDNN has 3-D kernels of its own: a CUDA target keeps its Convs.
+needs MIN_CHANNELS input channels and filters (a last layer's one filter kept its 50 ms Conv and gained
+copies). A kernel of one tap across the plane (an R(2+1)D's (3, 1, 1) temporal Conv) would be a 1 x 1 planar
+Conv, which the blocked kernels leave alone: the Transposes for nothing (that network's step lost 8% with
+them). Whole steps, old / new, the same graph with and without, interleaved, one thread: the zoo conv3d (batch
+32) 62.9 / 55.7 ms, unet3d 254 / 220; a C3D-style net over 8 x 32 x 32 clips (batch 8) 134 / 114, an
+R(2+1)D-style one 162 / 148. cuDNN has 3-D kernels of its own: a CUDA target keeps its Convs.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ others a user brings -- a model the engine was not tuned on is where a slow adjo
 ``generator``  DCGAN-style: a Linear to 128 x 4 x 4, three strided 4 x 4 ConvTransposes with BatchNorm to 3 x 32 x 32
 ``conv3d``     volumes (video, medical scans): Conv3d-BatchNorm3d-ReLU, a 2 x 2 x 2 MaxPool3d, 16^3 voxels
 ``unet3d``     a 3-D encoder-decoder: a strided Conv3d down, a 2 x 2 x 2 ConvTranspose3d up, a skip; mean squared error
+``video``      R(2+1)D-style: each Conv3d split into a (1, 3, 3) spatial and a (3, 1, 1) temporal one, BatchNorm3d,
+               ReLU, strided in both once; clips of 8 frames of 3 x 32 x 32
 ``llama``      a LLaMA-style decoder: RMSNorm, rotary position embeddings, causal attention, SwiGLU MLPs (d 128)
 ``unet_attn``  a diffusion-style UNet: GroupNorm-SiLU residual blocks, self-attention at 8 x 8; mean squared error
 
@@ -345,6 +347,15 @@ class _UNet3d(nn.Module):
         return self.out(torch.cat([self.up(self.down(skip)), skip], 1))
 
 
+def _video() -> nn.Module:
+    def factorized(inputs: int, outputs: int, stride: int = 1) -> list[nn.Module]:
+        return [nn.Conv3d(inputs, outputs, (1, 3, 3), (1, stride, stride), (0, 1, 1)), nn.BatchNorm3d(outputs),
+                nn.ReLU(), nn.Conv3d(outputs, outputs, (3, 1, 1), (stride, 1, 1), (1, 0, 0)),
+                nn.BatchNorm3d(outputs), nn.ReLU()]
+    return nn.Sequential(*factorized(3, 32), *factorized(32, 64, 2), *factorized(64, 64), nn.AdaptiveAvgPool3d(1),
+                         _Flat(), nn.Linear(64, 10))
+
+
 class _RMSNorm(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -416,6 +427,10 @@ def _volumes(batch: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(batch, 1, 16, 16, 16, generator=generator)
 
 
+def _clips(batch: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(batch, 3, 8, 32, 32, generator=generator)
+
+
 def _images(batch: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(batch, 3, 32, 32, generator=generator)
 
@@ -448,6 +463,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "generator": (_Generator, lambda batch, generator: torch.randn(batch, 100, generator=generator), "mse"),
     "conv3d": (_conv3d, _volumes, "cross_entropy"),
     "unet3d": (_UNet3d, _volumes, "mse"),
+    "video": (_video, _clips, "cross_entropy"),
     "llama": (_Llama, _tokens(2000, 64), "cross_entropy"),
     "unet_attn": (_UNetAttention, _images, "mse"),
 }

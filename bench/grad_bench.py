@@ -12,6 +12,8 @@ gradients handed out as numpy arrays; torch runs the module in training mode (Ba
 statistics, Dropout on), the engine draws its Dropout masks itself as a worker's step does. Both sides
 start from the same weights. ``--device cuda`` runs both on the GPU (the engine through onnxruntime-gpu),
 each taking the parameters from host arrays and handing the gradients back as host arrays, as a worker does.
+The process keeps the heap memory it frees (`harness.steady_heap`): torch's CPU tensors come from malloc, and
+glibc's default maps and unmaps large blocks, so torch's step could run a half slower in one process than another.
 
 JSON lines (ps_bench.harness.emit): per model ``grad_step_ms_NAME`` of each system (the median
 step) and ``grad_step_speedup_NAME`` of ``torch/onnx-ps``: torch's time over the engine's, above 1
@@ -310,8 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     warnings.simplefilter("ignore", UserWarning)
+    steady = harness.steady_heap()   # torch at its best: its activations not page-faulted afresh every step
     harness.log(f"grad_bench: batch {args.batch}, {args.threads} thread(s), device {args.device}, "
-                f"{harness.machine()}")
+                f"heap {'kept (mallopt)' if steady else 'as the C library has it'}, {harness.machine()}")
     for name in args.models:
         kind = "fixture" if name in FIXTURE_MODELS else "user" if name in USER_MODELS else "zoo"
         steps, warmup = DEFAULT_STEPS[kind]

@@ -244,6 +244,33 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+#: glibc's mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, and the largest mmap threshold
+#: glibc takes on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def steady_heap() -> bool:
+    """This process's glibc heap set to keep what it frees (blocks up to 32 MiB from the heap, never trimmed back to
+    the system) -- what a user who runs torch on the CPU gets from the jemalloc or TCMalloc its performance tuning
+    guide recommends; True where it took.
+
+    torch's CPU tensors come from malloc, and glibc's default serves a large block by mmap and gives a freed heap top
+    back: each step's activations then page-fault afresh, as the process's history allows. The zoo conv3d's torch
+    step took 58-61 ms in some fresh processes and 40-44 in others, or after a larger model, or with these settings
+    (2026-12-02). A peer at its best runs with them; the engine's onnxruntime arena keeps its memory either way. A
+    no-op (False) off glibc."""
+    import ctypes   # here: only the in-process benchmarks call it
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    # the mmap threshold first: setting either turns glibc's sliding thresholds off, and the trim threshold alone
+    # leaves the mmap one at 128 KiB -- every activation mapped afresh (the conv3d torch step 95 ms)
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"

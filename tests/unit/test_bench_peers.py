@@ -231,6 +231,35 @@ def test_the_stolen_share_of_the_cpu_from_proc_stat(tmp_path: Path, monkeypatch:
     assert harness.cpu_ticks() is None
 
 
+def test_the_steady_heap_keeps_large_freed_blocks_in_the_heap(tmp_path: Path) -> None:
+    """In a process of its own (the settings stay for the process's life): a 16 MiB block freed and asked for again
+    comes back from the heap, where glibc's default maps a fresh one for it (its address moves or the heap does
+    not hold it)."""
+    import subprocess
+    script = tmp_path / "heap.py"
+    script.write_text(
+        "import ctypes, sys\n"
+        "from ps_bench import harness\n"
+        "libc = ctypes.CDLL('libc.so.6')\n"
+        "libc.malloc.restype = ctypes.c_void_p\n"
+        "libc.sbrk.restype = ctypes.c_void_p\n"
+        "took = harness.steady_heap() if sys.argv[1] == 'steady' else None\n"
+        "top = libc.sbrk(0)\n"
+        "block = libc.malloc(16 << 20)\n"
+        "print(took, block < libc.sbrk(0) and block >= top - (1 << 30))\n")
+    for mode, expected in (("steady", "True True"), ("default", "None False")):
+        done = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == expected.split(), (mode, done.stdout)
+
+
+def test_the_steady_heap_is_a_no_op_without_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(f"{name}: not found")))
+    assert harness.steady_heap() is False
+
+
 def test_a_push_pull_line_carries_the_stolen_share_of_each_run_where_it_was_measured(
         capsys: pytest.CaptureFixture[str]) -> None:
     from ps_bench import pushpull_bench

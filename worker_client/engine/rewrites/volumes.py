@@ -44,8 +44,9 @@ _DEPTH_FIRST = [0, 2, 1, 3, 4]
 
 
 def planar_volume_convs(model: onnx.ModelProto) -> int:
-    """Each float 3-D Conv of one group, static shapes and at least MIN_CHANNELS input channels replaced by its
-    2-D form (module docstring), in place; returns how many."""
+    """Each float 3-D Conv of one group and static shapes, with at least MIN_CHANNELS input channels and filters and
+    a kernel of more than one tap across the plane, replaced by its 2-D form (module docstring), in place; returns
+    how many."""
     shapes, types = shapes_and_types(model)
     emit = Emitter(model, "volume")
 

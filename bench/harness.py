@@ -248,6 +248,7 @@ def median(values: Sequence[float]) -> float:
 #: glibc takes on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_MAX = 32 << 20
+_TRIM_THRESHOLD = 1 << 30
 
 
 def steady_heap() -> bool:
@@ -268,7 +269,12 @@ def steady_heap() -> bool:
         return False
     # the mmap threshold first: setting either turns glibc's sliding thresholds off, and the trim threshold alone
     # leaves the mmap one at 128 KiB -- every activation mapped afresh (the conv3d torch step 95 ms)
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+
+
+#: `steady_heap`'s settings for a child process, which glibc reads from its environment at start: every process a
+#: benchmark starts, its own and its peers' alike (a torch RPC or DDP worker's tensors come from malloc too).
+STEADY_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD_MAX), "MALLOC_TRIM_THRESHOLD_": str(_TRIM_THRESHOLD)}
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -278,6 +284,8 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     # TensorPipe's TCP transport (uv) listens on the interface named here: loopback only.
     env.setdefault("TP_SOCKET_IFNAME", "lo")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    for name, value in STEADY_HEAP_ENV.items():   # each child keeps its freed heap blocks (steady_heap)
+        env.setdefault(name, value)
     if extra:
         env.update(extra)
     return env

@@ -156,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads < 1 or args.repeats < 1:
         parser.error(f"--threads {args.threads} and --repeats {args.repeats} must be at least 1")
     torch.set_num_threads(args.threads)
+    harness.steady_heap()   # torch at its best (harness.steady_heap)
     torch.set_num_interop_threads(1)
     harness.log(f"kernel_bench: {args.threads} thread(s), {harness.machine()}")
     rng = np.random.default_rng(0)
